@@ -1,0 +1,96 @@
+//! Gradient accumulation that gives the update of one large batch.
+//!
+//! The loss of a step over micro-batches must be normalised by what the *whole step* holds: for
+//! seq2seq, each micro-batch's summed token loss is divided by the number of label tokens of all
+//! micro-batches of the step; for images, by the number of samples. Averaging per-micro-batch means
+//! (what `loss / accum` does) weights a short micro-batch's tokens more than a long one's, so it is
+//! not the gradient of the big batch when token counts differ.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+
+/// What a step's loss is averaged over.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LossNorm {
+    /// Label tokens (non-padding) over all micro-batches of the step.
+    Tokens(usize),
+    /// Samples over all micro-batches of the step.
+    Samples(usize),
+}
+
+impl LossNorm {
+    /// Normaliser for a step whose micro-batches hold `counts` tokens (or samples) each.
+    pub fn tokens(counts: &[usize]) -> Self {
+        LossNorm::Tokens(counts.iter().sum())
+    }
+
+    pub fn samples(counts: &[usize]) -> Self {
+        LossNorm::Samples(counts.iter().sum())
+    }
+
+    /// Turns a micro-batch's *summed* loss into its share of the step's mean loss.
+    pub fn scale(&self, summed_loss: &Tensor) -> Result<Tensor> {
+        let n = match self {
+            LossNorm::Tokens(n) | LossNorm::Samples(n) => *n,
+        };
+        if n == 0 {
+            return Err(Error::Invalid(
+                "a step with no label tokens (or samples) has no loss to average".into(),
+            ));
+        }
+        Ok((summed_loss / n as f64)?)
+    }
+}
+
+/// Sums gradients over micro-batches in fp32.
+#[derive(Default)]
+pub struct GradAccumulator {
+    sums: Vec<Option<Tensor>>,
+    micro_batches: usize,
+}
+
+impl GradAccumulator {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one micro-batch's gradients (same parameter order every time).
+    pub fn add(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
+        if self.sums.is_empty() {
+            self.sums = vec![None; grads.len()];
+        }
+        if grads.len() != self.sums.len() {
+            return Err(Error::Invalid(format!(
+                "accumulating {} gradients into {}",
+                grads.len(),
+                self.sums.len()
+            )));
+        }
+        for (s, g) in self.sums.iter_mut().zip(grads) {
+            let Some(g) = g else { continue };
+            let g = g.to_dtype(DType::F32)?;
+            *s = Some(match s.take() {
+                Some(prev) => (prev + g)?,
+                None => g,
+            });
+        }
+        self.micro_batches += 1;
+        Ok(())
+    }
+
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// Bytes held by the running sums (fp32 gradients: the ledger's `gradients`).
+    pub fn bytes(&self) -> u64 {
+        self.sums.iter().flatten().map(crate::ledger::tensor_bytes).sum()
+    }
+
+    /// The summed gradients; the accumulator starts empty again.
+    pub fn take(&mut self) -> Vec<Option<Tensor>> {
+        self.micro_batches = 0;
+        std::mem::take(&mut self.sums)
+    }
+}

@@ -1,0 +1,342 @@
+//! The memory ledger: exact bytes by category for the tensors it is told about, measured totals at
+//! tagged profile points, a table at the end of a run, a JSONL timeline, and leak suspicion.
+//!
+//! Told bytes (parameters, gradients, master weights, optimizer state, EMA) are exact because the
+//! ledger computes them from shapes and dtypes. Everything else (activations, allocator slack,
+//! data) is the measured total minus the told bytes, reported as "activations & other". A profile
+//! point records both, so a run can say which phase peaked and which category grew.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::measure::{self, Reading};
+
+/// What a block of bytes is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Category {
+    Parameters,
+    Gradients,
+    MasterWeights,
+    OptimizerState,
+    Ema,
+    Activations,
+    Other,
+}
+
+impl Category {
+    pub const ALL: [Category; 7] = [
+        Category::Parameters,
+        Category::Gradients,
+        Category::MasterWeights,
+        Category::OptimizerState,
+        Category::Ema,
+        Category::Activations,
+        Category::Other,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Category::Parameters => "parameters",
+            Category::Gradients => "gradients",
+            Category::MasterWeights => "master_weights",
+            Category::OptimizerState => "optimizer_state",
+            Category::Ema => "ema",
+            Category::Activations => "activations",
+            Category::Other => "other",
+        }
+    }
+}
+
+/// Bytes held by a tensor's elements (views count their full element count).
+pub fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// One profile point: a phase tag, the step, and what was told and measured there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfilePoint {
+    pub phase: String,
+    pub step: u64,
+    /// Measured bytes in use at the point.
+    pub live: u64,
+    /// Measured high-water mark since the previous point (the peak of the phase that just ended).
+    pub peak: u64,
+    /// `live` minus the baseline's `live` (0 before a baseline is set).
+    pub delta: i64,
+    /// Told bytes per category at the point.
+    pub told: BTreeMap<Category, u64>,
+}
+
+impl ProfilePoint {
+    /// Measured bytes that no told category explains: activations, temporaries and other.
+    pub fn unaccounted(&self) -> i64 {
+        self.live as i64 - self.told.values().sum::<u64>() as i64
+    }
+}
+
+/// A phase whose live bytes at its profile points kept growing: a possible leak.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeakSuspect {
+    pub phase: String,
+    pub first_delta: i64,
+    pub last_delta: i64,
+    pub occurrences: usize,
+}
+
+/// The ledger of one run on one device.
+pub struct Ledger {
+    device: Device,
+    told: BTreeMap<Category, BTreeMap<String, u64>>,
+    baseline: Option<u64>,
+    points: Vec<ProfilePoint>,
+    timeline: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
+}
+
+impl Ledger {
+    /// A ledger measuring `device`. Starts a fresh peak window.
+    pub fn new(device: &Device) -> Self {
+        let _ = measure::read(device);
+        Ledger {
+            device: device.clone(),
+            told: BTreeMap::new(),
+            baseline: None,
+            points: Vec::new(),
+            timeline: None,
+        }
+    }
+
+    /// Also writes each profile point as one JSON line to `path` (created or truncated).
+    pub fn with_timeline(mut self, path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+        self.timeline = Some((path, std::io::BufWriter::new(file)));
+        Ok(self)
+    }
+
+    /// True when the totals are real measurements (see [`measure::is_measured`]).
+    pub fn is_measured(&self) -> bool {
+        measure::is_measured(&self.device)
+    }
+
+    /// Records (or replaces) `bytes` under `name` in `category`.
+    pub fn set(&mut self, category: Category, name: &str, bytes: u64) {
+        self.told
+            .entry(category)
+            .or_default()
+            .insert(name.to_string(), bytes);
+    }
+
+    /// Records the bytes of `tensors` under `name` in `category`.
+    pub fn set_tensors<'a>(
+        &mut self,
+        category: Category,
+        name: &str,
+        tensors: impl IntoIterator<Item = &'a Tensor>,
+    ) {
+        let bytes = tensors.into_iter().map(tensor_bytes).sum();
+        self.set(category, name, bytes);
+    }
+
+    /// Forgets `name` in `category` (the memory was freed).
+    pub fn remove(&mut self, category: Category, name: &str) {
+        if let Some(m) = self.told.get_mut(&category) {
+            m.remove(name);
+        }
+    }
+
+    /// Told bytes of one category.
+    pub fn told(&self, category: Category) -> u64 {
+        self.told
+            .get(&category)
+            .map(|m| m.values().sum())
+            .unwrap_or(0)
+    }
+
+    /// Told bytes of every category.
+    pub fn told_by_category(&self) -> BTreeMap<Category, u64> {
+        Category::ALL
+            .iter()
+            .map(|c| (*c, self.told(*c)))
+            .filter(|(_, b)| *b > 0)
+            .collect()
+    }
+
+    /// Makes the current measured bytes the zero from which later deltas count.
+    pub fn set_baseline(&mut self) -> Reading {
+        let r = measure::read(&self.device);
+        self.baseline = Some(r.live);
+        r
+    }
+
+    /// Records a profile point for `phase` at `step` and writes it to the timeline.
+    pub fn mark(&mut self, phase: &str, step: u64) -> Result<&ProfilePoint> {
+        let r = measure::read(&self.device);
+        let point = ProfilePoint {
+            phase: phase.to_string(),
+            step,
+            live: r.live,
+            peak: r.peak,
+            delta: self.baseline.map(|b| r.live as i64 - b as i64).unwrap_or(0),
+            told: self.told_by_category(),
+        };
+        if let Some((path, w)) = self.timeline.as_mut() {
+            let line = point_json(&point);
+            writeln!(w, "{line}")
+                .and_then(|_| w.flush())
+                .map_err(|e| Error::io(path.clone(), e))?;
+        }
+        self.points.push(point);
+        let last = self.points.len() - 1;
+        Ok(&self.points[last])
+    }
+
+    /// Every profile point so far.
+    pub fn points(&self) -> &[ProfilePoint] {
+        &self.points
+    }
+
+    /// Highest measured peak over all points, with the phase it happened in.
+    pub fn peak(&self) -> Option<(&str, u64)> {
+        self.points
+            .iter()
+            .max_by_key(|p| p.peak)
+            .map(|p| (p.phase.as_str(), p.peak))
+    }
+
+    /// Phases whose delta grew at each of their last `min_occurrences` (or more) points by more
+    /// than `tolerance` bytes overall: the pattern of the seeds' "OOM at the third evaluation".
+    pub fn leak_suspects(&self, min_occurrences: usize, tolerance: u64) -> Vec<LeakSuspect> {
+        let mut by_phase: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+        for p in &self.points {
+            by_phase.entry(&p.phase).or_default().push(p.delta);
+        }
+        let mut out = Vec::new();
+        for (phase, deltas) in by_phase {
+            if deltas.len() < min_occurrences.max(2) {
+                continue;
+            }
+            let growing = deltas.windows(2).all(|w| w[1] > w[0]);
+            let grew = deltas[deltas.len() - 1] - deltas[0];
+            if growing && grew > tolerance as i64 {
+                out.push(LeakSuspect {
+                    phase: phase.to_string(),
+                    first_delta: deltas[0],
+                    last_delta: deltas[deltas.len() - 1],
+                    occurrences: deltas.len(),
+                });
+            }
+        }
+        out
+    }
+
+    /// The end-of-run report: told bytes by category, then per phase the number of points, the
+    /// highest live and peak bytes and the last delta from the baseline, then leak suspects.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "memory by component ({}):", device_name(&self.device));
+        for (c, b) in self.told_by_category() {
+            let _ = writeln!(s, "  {:<22} {:>12}", c.as_str(), format_bytes(b as i64));
+        }
+        if let Some(last) = self.points.last() {
+            let _ = writeln!(
+                s,
+                "  {:<22} {:>12}   (measured minus told, at `{}`)",
+                "activations & other",
+                format_bytes(last.unaccounted()),
+                last.phase
+            );
+        }
+        if !self.is_measured() {
+            let _ = writeln!(s, "  (totals not measured: counting allocator not installed)");
+        }
+        let _ = writeln!(
+            s,
+            "{:<16} {:>6} {:>12} {:>12} {:>12}",
+            "phase", "points", "max live", "max peak", "last delta"
+        );
+        let mut phases: Vec<&str> = Vec::new();
+        for p in &self.points {
+            if !phases.contains(&p.phase.as_str()) {
+                phases.push(&p.phase);
+            }
+        }
+        for phase in phases {
+            let pts: Vec<&ProfilePoint> = self.points.iter().filter(|p| p.phase == phase).collect();
+            let max_live = pts.iter().map(|p| p.live).max().unwrap_or(0);
+            let max_peak = pts.iter().map(|p| p.peak).max().unwrap_or(0);
+            let last = pts.last().map(|p| p.delta).unwrap_or(0);
+            let _ = writeln!(
+                s,
+                "{:<16} {:>6} {:>12} {:>12} {:>12}",
+                phase,
+                pts.len(),
+                format_bytes(max_live as i64),
+                format_bytes(max_peak as i64),
+                format_bytes(last)
+            );
+        }
+        if let Some((phase, peak)) = self.peak() {
+            let _ = writeln!(s, "peak {} during `{}`", format_bytes(peak as i64), phase);
+        }
+        for l in self.leak_suspects(3, 1 << 20) {
+            let _ = writeln!(
+                s,
+                "possible leak: `{}` grew from {} to {} over {} points",
+                l.phase,
+                format_bytes(l.first_delta),
+                format_bytes(l.last_delta),
+                l.occurrences
+            );
+        }
+        s
+    }
+}
+
+fn device_name(d: &Device) -> &'static str {
+    match d {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Metal(_) => "metal",
+    }
+}
+
+fn point_json(p: &ProfilePoint) -> String {
+    let told: serde_json::Map<String, serde_json::Value> = p
+        .told
+        .iter()
+        .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
+        .collect();
+    serde_json::json!({
+        "phase": p.phase,
+        "step": p.step,
+        "live_bytes": p.live,
+        "peak_bytes": p.peak,
+        "delta_bytes": p.delta,
+        "unaccounted_bytes": p.unaccounted(),
+        "told": told,
+    })
+    .to_string()
+}
+
+/// Bytes as a short human string (binary units), keeping the sign.
+pub fn format_bytes(b: i64) -> String {
+    let sign = if b < 0 { "-" } else { "" };
+    let v = b.unsigned_abs() as f64;
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut u = 0;
+    let mut x = v;
+    while x >= 1024.0 && u < UNITS.len() - 1 {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{sign}{v} B")
+    } else {
+        format!("{sign}{x:.2} {}", UNITS[u])
+    }
+}

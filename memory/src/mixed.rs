@@ -1,0 +1,138 @@
+//! The optimizer step as trainers see it: fp32 master weights, loss-scale check, clipping, update,
+//! and the rounded write-back into the model's bf16/f16 weights.
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::error::Result;
+use crate::ledger::{tensor_bytes, Category, Ledger};
+use crate::optim::Optimizer;
+use crate::precision::{clip_grad_norm, LossScaler, Precision};
+
+/// What one call to [`MixedOptimizer::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// False when the step was skipped because a gradient overflowed (f16 loss scaling).
+    pub applied: bool,
+    /// Global gradient norm before clipping (unscaled), when computed.
+    pub grad_norm: Option<f64>,
+}
+
+/// Model parameters, their fp32 masters (when the model is stored in low precision), an
+/// optimizer over the masters, an optional loss scaler and a clipping threshold.
+pub struct MixedOptimizer {
+    names: Vec<String>,
+    model: Vec<Var>,
+    /// fp32 copies updated by the optimizer; empty when the model itself is fp32.
+    masters: Vec<Var>,
+    optimizer: Box<dyn Optimizer>,
+    scaler: Option<LossScaler>,
+    max_grad_norm: Option<f64>,
+}
+
+impl MixedOptimizer {
+    /// Wraps `params` (as listed by the `ParamStore`) under `precision`. `make_optimizer` gets the
+    /// number of parameters.
+    pub fn new(
+        params: Vec<(String, Var)>,
+        precision: Precision,
+        make_optimizer: impl FnOnce(usize) -> Box<dyn Optimizer>,
+        max_grad_norm: Option<f64>,
+    ) -> Result<Self> {
+        let (names, model): (Vec<String>, Vec<Var>) = params.into_iter().unzip();
+        let needs_master =
+            precision.master_weights && model.iter().any(|v| v.dtype() != DType::F32);
+        let masters = if needs_master {
+            model
+                .iter()
+                .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?)?))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        let optimizer = make_optimizer(model.len());
+        Ok(MixedOptimizer {
+            names,
+            model,
+            masters,
+            optimizer,
+            scaler: precision.loss_scaling.then(LossScaler::default),
+            max_grad_norm,
+        })
+    }
+
+    /// The model's trainable parameters, in optimizer order.
+    pub fn params(&self) -> &[Var] {
+        &self.model
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The factor to multiply the loss by before backward (1 without loss scaling).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map(|s| s.scale).unwrap_or(1.0)
+    }
+
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.optimizer.as_ref()
+    }
+
+    pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
+        self.optimizer.as_mut()
+    }
+
+    /// fp32 master weights (empty when the model is fp32).
+    pub fn masters(&self) -> &[Var] {
+        &self.masters
+    }
+
+    /// Tells the ledger the bytes of parameters, master weights and optimizer state.
+    pub fn account(&self, ledger: &mut Ledger, component: &str) {
+        ledger.set_tensors(
+            Category::Parameters,
+            component,
+            self.model.iter().map(|v| v.as_tensor()),
+        );
+        ledger.set(
+            Category::MasterWeights,
+            component,
+            self.masters.iter().map(|v| tensor_bytes(v.as_tensor())).sum(),
+        );
+        ledger.set(
+            Category::OptimizerState,
+            component,
+            self.optimizer.state_bytes(),
+        );
+    }
+
+    /// Applies one optimizer step with the summed, still loss-scaled gradients of the step.
+    pub fn step(&mut self, mut grads: Vec<Option<Tensor>>, lr: f64) -> Result<StepOutcome> {
+        if let Some(scaler) = self.scaler.as_mut() {
+            let found_inf = scaler.unscale(&mut grads)?;
+            scaler.update(found_inf);
+            if found_inf {
+                return Ok(StepOutcome {
+                    applied: false,
+                    grad_norm: None,
+                });
+            }
+        }
+        let grad_norm = match self.max_grad_norm {
+            Some(max) => Some(clip_grad_norm(&mut grads, max)?),
+            None => None,
+        };
+        if self.masters.is_empty() {
+            self.optimizer.step(&self.model, &grads, lr)?;
+        } else {
+            self.optimizer.step(&self.masters, &grads, lr)?;
+            for (m, master) in self.model.iter().zip(&self.masters) {
+                m.set(&master.as_tensor().to_dtype(m.dtype())?)?;
+            }
+        }
+        Ok(StepOutcome {
+            applied: true,
+            grad_norm,
+        })
+    }
+}

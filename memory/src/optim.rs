@@ -1,0 +1,223 @@
+//! Optimizers on fp32 tensors, with the update rules of `torch.optim.AdamW` and `torch.optim.SGD`.
+//!
+//! They update the tensors they are given (the fp32 master weights when the model is stored in
+//! bf16/f16, the model's own `Var`s otherwise) and count their state so the ledger can report it.
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::error::{Error, Result};
+
+/// An optimizer over a fixed list of parameters.
+pub trait Optimizer: Send {
+    /// One update of `params` with `grads` (same order; `None` leaves a parameter untouched, as
+    /// PyTorch does for a parameter whose `.grad` is None) at learning rate `lr`.
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()>;
+    /// Bytes of optimizer state held now.
+    fn state_bytes(&self) -> u64;
+    /// State tensors with stable names, for checkpoints (`exp_avg.3`, ...) and the step count.
+    fn state(&self) -> (u64, Vec<(String, Tensor)>);
+    /// Restores what [`Optimizer::state`] returned.
+    fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;
+}
+
+/// AdamW hyper-parameters (PyTorch defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+/// AdamW exactly as `torch.optim.AdamW` (non-amsgrad, non-fused) computes it:
+///
+/// ```text
+/// p   <- p * (1 - lr * wd)                       decoupled decay, before the moment update
+/// m   <- b1 m + (1 - b1) g
+/// v   <- b2 v + (1 - b2) g^2
+/// p   <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+/// ```
+///
+/// Moments are fp32 whatever the parameter dtype (candle-nn's AdamW keeps them in the parameter
+/// dtype, which loses small updates in bf16).
+pub struct AdamW {
+    cfg: AdamWConfig,
+    t: u64,
+    m: Vec<Option<Tensor>>,
+    v: Vec<Option<Tensor>>,
+}
+
+impl AdamW {
+    pub fn new(n_params: usize, cfg: AdamWConfig) -> Self {
+        AdamW {
+            cfg,
+            t: 0,
+            m: vec![None; n_params],
+            v: vec![None; n_params],
+        }
+    }
+}
+
+fn check_len(params: &[Var], grads: &[Option<Tensor>], state: usize) -> Result<()> {
+    if params.len() != grads.len() || params.len() != state {
+        return Err(Error::Invalid(format!(
+            "optimizer built for {state} parameters got {} parameters and {} gradients",
+            params.len(),
+            grads.len()
+        )));
+    }
+    Ok(())
+}
+
+fn state_tensors(prefix: &str, v: &[Option<Tensor>]) -> Vec<(String, Tensor)> {
+    v.iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.as_ref().map(|t| (format!("{prefix}.{i}"), t.clone())))
+        .collect()
+}
+
+fn load_slot(prefix: &str, slots: &mut [Option<Tensor>], tensors: &[(String, Tensor)]) -> Result<()> {
+    for (name, t) in tensors {
+        if let Some(idx) = name.strip_prefix(prefix).and_then(|r| r.strip_prefix('.')) {
+            let i: usize = idx
+                .parse()
+                .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
+            let slot = slots.get_mut(i).ok_or_else(|| {
+                Error::Invalid(format!("optimizer state `{name}`: no parameter {i}"))
+            })?;
+            *slot = Some(t.to_dtype(DType::F32)?);
+        }
+    }
+    Ok(())
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        check_len(params, grads, self.m.len())?;
+        self.t += 1;
+        let c = self.cfg;
+        let bc1 = 1.0 - c.beta1.powi(self.t as i32);
+        let bc2 = 1.0 - c.beta2.powi(self.t as i32);
+        let step_size = lr / bc1;
+        let bc2_sqrt = bc2.sqrt();
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let g = g.to_dtype(DType::F32)?;
+            let m = match &self.m[i] {
+                Some(m) => ((m * c.beta1)? + (&g * (1.0 - c.beta1))?)?,
+                None => (&g * (1.0 - c.beta1))?,
+            };
+            let g2 = g.sqr()?;
+            let v = match &self.v[i] {
+                Some(v) => ((v * c.beta2)? + (g2 * (1.0 - c.beta2))?)?,
+                None => (g2 * (1.0 - c.beta2))?,
+            };
+            let denom = ((v.sqrt()? / bc2_sqrt)? + c.eps)?;
+            let decayed = if c.weight_decay != 0.0 {
+                (p.as_tensor() * (1.0 - lr * c.weight_decay))?
+            } else {
+                p.as_tensor().clone()
+            };
+            let update = ((&m / denom)? * step_size)?;
+            p.set(&(decayed - update)?)?;
+            self.m[i] = Some(m);
+            self.v[i] = Some(v);
+        }
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.m
+            .iter()
+            .chain(&self.v)
+            .flatten()
+            .map(crate::ledger::tensor_bytes)
+            .sum()
+    }
+
+    fn state(&self) -> (u64, Vec<(String, Tensor)>) {
+        let mut v = state_tensors("exp_avg", &self.m);
+        v.extend(state_tensors("exp_avg_sq", &self.v));
+        (self.t, v)
+    }
+
+    fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
+        self.t = step;
+        load_slot("exp_avg", &mut self.m, tensors)?;
+        load_slot("exp_avg_sq", &mut self.v, tensors)
+    }
+}
+
+/// SGD as `torch.optim.SGD` (dampening 0): `g += wd p; b = mu b + g (b = g at first); p -= lr b`,
+/// or `p -= lr (g + mu b)` with Nesterov.
+pub struct Sgd {
+    momentum: f64,
+    weight_decay: f64,
+    nesterov: bool,
+    t: u64,
+    buf: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    pub fn new(n_params: usize, momentum: f64, weight_decay: f64, nesterov: bool) -> Self {
+        Sgd {
+            momentum,
+            weight_decay,
+            nesterov,
+            t: 0,
+            buf: vec![None; n_params],
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        check_len(params, grads, self.buf.len())?;
+        self.t += 1;
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let mut g = g.to_dtype(DType::F32)?;
+            if self.weight_decay != 0.0 {
+                g = (g + (p.as_tensor() * self.weight_decay)?)?;
+            }
+            if self.momentum != 0.0 {
+                let b = match &self.buf[i] {
+                    Some(b) => ((b * self.momentum)? + &g)?,
+                    None => g.clone(),
+                };
+                g = if self.nesterov {
+                    (g + (&b * self.momentum)?)?
+                } else {
+                    b.clone()
+                };
+                self.buf[i] = Some(b);
+            }
+            p.set(&(p.as_tensor() - (g * lr)?)?)?;
+        }
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.buf.iter().flatten().map(crate::ledger::tensor_bytes).sum()
+    }
+
+    fn state(&self) -> (u64, Vec<(String, Tensor)>) {
+        (self.t, state_tensors("momentum_buffer", &self.buf))
+    }
+
+    fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
+        self.t = step;
+        load_slot("momentum_buffer", &mut self.buf, tensors)
+    }
+}

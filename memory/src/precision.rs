@@ -1,0 +1,133 @@
+//! Precision policy: storage dtype of the weights, fp32 master weights, dynamic loss scaling, and
+//! gradient clipping by global norm.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+
+/// Dtypes a model trains with.
+///
+/// `storage` is the dtype of the model's weights (and so of its activations and gradients).
+/// When it is bf16 or f16 the optimizer updates fp32 master copies and writes them back rounded:
+/// a bf16 weight has 8 bits of mantissa, so updates smaller than 1/256 of the weight would
+/// vanish (measured: pure-bf16 AdamW at lr 1e-5 changed only 14.9% of the weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Precision {
+    pub storage: DType,
+    pub master_weights: bool,
+    pub loss_scaling: bool,
+}
+
+impl Precision {
+    /// The usual policy for a storage dtype: f32 trains as is; bf16 gets fp32 master weights;
+    /// f16 also gets dynamic loss scaling (its range ends at 65,504).
+    pub fn for_dtype(storage: DType) -> Self {
+        Precision {
+            storage,
+            master_weights: matches!(storage, DType::BF16 | DType::F16),
+            loss_scaling: storage == DType::F16,
+        }
+    }
+
+    /// Parses `f32`, `bf16`, `f16` (also `fp32`, `fp16`, `float32`, `bfloat16`, `float16`).
+    pub fn parse(s: &str) -> Result<Self> {
+        let dt = match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" | "no" => DType::F32,
+            "bf16" | "bfloat16" => DType::BF16,
+            "f16" | "fp16" | "float16" => DType::F16,
+            other => {
+                return Err(Error::Invalid(format!(
+                    "unknown precision `{other}` (expected f32, bf16 or f16)"
+                )))
+            }
+        };
+        Ok(Self::for_dtype(dt))
+    }
+}
+
+/// Dynamic loss scaling for f16 (the rules of `torch.cuda.amp.GradScaler`): multiply the loss by
+/// `scale` before backward; if any gradient is inf/NaN skip the step and multiply the scale by
+/// `backoff`; after `growth_interval` clean steps in a row multiply it by `growth`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossScaler {
+    pub scale: f64,
+    pub growth: f64,
+    pub backoff: f64,
+    pub growth_interval: u64,
+    good_steps: u64,
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        Self::new(65536.0)
+    }
+}
+
+impl LossScaler {
+    pub fn new(init_scale: f64) -> Self {
+        LossScaler {
+            scale: init_scale,
+            growth: 2.0,
+            backoff: 0.5,
+            growth_interval: 2000,
+            good_steps: 0,
+        }
+    }
+
+    /// Divides every gradient by the scale (in fp32) and reports whether any was inf/NaN.
+    pub fn unscale(&self, grads: &mut [Option<Tensor>]) -> Result<bool> {
+        let inv = 1.0 / self.scale;
+        let mut found_inf = false;
+        for g in grads.iter_mut().flatten() {
+            let u = (g.to_dtype(DType::F32)? * inv)?;
+            if !all_finite(&u)? {
+                found_inf = true;
+            }
+            *g = u;
+        }
+        Ok(found_inf)
+    }
+
+    /// Adjusts the scale after a step: back off on overflow, grow after a clean interval.
+    pub fn update(&mut self, found_inf: bool) {
+        if found_inf {
+            self.scale *= self.backoff;
+            self.good_steps = 0;
+        } else {
+            self.good_steps += 1;
+            if self.good_steps >= self.growth_interval {
+                self.scale *= self.growth;
+                self.good_steps = 0;
+            }
+        }
+    }
+}
+
+/// True when no element is inf or NaN (both propagate into the sum).
+pub fn all_finite(t: &Tensor) -> Result<bool> {
+    let s = t.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+    Ok(s.is_finite())
+}
+
+/// Global L2 norm of all gradients, computed in fp32 per tensor and summed in f64.
+pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
+    let mut sq = 0f64;
+    for g in grads.iter().flatten() {
+        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    Ok(sq.sqrt())
+}
+
+/// Scales gradients so their global norm is at most `max_norm` (`torch.nn.utils.clip_grad_norm_`:
+/// coefficient `max_norm / (norm + 1e-6)`, applied only when below 1). Returns the norm before
+/// clipping.
+pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64> {
+    let norm = global_norm(grads)?;
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        for g in grads.iter_mut().flatten() {
+            *g = (&*g * coef)?;
+        }
+    }
+    Ok(norm)
+}

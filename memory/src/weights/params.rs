@@ -1,0 +1,236 @@
+//! Named parameters: the model's trainable `Var`s and frozen tensors, created from a checkpoint
+//! or a seeded initialiser, with Hugging Face names.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{DType, Device, Tensor, Var, WithDType};
+
+use super::SafetensorsFiles;
+use crate::error::{Error, Result};
+use crate::rng::SplitMix64;
+
+/// How a parameter is initialised when no checkpoint provides it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Const(f64),
+    /// Normal(0, std).
+    Normal { std: f64 },
+    /// Uniform(-bound, bound).
+    Uniform { bound: f64 },
+}
+
+struct Entry {
+    name: String,
+    tensor: Tensor,
+    trainable: bool,
+}
+
+/// Every parameter of a model, in creation order (the order optimizers and checkpoints use).
+#[derive(Default)]
+pub struct ParamStore {
+    entries: Mutex<Vec<Entry>>,
+}
+
+impl ParamStore {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Entry>> {
+        // A poisoned lock only means another thread panicked while pushing; the list is intact.
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Trainable parameters as `Var`s (sharing storage with the model's tensors).
+    pub fn trainable(&self) -> Result<Vec<(String, Var)>> {
+        self.lock()
+            .iter()
+            .filter(|e| e.trainable)
+            .map(|e| Ok((e.name.clone(), Var::from_tensor(&e.tensor)?)))
+            .collect()
+    }
+
+    /// Frozen tensors.
+    pub fn frozen(&self) -> Vec<(String, Tensor)> {
+        self.lock()
+            .iter()
+            .filter(|e| !e.trainable)
+            .map(|e| (e.name.clone(), e.tensor.clone()))
+            .collect()
+    }
+
+    /// Every parameter, trainable or not.
+    pub fn all(&self) -> Vec<(String, Tensor)> {
+        self.lock()
+            .iter()
+            .map(|e| (e.name.clone(), e.tensor.clone()))
+            .collect()
+    }
+
+    /// The parameter called `name`.
+    pub fn get(&self, name: &str) -> Option<Tensor> {
+        self.lock()
+            .iter()
+            .find(|e| e.name == name)
+            .map(|e| e.tensor.clone())
+    }
+
+    /// Number of parameters (elements) and their bytes; `trainable` selects which.
+    pub fn count(&self, trainable: bool) -> (usize, u64) {
+        let g = self.lock();
+        let it = g.iter().filter(|e| e.trainable == trainable);
+        let n = it.clone().map(|e| e.tensor.elem_count()).sum();
+        let b = it.map(|e| crate::ledger::tensor_bytes(&e.tensor)).sum();
+        (n, b)
+    }
+
+    fn insert(&self, name: String, tensor: Tensor, trainable: bool) {
+        self.lock().push(Entry {
+            name,
+            tensor,
+            trainable,
+        });
+    }
+}
+
+/// Creates parameters under a name prefix, loading them from a checkpoint when one is attached.
+///
+/// Mirrors the shape of candle's `VarBuilder` (`pp` for a sub-module, `get` for a tensor), with
+/// three differences that matter for training: parameters are registered in a [`ParamStore`]
+/// with their full names, trainable ones are `Var`s created without an extra copy, and a missing
+/// or misshapen tensor is an error that names the file and the tensor.
+#[derive(Clone)]
+pub struct ParamBuilder {
+    store: Arc<ParamStore>,
+    source: Option<Arc<SafetensorsFiles>>,
+    prefix: String,
+    dtype: DType,
+    device: Device,
+    trainable: bool,
+    seed: u64,
+}
+
+impl ParamBuilder {
+    /// Trainable parameters of `dtype` on `device`, initialised from `seed` unless a source is set.
+    pub fn new(store: Arc<ParamStore>, dtype: DType, device: &Device, seed: u64) -> Self {
+        ParamBuilder {
+            store,
+            source: None,
+            prefix: String::new(),
+            dtype,
+            device: device.clone(),
+            trainable: true,
+            seed,
+        }
+    }
+
+    /// Loads every parameter from `files` instead of initialising it.
+    pub fn with_source(mut self, files: Arc<SafetensorsFiles>) -> Self {
+        self.source = Some(files);
+        self
+    }
+
+    /// Parameters created from here on are frozen (plain tensors, no gradient).
+    pub fn frozen(mut self) -> Self {
+        self.trainable = false;
+        self
+    }
+
+    /// Parameters created from here on have `dtype`.
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The builder for sub-module `name` (`encoder` then `block.0` gives `encoder.block.0.*`).
+    pub fn pp(&self, name: impl AsRef<str>) -> Self {
+        let mut b = self.clone();
+        b.prefix = self.full_name(name.as_ref());
+        b
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn store(&self) -> &Arc<ParamStore> {
+        &self.store
+    }
+
+    fn full_name(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        }
+    }
+
+    /// The parameter `name` of `shape`: an existing one of that name (weights tied between
+    /// modules), else loaded from the source, else initialised with `init`.
+    pub fn get(&self, shape: &[usize], name: &str, init: Init) -> Result<Tensor> {
+        let full = self.full_name(name);
+        if let Some(t) = self.store.get(&full) {
+            if t.dims() != shape {
+                return Err(Error::Invalid(format!(
+                    "parameter `{full}` exists with shape {:?}, asked for {shape:?}",
+                    t.dims()
+                )));
+            }
+            return Ok(t);
+        }
+        let t = match &self.source {
+            Some(files) => {
+                files.load(&full, Some(shape), self.dtype, &self.device, self.trainable)?
+            }
+            None => self.init(&full, shape, init)?,
+        };
+        self.store.insert(full, t.clone(), self.trainable);
+        Ok(t)
+    }
+
+    fn init(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let mut rng = SplitMix64::new(self.seed ^ crate::rng::hash_str(name));
+        fn fill<T: WithDType>(n: usize, init: Init, rng: &mut SplitMix64) -> Vec<T> {
+            (0..n)
+                .map(|_| {
+                    T::from_f64(match init {
+                        Init::Zeros => 0.0,
+                        Init::Ones => 1.0,
+                        Init::Const(c) => c,
+                        Init::Normal { std } => rng.normal() * std,
+                        Init::Uniform { bound } => (rng.uniform() * 2.0 - 1.0) * bound,
+                    })
+                })
+                .collect()
+        }
+        let dev = &self.device;
+        let tr = self.trainable;
+        let t = match self.dtype {
+            DType::F32 => make(fill::<f32>(n, init, &mut rng), shape, dev, tr)?,
+            DType::F64 => make(fill::<f64>(n, init, &mut rng), shape, dev, tr)?,
+            DType::BF16 => make(fill::<half::bf16>(n, init, &mut rng), shape, dev, tr)?,
+            DType::F16 => make(fill::<half::f16>(n, init, &mut rng), shape, dev, tr)?,
+            other => {
+                return Err(Error::Invalid(format!(
+                    "parameter `{name}`: unsupported dtype {other:?}"
+                )))
+            }
+        };
+        Ok(t)
+    }
+}
+
+fn make<T: WithDType>(data: Vec<T>, shape: &[usize], device: &Device, trainable: bool) -> Result<Tensor> {
+    Ok(if trainable {
+        Var::from_vec(data, shape, device)?.into_inner()
+    } else {
+        Tensor::from_vec(data, shape, device)?
+    })
+}
