@@ -85,7 +85,11 @@ impl GradAccumulator {
 
     /// Bytes held by the running sums (fp32 gradients: the ledger's `gradients`).
     pub fn bytes(&self) -> u64 {
-        self.sums.iter().flatten().map(crate::ledger::tensor_bytes).sum()
+        self.sums
+            .iter()
+            .flatten()
+            .map(crate::ledger::tensor_bytes)
+            .sum()
     }
 
     /// The summed gradients; the accumulator starts empty again.

@@ -252,7 +252,10 @@ impl Ledger {
             );
         }
         if !self.is_measured() {
-            let _ = writeln!(s, "  (totals not measured: counting allocator not installed)");
+            let _ = writeln!(
+                s,
+                "  (totals not measured: counting allocator not installed)"
+            );
         }
         let _ = writeln!(
             s,

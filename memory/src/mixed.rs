@@ -97,7 +97,10 @@ impl MixedOptimizer {
         ledger.set(
             Category::MasterWeights,
             component,
-            self.masters.iter().map(|v| tensor_bytes(v.as_tensor())).sum(),
+            self.masters
+                .iter()
+                .map(|v| tensor_bytes(v.as_tensor()))
+                .sum(),
         );
         ledger.set(
             Category::OptimizerState,

@@ -87,7 +87,11 @@ fn state_tensors(prefix: &str, v: &[Option<Tensor>]) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-fn load_slot(prefix: &str, slots: &mut [Option<Tensor>], tensors: &[(String, Tensor)]) -> Result<()> {
+fn load_slot(
+    prefix: &str,
+    slots: &mut [Option<Tensor>],
+    tensors: &[(String, Tensor)],
+) -> Result<()> {
     for (name, t) in tensors {
         if let Some(idx) = name.strip_prefix(prefix).and_then(|r| r.strip_prefix('.')) {
             let i: usize = idx
@@ -124,13 +128,14 @@ impl Optimizer for AdamW {
                 None => (g2 * (1.0 - c.beta2))?,
             };
             let denom = ((v.sqrt()? / bc2_sqrt)? + c.eps)?;
+            let p32 = p.as_tensor().to_dtype(DType::F32)?;
             let decayed = if c.weight_decay != 0.0 {
-                (p.as_tensor() * (1.0 - lr * c.weight_decay))?
+                (p32 * (1.0 - lr * c.weight_decay))?
             } else {
-                p.as_tensor().clone()
+                p32
             };
             let update = ((&m / denom)? * step_size)?;
-            p.set(&(decayed - update)?)?;
+            p.set(&(decayed - update)?.to_dtype(p.dtype())?)?;
             self.m[i] = Some(m);
             self.v[i] = Some(v);
         }
@@ -188,8 +193,9 @@ impl Optimizer for Sgd {
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let mut g = g.to_dtype(DType::F32)?;
+            let p32 = p.as_tensor().to_dtype(DType::F32)?;
             if self.weight_decay != 0.0 {
-                g = (g + (p.as_tensor() * self.weight_decay)?)?;
+                g = (g + (&p32 * self.weight_decay)?)?;
             }
             if self.momentum != 0.0 {
                 let b = match &self.buf[i] {
@@ -203,13 +209,17 @@ impl Optimizer for Sgd {
                 };
                 self.buf[i] = Some(b);
             }
-            p.set(&(p.as_tensor() - (g * lr)?)?)?;
+            p.set(&(p32 - (g * lr)?)?.to_dtype(p.dtype())?)?;
         }
         Ok(())
     }
 
     fn state_bytes(&self) -> u64 {
-        self.buf.iter().flatten().map(crate::ledger::tensor_bytes).sum()
+        self.buf
+            .iter()
+            .flatten()
+            .map(crate::ledger::tensor_bytes)
+            .sum()
     }
 
     fn state(&self) -> (u64, Vec<(String, Tensor)>) {

@@ -113,7 +113,11 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
 pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
     let mut sq = 0f64;
     for g in grads.iter().flatten() {
-        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        sq += g
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f32>()? as f64;
     }
     Ok(sq.sqrt())
 }

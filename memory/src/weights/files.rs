@@ -168,10 +168,7 @@ impl SafetensorsFiles {
 
     /// Decodes `name` into a host buffer of `T`: the one copy a load makes.
     fn decode<T: WithDType>(&self, name: &str, meta: &TensorMeta, bytes: &[u8]) -> Result<Vec<T>> {
-        fn conv<T: WithDType, const N: usize>(
-            bytes: &[u8],
-            f: impl Fn([u8; N]) -> f64,
-        ) -> Vec<T> {
+        fn conv<T: WithDType, const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f64) -> Vec<T> {
             bytes
                 .chunks_exact(N)
                 .map(|c| {

@@ -16,9 +16,13 @@ pub enum Init {
     Ones,
     Const(f64),
     /// Normal(0, std).
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     /// Uniform(-bound, bound).
-    Uniform { bound: f64 },
+    Uniform {
+        bound: f64,
+    },
 }
 
 struct Entry {
@@ -227,7 +231,12 @@ impl ParamBuilder {
     }
 }
 
-fn make<T: WithDType>(data: Vec<T>, shape: &[usize], device: &Device, trainable: bool) -> Result<Tensor> {
+fn make<T: WithDType>(
+    data: Vec<T>,
+    shape: &[usize],
+    device: &Device,
+    trainable: bool,
+) -> Result<Tensor> {
     Ok(if trainable {
         Var::from_vec(data, shape, device)?.into_inner()
     } else {

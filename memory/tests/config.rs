@@ -1,0 +1,70 @@
+//! `--config FILE` then explicit flags: precedence, unknown keys and wrong types name the file.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+
+#[derive(Parser, Serialize, Deserialize, Debug, PartialEq)]
+struct Args {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 1)]
+    accum: usize,
+    #[arg(long, default_value = "bf16")]
+    precision: String,
+    #[arg(long)]
+    demo: bool,
+}
+
+fn parse(args: &[&str]) -> ft_memory::Result<Args> {
+    ft_memory::config::parse_from(args.iter().copied(), |a: &Args| a.config.clone())
+}
+
+fn write(name: &str, text: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("ftcfg-{}-{name}", std::process::id()));
+    std::fs::write(&p, text).expect("write config");
+    p
+}
+
+#[test]
+fn file_overrides_defaults_and_flags_override_file() -> anyhow::Result<()> {
+    let f = write("ok.toml", "lr = 0.5\naccum = 16\ndemo = true\n");
+    let a = parse(&[
+        "x",
+        "--config",
+        f.to_str().unwrap_or_default(),
+        "--accum",
+        "4",
+    ])?;
+    assert_eq!(a.lr, 0.5, "from the file");
+    assert_eq!(a.accum, 4, "the flag wins");
+    assert!(a.demo);
+    assert_eq!(a.precision, "bf16", "default kept");
+    let plain = parse(&["x", "--lr", "0.25"])?;
+    assert_eq!((plain.lr, plain.accum), (0.25, 1));
+    Ok(())
+}
+
+#[test]
+fn unknown_key_and_wrong_type_name_the_file() {
+    let f = write("unknown.toml", "learning_rate = 0.5\n");
+    let e = parse(&["x", "--config", f.to_str().unwrap_or_default()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown.toml") && e.contains("learning_rate") && e.contains("lr"),
+        "{e}"
+    );
+    let f = write("type.toml", "accum = \"many\"\n");
+    let e = parse(&["x", "--config", f.to_str().unwrap_or_default()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("type.toml"), "{e}");
+    let e = parse(&["x", "--config", "/nonexistent/cfg.toml"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/nonexistent/cfg.toml"), "{e}");
+}

@@ -1,0 +1,123 @@
+//! Master weights keep small updates, loss scaling skips overflowing steps, clipping bounds the norm.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::mixed::MixedOptimizer;
+use ft_memory::optim::{AdamW, AdamWConfig, Optimizer, Sgd};
+use ft_memory::precision::{clip_grad_norm, global_norm, LossScaler, Precision};
+
+fn sgd(n: usize) -> Box<dyn Optimizer> {
+    Box::new(Sgd::new(n, 0.0, 0.0, false))
+}
+
+#[test]
+fn bf16_weights_need_fp32_masters_for_small_updates() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let run = |precision: Precision| -> anyhow::Result<(Tensor, MixedOptimizer)> {
+        let w = Var::from_tensor(&Tensor::ones(64, DType::BF16, &dev)?)?;
+        let mut opt = MixedOptimizer::new(vec![("w".into(), w.clone())], precision, sgd, None)?;
+        // 100 updates of 1e-4 each: every one is below bf16's resolution at 1.0 (2^-8).
+        for _ in 0..100 {
+            let g = Tensor::ones(64, DType::BF16, &dev)?;
+            opt.step(vec![Some(g)], 1e-4)?;
+        }
+        Ok((w.as_tensor().to_dtype(DType::F32)?, opt))
+    };
+    let (with_master, opt) = run(Precision::parse("bf16")?)?;
+    let mut pure = Precision::parse("bf16")?;
+    pure.master_weights = false;
+    let (without, _) = run(pure)?;
+    let moved = with_master.mean_all()?.to_scalar::<f32>()?;
+    let stuck = without.mean_all()?.to_scalar::<f32>()?;
+    assert_eq!(stuck, 1.0, "pure bf16 loses every update");
+    assert!(
+        (moved - 0.99).abs() < 0.004,
+        "with masters the weight reaches ~0.99, got {moved}"
+    );
+    let master = opt.masters()[0]
+        .as_tensor()
+        .mean_all()?
+        .to_scalar::<f32>()?;
+    assert!((master - 0.99).abs() < 1e-4, "master {master}");
+    assert_eq!(opt.masters()[0].dtype(), DType::F32);
+    Ok(())
+}
+
+#[test]
+fn f32_models_have_no_masters() -> anyhow::Result<()> {
+    let w = Var::from_tensor(&Tensor::ones(4, DType::F32, &Device::Cpu)?)?;
+    let opt = MixedOptimizer::new(
+        vec![("w".into(), w)],
+        Precision::parse("f32")?,
+        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        None,
+    )?;
+    assert!(opt.masters().is_empty());
+    assert_eq!(opt.loss_scale(), 1.0);
+    assert!(Precision::parse("fp8").is_err());
+    Ok(())
+}
+
+#[test]
+fn f16_overflow_skips_the_step_and_backs_off() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::ones(3, DType::F16, &dev)?)?;
+    let precision = Precision::parse("f16")?;
+    assert!(precision.loss_scaling && precision.master_weights);
+    let mut opt = MixedOptimizer::new(vec![("w".into(), w.clone())], precision, sgd, None)?;
+    let s0 = opt.loss_scale();
+    let bad = Tensor::new(&[1f32, f32::INFINITY, 0.], &dev)?.to_dtype(DType::F16)?;
+    let out = opt.step(vec![Some(bad)], 0.1)?;
+    assert!(!out.applied);
+    assert_eq!(opt.loss_scale(), s0 / 2.0);
+    assert_eq!(
+        w.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?,
+        vec![1., 1., 1.]
+    );
+    let nan = Tensor::new(&[f32::NAN, 0., 0.], &dev)?.to_dtype(DType::F16)?;
+    assert!(!opt.step(vec![Some(nan)], 0.1)?.applied);
+    // A finite, scaled gradient is unscaled before the update: g = scale * 1 -> step of lr * 1.
+    let scale = opt.loss_scale();
+    let good = (Tensor::ones(3, DType::F32, &dev)? * scale)?.to_dtype(DType::F16)?;
+    assert!(opt.step(vec![Some(good)], 0.125)?.applied);
+    let w1 = w.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    assert_eq!(w1, vec![0.875; 3]);
+    Ok(())
+}
+
+#[test]
+fn loss_scale_grows_after_a_clean_interval() {
+    let mut s = LossScaler::new(1024.0);
+    s.growth_interval = 3;
+    s.update(false);
+    s.update(false);
+    assert_eq!(s.scale, 1024.0);
+    s.update(false);
+    assert_eq!(s.scale, 2048.0);
+    s.update(true);
+    assert_eq!(s.scale, 1024.0);
+}
+
+#[test]
+fn clipping_scales_to_max_norm_and_reports_the_norm() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let mut g = vec![
+        Some(Tensor::new(&[3f32, 0.], &dev)?),
+        None,
+        Some(Tensor::new(&[4f32], &dev)?),
+    ];
+    let n = clip_grad_norm(&mut g, 1.0)?;
+    assert!((n - 5.0).abs() < 1e-6);
+    assert!((global_norm(&g)? - 1.0).abs() < 1e-5);
+    let before = g.clone();
+    let n2 = clip_grad_norm(&mut g, 10.0)?;
+    assert!(n2 < 10.0);
+    let same = (before[0].as_ref().expect("g") - g[0].as_ref().expect("g"))?
+        .abs()?
+        .sum_all()?;
+    assert_eq!(
+        same.to_scalar::<f32>()?,
+        0.0,
+        "below the threshold nothing changes"
+    );
+    Ok(())
+}
