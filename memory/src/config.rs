@@ -64,7 +64,7 @@ where
         toml::Table::try_from(parsed).map_err(|e| cfg_err(format!("internal: {e}")))?;
     for (key, value) in file {
         let key = key.replace('-', "_");
-        if key == "config" || !known.iter().any(|k| *k == key) {
+        if key == "config" || !known.contains(&key) {
             let mut valid: Vec<&str> = known
                 .iter()
                 .map(|s| s.as_str())
@@ -76,11 +76,86 @@ where
                 valid.join(", ")
             )));
         }
-        if !explicit.iter().any(|k| *k == key) {
+        if !explicit.contains(&key) {
             merged.insert(key, value);
         }
     }
     toml::Value::Table(merged)
         .try_into()
         .map_err(|e: toml::de::Error| cfg_err(e.to_string()))
+}
+
+/// Settings every trainer shares (flattened into each binary's arguments and config file).
+#[derive(clap::Args, Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
+pub struct CommonArgs {
+    /// Folder for checkpoints, samples, metrics.jsonl and memory.jsonl.
+    #[arg(long, default_value = "runs/latest")]
+    pub output_dir: PathBuf,
+    /// Weights precision: f32, bf16 (fp32 master weights) or f16 (also dynamic loss scaling).
+    /// Default: bf16 on GPU, f32 on CPU.
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// Micro-batch size.
+    #[arg(long, default_value_t = 1)]
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    pub accum: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// Learning-rate schedule after warmup: constant, linear or cosine.
+    #[arg(long, default_value = "constant")]
+    pub schedule: String,
+    /// Optimizer steps of linear warmup from 0.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// Stop after this many optimizer steps (overrides epochs when set).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Clip gradients to this global L2 norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Recompute activations in backward instead of storing them.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
+    /// Seed of initialisation, shuffling and dropout.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Run on this device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+impl CommonArgs {
+    /// Rejects settings no run can satisfy, naming the setting.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::Invalid(what.to_string()));
+        if self.batch_size == 0 {
+            return bad("--batch-size must be at least 1");
+        }
+        if self.accum == 0 {
+            return bad("--accum must be at least 1");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("--lr must be a positive number");
+        }
+        if self.max_grad_norm < 0.0 {
+            return bad("--max-grad-norm must be >= 0");
+        }
+        if let Some(p) = &self.precision {
+            crate::precision::Precision::parse(p)?;
+        }
+        self.schedule.parse::<crate::schedule::ScheduleKind>()?;
+        if self.max_steps == Some(0) {
+            return bad("--max-steps must be at least 1");
+        }
+        Ok(())
+    }
 }

@@ -208,26 +208,30 @@ impl Ledger {
             .map(|p| (p.phase.as_str(), p.peak))
     }
 
-    /// Phases whose delta grew at each of their last `min_occurrences` (or more) points by more
-    /// than `tolerance` bytes overall: the pattern of the seeds' "OOM at the third evaluation".
-    pub fn leak_suspects(&self, min_occurrences: usize, tolerance: u64) -> Vec<LeakSuspect> {
+    /// Phases whose delta grew at each of their last `window` points (at least 2) by more than
+    /// `tolerance` bytes in all: the pattern of seed 003's "OOM at the third evaluation". Looking
+    /// only at the last points ignores one-off growth early in a run (optimizer state appears at
+    /// the first step) and the ledger's own few hundred bytes per point.
+    pub fn leak_suspects(&self, window: usize, tolerance: u64) -> Vec<LeakSuspect> {
+        let window = window.max(2);
         let mut by_phase: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
         for p in &self.points {
             by_phase.entry(&p.phase).or_default().push(p.delta);
         }
         let mut out = Vec::new();
         for (phase, deltas) in by_phase {
-            if deltas.len() < min_occurrences.max(2) {
+            if deltas.len() < window {
                 continue;
             }
-            let growing = deltas.windows(2).all(|w| w[1] > w[0]);
-            let grew = deltas[deltas.len() - 1] - deltas[0];
+            let last = &deltas[deltas.len() - window..];
+            let growing = last.windows(2).all(|w| w[1] > w[0]);
+            let grew = last[last.len() - 1] - last[0];
             if growing && grew > tolerance as i64 {
                 out.push(LeakSuspect {
                     phase: phase.to_string(),
-                    first_delta: deltas[0],
-                    last_delta: deltas[deltas.len() - 1],
-                    occurrences: deltas.len(),
+                    first_delta: last[0],
+                    last_delta: last[last.len() - 1],
+                    occurrences: window,
                 });
             }
         }

@@ -30,7 +30,7 @@ pub fn read(device: &Device) -> Reading {
             }
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => match candle_core::cuda::cudarc::driver::result::mem_get_info() {
+        Device::Cuda(d) => match d.cuda_stream().context().mem_get_info() {
             Ok((free, total)) => {
                 let used = (total - free) as u64;
                 Reading {

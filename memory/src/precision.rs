@@ -13,7 +13,11 @@ use crate::error::{Error, Result};
 /// vanish (measured: pure-bf16 AdamW at lr 1e-5 changed only 14.9% of the weights).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Precision {
+    /// Dtype of the stored weights (and of their gradients).
     pub storage: DType,
+    /// Dtype activations are computed in: the storage dtype, or f32 where a backend lacks a
+    /// low-precision kernel (candle's CPU conv2d has no bf16).
+    pub compute: DType,
     pub master_weights: bool,
     pub loss_scaling: bool,
 }
@@ -24,9 +28,16 @@ impl Precision {
     pub fn for_dtype(storage: DType) -> Self {
         Precision {
             storage,
+            compute: storage,
             master_weights: matches!(storage, DType::BF16 | DType::F16),
             loss_scaling: storage == DType::F16,
         }
+    }
+
+    /// The same policy computing in `compute` (weights are cast on use).
+    pub fn with_compute(mut self, compute: DType) -> Self {
+        self.compute = compute;
+        self
     }
 
     /// Parses `f32`, `bf16`, `f16` (also `fp32`, `fp16`, `float32`, `bfloat16`, `float16`).
