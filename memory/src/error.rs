@@ -38,6 +38,8 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]
+    Task(Box<dyn std::error::Error + Send + Sync>),
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 

@@ -6,6 +6,7 @@
 //! - [`weights`]: load once, straight into the training dtype and device.
 //! - [`checkpoint`]: exact gradient checkpointing by segment recompute.
 //! - [`precision`], [`mixed`], [`optim`], [`schedule`], [`accumulate`]: the update side.
+//! - [`train`]: the training loop the binaries share.
 //! - [`config`]: a TOML config file with command-line overrides, shared by the binaries.
 
 pub mod accumulate;
@@ -21,6 +22,7 @@ pub mod optim;
 pub mod precision;
 pub mod rng;
 pub mod schedule;
+pub mod train;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -52,3 +52,19 @@ pub fn is_measured(device: &Device) -> bool {
         _ => cfg!(feature = "cuda"),
     }
 }
+
+/// Bytes in use on `device` now (CPU when `None`), without touching the peak window.
+pub fn read_live(device: Option<&Device>) -> u64 {
+    match device {
+        None | Some(Device::Cpu) => alloc::live_bytes() as u64,
+        #[cfg(feature = "cuda")]
+        Some(Device::Cuda(d)) => d
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map(|(free, total)| (total - free) as u64)
+            .unwrap_or(0),
+        #[allow(unreachable_patterns)]
+        Some(_) => 0,
+    }
+}

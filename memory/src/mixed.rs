@@ -109,6 +109,43 @@ impl MixedOptimizer {
         );
     }
 
+    /// Everything needed to resume exactly: fp32 masters (the bf16 weights alone lose the bits
+    /// below their precision), optimizer moments, the optimizer's step count and the loss scale.
+    pub fn state(&self) -> (u64, f64, Vec<(String, Tensor)>) {
+        let (t, mut tensors) = self.optimizer.state();
+        for (i, m) in self.masters.iter().enumerate() {
+            tensors.push((format!("master.{i}"), m.as_tensor().clone()));
+        }
+        (t, self.loss_scale(), tensors)
+    }
+
+    /// Restores what [`MixedOptimizer::state`] returned (the model weights are loaded separately).
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        loss_scale: f64,
+        tensors: &[(String, Tensor)],
+    ) -> Result<()> {
+        self.optimizer.load_state(step, tensors)?;
+        for (name, t) in tensors {
+            if let Some(i) = name.strip_prefix("master.") {
+                let i: usize = i.parse().map_err(|_| {
+                    crate::error::Error::Invalid(format!("optimizer state `{name}`: bad index"))
+                })?;
+                let m = self.masters.get(i).ok_or_else(|| {
+                    crate::error::Error::Invalid(format!(
+                        "optimizer state `{name}`: no parameter {i}"
+                    ))
+                })?;
+                m.set(&t.to_dtype(DType::F32)?)?;
+            }
+        }
+        if let Some(s) = self.scaler.as_mut() {
+            s.scale = loss_scale;
+        }
+        Ok(())
+    }
+
     /// Applies one optimizer step with the summed, still loss-scaled gradients of the step.
     pub fn step(&mut self, mut grads: Vec<Option<Tensor>>, lr: f64) -> Result<StepOutcome> {
         if let Some(scaler) = self.scaler.as_mut() {

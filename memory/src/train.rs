@@ -1,0 +1,352 @@
+//! The training loop the three binaries share: micro-batches, loss normalisation over the whole
+//! step, checkpointed backward, accumulation, the mixed-precision step, evaluation and checkpoint
+//! schedule, progress bar, metrics JSONL, the ledger's profile points, and exact resume.
+//!
+//! A trainer supplies a [`Task`] (its data and model); the loop supplies everything else, once.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{Tensor, Var};
+
+use crate::accumulate::{GradAccumulator, LossNorm};
+use crate::checkpoint::Checkpointer;
+use crate::error::{Error, Result};
+use crate::ledger::{format_bytes, Category, Ledger};
+use crate::mixed::MixedOptimizer;
+use crate::schedule::LrSchedule;
+
+/// Result of a task method; binaries can use anyhow errors (they convert with `?` + `.into()`).
+pub type TaskResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// What the loop passes to a forward pass.
+pub struct StepCtx<'a> {
+    /// Optimizer steps done before this one.
+    pub step: u64,
+    /// Index of the micro-batch within the step.
+    pub micro: usize,
+    /// Seed of this micro-batch's dropout masks: a function of (run seed, step, micro) only, so a
+    /// resumed run draws the masks an uninterrupted one would have.
+    pub dropout_seed: u64,
+    pub checkpointer: &'a Checkpointer,
+}
+
+/// What a loss is averaged over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Units {
+    Tokens,
+    Samples,
+}
+
+/// A trainer's data and model, as the loop sees them.
+pub trait Task {
+    type Batch;
+    /// Starts epoch `epoch` (re-shuffles); called before its first `next_batch`.
+    fn start_epoch(&mut self, epoch: usize) -> TaskResult<()>;
+    /// The next micro-batch of the epoch, `None` at its end.
+    fn next_batch(&mut self) -> TaskResult<Option<Self::Batch>>;
+    /// Loss units in a batch (label tokens for seq2seq, samples for images) and samples in it.
+    fn counts(&self, batch: &Self::Batch) -> (usize, usize);
+    /// The batch's loss *summed* over its units (the loop divides by the step's total units).
+    fn summed_loss(&mut self, batch: &Self::Batch, ctx: &StepCtx) -> TaskResult<Tensor>;
+    /// Evaluation metrics at `step` (the ledger gets `eval/...` points from the loop around it).
+    fn evaluate(&mut self, step: u64, ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>>;
+    /// Writes the model in its Hugging Face layout into `dir`.
+    fn save_model(&self, dir: &Path) -> TaskResult<()>;
+    /// Position in the data (epoch, order, cursor) for resume.
+    fn data_state(&self) -> serde_json::Value;
+    fn restore_data_state(&mut self, state: &serde_json::Value) -> TaskResult<()>;
+}
+
+/// Loop settings.
+#[derive(Debug, Clone)]
+pub struct LoopConfig {
+    pub units: Units,
+    pub accum: usize,
+    pub max_steps: u64,
+    pub schedule: LrSchedule,
+    pub seed: u64,
+    pub output_dir: PathBuf,
+    /// Evaluate every N steps (and at the end); 0 = only at the end.
+    pub eval_every: u64,
+    /// Save a checkpoint every N steps (and at the end); 0 = only at the end.
+    pub save_every: u64,
+    /// Show a progress bar (off in tests).
+    pub progress: bool,
+    /// Resume from this checkpoint folder.
+    pub resume: Option<PathBuf>,
+}
+
+/// What a run reports at its end.
+#[derive(Debug, Clone, Default)]
+pub struct RunSummary {
+    pub steps: u64,
+    /// Mean loss of each optimizer step, in order (resumed runs list only their own steps).
+    pub losses: Vec<f64>,
+    pub last_eval: Vec<(String, f64)>,
+    pub final_dir: Option<PathBuf>,
+}
+
+fn task_err(e: Box<dyn std::error::Error + Send + Sync>) -> Error {
+    Error::Task(e)
+}
+
+struct Metrics {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl Metrics {
+    fn open(path: PathBuf, append: bool) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(append)
+            .write(true)
+            .truncate(!append)
+            .open(&path)
+            .map_err(|e| Error::io(&path, e))?;
+        Ok(Metrics { path, file })
+    }
+
+    fn write(&mut self, v: serde_json::Value) -> Result<()> {
+        writeln!(self.file, "{v}").map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+fn mix(seed: u64, step: u64, micro: usize) -> u64 {
+    let mut r =
+        crate::rng::SplitMix64::new(seed ^ step.wrapping_mul(0x9E37_79B9) ^ ((micro as u64) << 48));
+    r.next_u64()
+}
+
+/// Runs the loop over `task` with `opt` until `cfg.max_steps`.
+pub fn run<T: Task>(
+    task: &mut T,
+    opt: &mut MixedOptimizer,
+    checkpointer: &Checkpointer,
+    ledger: &mut Ledger,
+    cfg: &LoopConfig,
+) -> Result<RunSummary> {
+    std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::io(&cfg.output_dir, e))?;
+    let params: Vec<Var> = opt.params().to_vec();
+    let mut step = 0u64;
+    let mut epoch = 0usize;
+    if let Some(dir) = &cfg.resume {
+        let st = load_checkpoint_state(dir, opt)?;
+        step = st.step;
+        epoch = st.epoch;
+        task.restore_data_state(&st.data).map_err(task_err)?;
+    } else {
+        task.start_epoch(epoch).map_err(task_err)?;
+    }
+    let mut metrics = Metrics::open(cfg.output_dir.join("metrics.jsonl"), cfg.resume.is_some())?;
+    opt.account(ledger, "model");
+    ledger.mark("load", step)?;
+
+    let bar = if cfg.progress {
+        let b = indicatif::ProgressBar::new(cfg.max_steps);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] step {pos}/{len} {msg} eta {eta}",
+        ) {
+            b.set_style(style.progress_chars("=> "));
+        }
+        b.set_position(step);
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    let mut summary = RunSummary::default();
+    let mut acc = GradAccumulator::new();
+    while step < cfg.max_steps {
+        let t0 = Instant::now();
+        // Gather the step's micro-batches first: the loss is normalised by all of their units.
+        let mut batches = Vec::with_capacity(cfg.accum);
+        let mut fresh_epochs = 0;
+        while batches.len() < cfg.accum {
+            match task.next_batch().map_err(task_err)? {
+                Some(b) => batches.push(b),
+                None => {
+                    if !batches.is_empty() {
+                        break; // a short last step of the epoch, like a DataLoader's last batch
+                    }
+                    fresh_epochs += 1;
+                    if fresh_epochs > 1 {
+                        return Err(Error::Invalid("the training data yields no batch".into()));
+                    }
+                    epoch += 1;
+                    task.start_epoch(epoch).map_err(task_err)?;
+                }
+            }
+        }
+        let counts: Vec<(usize, usize)> = batches.iter().map(|b| task.counts(b)).collect();
+        let units: Vec<usize> = counts.iter().map(|c| c.0).collect();
+        let samples: usize = counts.iter().map(|c| c.1).sum();
+        let norm = match cfg.units {
+            Units::Tokens => LossNorm::tokens(&units),
+            Units::Samples => LossNorm::samples(&units),
+        };
+        let mut step_loss = 0f64;
+        for (micro, batch) in batches.iter().enumerate() {
+            let ctx = StepCtx {
+                step,
+                micro,
+                dropout_seed: mix(cfg.seed, step, micro),
+                checkpointer,
+            };
+            let summed = task.summed_loss(batch, &ctx).map_err(task_err)?;
+            let loss = norm.scale(&summed)?;
+            step_loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            let scaled = if opt.loss_scale() != 1.0 {
+                (loss * opt.loss_scale())?
+            } else {
+                loss
+            };
+            ledger.mark("forward", step)?;
+            let grads = checkpointer.gradients(&scaled, &params)?;
+            drop(scaled);
+            acc.add(grads)?;
+            ledger.set(Category::Gradients, "model", acc.bytes());
+            ledger.mark("backward", step)?;
+        }
+        drop(batches);
+        let lr = cfg.schedule.lr_at(step);
+        let outcome = opt.step(acc.take(), lr)?;
+        ledger.remove(Category::Gradients, "model");
+        opt.account(ledger, "model");
+        step += 1;
+        ledger.mark("step", step)?;
+        summary.losses.push(step_loss);
+        let secs = t0.elapsed().as_secs_f64();
+        let live = crate::measure::read_live(opt.params().first().map(|p| p.device()));
+        metrics.write(serde_json::json!({
+            "step": step, "epoch": epoch, "loss": step_loss, "lr": lr,
+            "grad_norm": outcome.grad_norm, "skipped": !outcome.applied,
+            "samples_per_s": samples as f64 / secs.max(1e-9), "step_time_s": secs,
+            "memory_bytes": live,
+        }))?;
+        bar.set_message(format!(
+            "loss {step_loss:.4} {:.1} samples/s mem {}",
+            samples as f64 / secs.max(1e-9),
+            format_bytes(live as i64)
+        ));
+        bar.set_position(step);
+
+        let last = step == cfg.max_steps;
+        if (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) || last {
+            ledger.mark("eval/before", step)?;
+            let m = task.evaluate(step, ledger).map_err(task_err)?;
+            ledger.mark("eval/after", step)?;
+            let mut line = serde_json::Map::new();
+            line.insert("step".into(), step.into());
+            for (k, v) in &m {
+                line.insert(format!("eval_{k}"), serde_json::json!(v));
+            }
+            metrics.write(serde_json::Value::Object(line))?;
+            if !m.is_empty() {
+                bar.println(format!(
+                    "step {step}: {}",
+                    m.iter()
+                        .map(|(k, v)| format!("{k} {v:.4}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+            summary.last_eval = m;
+        }
+        if (cfg.save_every > 0 && step.is_multiple_of(cfg.save_every)) || last {
+            let dir = cfg.output_dir.join(format!("checkpoint-{step}"));
+            save_checkpoint(task, opt, step, epoch, &dir)?;
+            summary.final_dir = Some(dir);
+        }
+    }
+    bar.finish();
+    summary.steps = step;
+    Ok(summary)
+}
+
+/// What `trainer_state.json` holds.
+struct TrainerState {
+    step: u64,
+    epoch: usize,
+    data: serde_json::Value,
+}
+
+/// Writes model files, `optimizer.safetensors` and `trainer_state.json` into `dir`, atomically
+/// as a whole: everything goes to `dir.tmp` first, which is renamed over `dir` at the end.
+pub fn save_checkpoint<T: Task>(
+    task: &T,
+    opt: &MixedOptimizer,
+    step: u64,
+    epoch: usize,
+    dir: &Path,
+) -> Result<()> {
+    let tmp = dir.with_extension("tmp");
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    task.save_model(&tmp).map_err(task_err)?;
+    let (opt_step, loss_scale, tensors) = opt.state();
+    crate::fsutil::save_safetensors(&tensors, &tmp.join("optimizer.safetensors"))?;
+    let state = serde_json::json!({
+        "global_step": step,
+        "epoch": epoch,
+        "optimizer_step": opt_step,
+        "loss_scale": loss_scale,
+        "data": task.data_state(),
+    });
+    crate::fsutil::write_atomic(&tmp.join("trainer_state.json"), |f| {
+        f.write_all(
+            serde_json::to_string_pretty(&state)
+                .unwrap_or_default()
+                .as_bytes(),
+        )
+    })?;
+    if dir.exists() {
+        let old = dir.with_extension("old");
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    }
+    Ok(())
+}
+
+fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<TrainerState> {
+    let path = dir.join("trainer_state.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let field = |k: &str| {
+        v.get(k).ok_or_else(|| Error::Json {
+            path: path.clone(),
+            reason: format!("missing `{k}`"),
+        })
+    };
+    let step = field("global_step")?.as_u64().unwrap_or(0);
+    let epoch = field("epoch")?.as_u64().unwrap_or(0) as usize;
+    let opt_step = field("optimizer_step")?.as_u64().unwrap_or(0);
+    let loss_scale = field("loss_scale")?.as_f64().unwrap_or(1.0);
+    let data = field("data")?.clone();
+    let opt_path = dir.join("optimizer.safetensors");
+    let device = opt
+        .params()
+        .first()
+        .map(|p| p.device().clone())
+        .unwrap_or(candle_core::Device::Cpu);
+    let files = crate::weights::SafetensorsFiles::open(std::slice::from_ref(&opt_path))?;
+    let mut tensors = Vec::new();
+    let names: Vec<String> = files.names().map(|s| s.to_string()).collect();
+    for name in names {
+        let t = files.load(&name, None, candle_core::DType::F32, &device, false)?;
+        tensors.push((name, t));
+    }
+    opt.load_state(opt_step, loss_scale, &tensors)?;
+    Ok(TrainerState { step, epoch, data })
+}
