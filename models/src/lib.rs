@@ -1,1 +1,8 @@
+//! Trainable models with Hugging Face tensor names, built from this workspace's ops (whose
+//! backward is tested) rather than candle-transformers' inference code.
 
+pub mod dropout;
+pub mod error;
+pub mod t5;
+
+pub use error::{ModelError, Result};

@@ -1,0 +1,82 @@
+//! t5-ft's command line (every flag is also a key of the `--config` TOML file).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use ft_memory::config::CommonArgs;
+use serde::{Deserialize, Serialize};
+
+/// Fine-tune a (FLAN-)T5 model on input/target pairs, loading its weights once in the training dtype.
+#[derive(Parser, Serialize, Deserialize, Debug, Clone)]
+#[command(version, about)]
+pub struct Args {
+    /// TOML file with any of these settings; flags given here override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model folder or hub id (e.g. google/flan-t5-xl). Needs config.json and tokenizer.json;
+    /// without model.safetensors the weights are initialised from --seed.
+    #[arg(long, default_value = "google/flan-t5-small")]
+    pub model: String,
+    /// Training data: JSONL, or CSV with a header row (by extension).
+    #[arg(long)]
+    pub train_file: Option<PathBuf>,
+    /// Evaluation data in the same format.
+    #[arg(long)]
+    pub eval_file: Option<PathBuf>,
+    /// Name of the input field.
+    #[arg(long, default_value = "input")]
+    pub input_field: String,
+    /// Name of the target field.
+    #[arg(long, default_value = "target")]
+    pub target_field: String,
+    /// Truncate inputs to this many tokens.
+    #[arg(long, default_value_t = 512)]
+    pub max_source_length: usize,
+    /// Truncate targets to this many tokens.
+    #[arg(long, default_value_t = 128)]
+    pub max_target_length: usize,
+    /// Batch records of similar length together (less padding).
+    #[arg(long)]
+    pub group_by_length: bool,
+    /// Skip malformed records (and count them) instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// Evaluate every N optimizer steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: u64,
+    /// Evaluate on at most this many records (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub eval_limit: usize,
+    /// Longest greedy generation in evaluation.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Save a checkpoint every N optimizer steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Resume from a checkpoint folder written by an earlier run.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Train the bundled tiny model on the bundled synthetic task (reverse a digit sequence).
+    #[arg(long)]
+    pub demo: bool,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: CommonArgs,
+}
+
+impl Args {
+    /// Rejects impossible settings with a message naming the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.common.validate()?;
+        if self.max_source_length == 0 || self.max_target_length == 0 {
+            anyhow::bail!("--max-source-length and --max-target-length must be at least 1");
+        }
+        if !self.demo && self.train_file.is_none() {
+            anyhow::bail!("--train-file is required (or --demo for the bundled task)");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! From arguments to a finished run: resolve the model, load it once, build data, train.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use ft_memory::checkpoint::Checkpointer;
+use ft_memory::ledger::Ledger;
+use ft_memory::mixed::MixedOptimizer;
+use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::precision::Precision;
+use ft_memory::schedule::LrSchedule;
+use ft_memory::train::{self, LoopConfig, RunSummary, Units};
+use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
+use ft_models::t5::{T5Config, T5};
+
+use crate::cli::Args;
+use crate::data::{Fields, RecordFile};
+use crate::task::{Order, T5Task};
+use crate::tokenize::Collator;
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn device(spec: &str) -> anyhow::Result<Device> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0)?),
+        s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Ok(Device::new_cuda(n)?),
+            None => anyhow::bail!("--device `{s}`: expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+/// bf16 with fp32 masters on GPU, f32 on CPU, unless `--precision` says otherwise.
+pub fn precision(args: &Args, device: &Device) -> anyhow::Result<Precision> {
+    Ok(match &args.common.precision {
+        Some(p) => Precision::parse(p)?,
+        None if device.is_cpu() => Precision::parse("f32")?,
+        None => Precision::parse("bf16")?,
+    })
+}
+
+/// Everything a run needs, built from the arguments (also used by tests and the bench).
+pub struct Setup {
+    pub task: T5Task,
+    pub optimizer: MixedOptimizer,
+    pub ledger: Ledger,
+    pub loop_config: LoopConfig,
+    pub checkpointer: Checkpointer,
+}
+
+/// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
+pub fn setup(args: &Args) -> anyhow::Result<Setup> {
+    let mut args = args.clone();
+    args.validate()?;
+    let out = args.common.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    if args.demo {
+        let dir = out.join("demo-data");
+        crate::demo::write(&dir, 2000, 64, args.common.seed)?;
+        args.model = dir.join("model").display().to_string();
+        args.train_file = Some(dir.join("train.jsonl"));
+        args.eval_file = Some(dir.join("eval.jsonl"));
+    }
+    let device = device(&args.common.device)?;
+    let precision = precision(&args, &device)?;
+    let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
+    ledger.set_baseline();
+
+    let repo = ModelRepo::open(&args.model)?;
+    let cfg = T5Config::from_file(&repo.get("config.json")?)?;
+    let tokenizer_path = repo.get("tokenizer.json")?;
+    // Weights come from the checkpoint being resumed, else the model, else the seed.
+    let weights = match &args.resume {
+        Some(dir) => Some(ModelRepo::Local(dir.clone()).safetensors("model")?),
+        None if repo.has("model.safetensors") || repo.has("model.safetensors.index.json") => {
+            Some(repo.safetensors("model")?)
+        }
+        None => None,
+    };
+    let store = ParamStore::new();
+    let mut pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed);
+    if let Some(files) = weights {
+        pb = pb.with_source(Arc::new(files));
+    }
+    let model = T5::new(&pb, &cfg)?;
+    ledger.mark("load", 0)?;
+
+    let fields = Fields {
+        input: args.input_field.clone(),
+        target: args.target_field.clone(),
+        skip_bad: args.skip_bad_lines,
+    };
+    let train_path: PathBuf = args
+        .train_file
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("--train-file is required"))?;
+    let train_file = RecordFile::open(&train_path, fields.clone())?;
+    if !train_file.skipped().is_empty() {
+        eprintln!(
+            "{}: skipped {} malformed records (first at line {})",
+            train_path.display(),
+            train_file.skipped().len(),
+            train_file.skipped()[0].0
+        );
+    }
+    let eval_file = match &args.eval_file {
+        Some(p) => Some(RecordFile::open(p, fields)?),
+        None => None,
+    };
+    let collator = Collator::from_file(
+        &tokenizer_path,
+        args.max_source_length,
+        args.max_target_length,
+        cfg.pad_token_id,
+        cfg.vocab_size,
+    )?;
+    let order = Order {
+        batch_size: args.common.batch_size,
+        seed: args.common.seed,
+        shuffle: true,
+        group_by_length: args.group_by_length,
+    };
+    let mut task = T5Task::new(model, store.clone(), collator, train_file, eval_file, order, device, tokenizer_path);
+    task.max_new_tokens = args.max_new_tokens;
+    task.eval_limit = args.eval_limit;
+
+    let steps_per_epoch = task.batches_per_epoch().div_ceil(args.common.accum) as u64;
+    let max_steps = args
+        .common
+        .max_steps
+        .unwrap_or(steps_per_epoch * args.common.epochs as u64)
+        .max(1);
+    let wd = args.common.weight_decay;
+    let clip = (args.common.max_grad_norm > 0.0).then_some(args.common.max_grad_norm);
+    let optimizer = MixedOptimizer::new(
+        store.trainable()?,
+        precision,
+        |n| Box::new(AdamW::new(n, AdamWConfig { weight_decay: wd, ..Default::default() })),
+        clip,
+    )?;
+    let loop_config = LoopConfig {
+        units: Units::Tokens,
+        accum: args.common.accum,
+        max_steps,
+        schedule: LrSchedule {
+            kind: args.common.schedule.parse()?,
+            base_lr: args.common.lr,
+            warmup_steps: args.common.warmup_steps,
+            total_steps: max_steps,
+        },
+        seed: args.common.seed,
+        output_dir: out,
+        eval_every: args.eval_every,
+        save_every: args.save_every,
+        progress: !args.quiet,
+        resume: args.resume.clone(),
+    };
+    Ok(Setup {
+        task,
+        optimizer,
+        ledger,
+        loop_config,
+        checkpointer: Checkpointer::new(args.common.gradient_checkpointing),
+    })
+}
+
+/// Trains as the arguments say and prints the memory table.
+pub fn run(args: &Args) -> anyhow::Result<RunSummary> {
+    let mut s = setup(args)?;
+    let (n, bytes) = s.task.store.count(true);
+    eprintln!(
+        "t5-ft: {n} trainable parameters ({}), {} steps, precision {:?}",
+        ft_memory::ledger::format_bytes(bytes as i64),
+        s.loop_config.max_steps,
+        s.optimizer.params().first().map(|p| p.dtype()).unwrap_or(DType::F32)
+    );
+    let summary = train::run(&mut s.task, &mut s.optimizer, &s.checkpointer, &mut s.ledger, &s.loop_config)?;
+    eprintln!("{}", s.ledger.table());
+    if let Some(dir) = &summary.final_dir {
+        eprintln!("model saved in {} (Hugging Face layout)", dir.display());
+    }
+    Ok(summary)
+}

@@ -1,0 +1,186 @@
+//! t5-ft's [`Task`]: its data order, forward, evaluation and Hugging Face save layout.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use ft_memory::ledger::Ledger;
+use ft_memory::train::{StepCtx, Task, TaskResult};
+use ft_memory::weights::ParamStore;
+use ft_models::dropout::DropoutCtx;
+use ft_models::t5::{T5Batch, T5};
+
+use crate::data::{epoch_batches, RecordFile};
+use crate::tokenize::Collator;
+
+/// Data order settings.
+#[derive(Debug, Clone)]
+pub struct Order {
+    pub batch_size: usize,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub group_by_length: bool,
+}
+
+/// A T5 model with its training and evaluation data.
+pub struct T5Task {
+    pub model: T5,
+    pub store: Arc<ParamStore>,
+    pub collator: Collator,
+    pub train: RecordFile,
+    pub eval: Option<RecordFile>,
+    pub order: Order,
+    pub device: Device,
+    pub tokenizer_path: PathBuf,
+    /// Longest generation in evaluation.
+    pub max_new_tokens: usize,
+    /// Evaluate on at most this many records (0 = all).
+    pub eval_limit: usize,
+    epoch: usize,
+    batches: Vec<Vec<usize>>,
+    cursor: usize,
+}
+
+impl T5Task {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        model: T5,
+        store: Arc<ParamStore>,
+        collator: Collator,
+        train: RecordFile,
+        eval: Option<RecordFile>,
+        order: Order,
+        device: Device,
+        tokenizer_path: PathBuf,
+    ) -> Self {
+        T5Task {
+            model,
+            store,
+            collator,
+            train,
+            eval,
+            order,
+            device,
+            tokenizer_path,
+            max_new_tokens: 32,
+            eval_limit: 0,
+            epoch: 0,
+            batches: Vec::new(),
+            cursor: 0,
+        }
+    }
+
+    /// Micro-batches per epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.train.len().div_ceil(self.order.batch_size.max(1))
+    }
+
+    fn eval_batches(&self) -> Vec<Vec<usize>> {
+        let Some(eval) = &self.eval else { return Vec::new() };
+        let n = if self.eval_limit > 0 { eval.len().min(self.eval_limit) } else { eval.len() };
+        (0..n)
+            .collect::<Vec<_>>()
+            .chunks(self.order.batch_size.max(1))
+            .map(|c| c.to_vec())
+            .collect()
+    }
+
+    /// Mean token loss and exact-match rate of greedy generation on the eval file.
+    pub fn evaluate_now(&self) -> anyhow::Result<Vec<(String, f64)>> {
+        let Some(eval) = &self.eval else { return Ok(Vec::new()) };
+        let ck = ft_memory::checkpoint::Checkpointer::new(false);
+        let (mut loss_sum, mut tokens, mut exact, mut n) = (0f64, 0usize, 0usize, 0usize);
+        for idx in self.eval_batches() {
+            let examples = eval.read(&idx)?;
+            let batch = self.collator.collate(&examples, &self.device)?;
+            let loss = self.model.summed_loss(&batch, &DropoutCtx::eval(), &ck)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            tokens += batch.label_tokens;
+            let generated =
+                self.model
+                    .generate_greedy(&batch.input_ids, &batch.attention_mask, self.max_new_tokens)?;
+            for (g, ex) in generated.iter().zip(&examples) {
+                let text = self.collator.decode(g)?;
+                if text.trim() == ex.target.trim() {
+                    exact += 1;
+                }
+                n += 1;
+            }
+        }
+        Ok(vec![
+            ("loss".into(), loss_sum / tokens.max(1) as f64),
+            ("exact_match".into(), exact as f64 / n.max(1) as f64),
+        ])
+    }
+}
+
+/// Writes config.json, model.safetensors and tokenizer.json: the layout transformers loads.
+pub fn save_hf(model: &T5, store: &ParamStore, tokenizer: &Path, dir: &Path) -> anyhow::Result<()> {
+    let mut cfg = serde_json::to_value(model.config())?;
+    if let Some(obj) = cfg.as_object_mut() {
+        obj.insert("model_type".into(), "t5".into());
+        obj.insert("architectures".into(), serde_json::json!(["T5ForConditionalGeneration"]));
+        obj.insert("is_encoder_decoder".into(), true.into());
+        let (act, gated) = model.config().activation().map_err(anyhow::Error::msg)?;
+        let _ = act;
+        obj.insert("is_gated_act".into(), gated.into());
+    }
+    let text = serde_json::to_string_pretty(&cfg)?;
+    ft_memory::fsutil::write_atomic(&dir.join("config.json"), |f| {
+        std::io::Write::write_all(f, text.as_bytes())
+    })?;
+    ft_memory::fsutil::save_safetensors(&store.all(), &dir.join("model.safetensors"))?;
+    let tok = std::fs::read(tokenizer)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer.display()))?;
+    ft_memory::fsutil::write_atomic(&dir.join("tokenizer.json"), |f| std::io::Write::write_all(f, &tok))?;
+    Ok(())
+}
+
+impl Task for T5Task {
+    type Batch = T5Batch;
+
+    fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
+        self.epoch = epoch;
+        let o = &self.order;
+        self.batches = epoch_batches(&self.train, o.batch_size, o.seed, epoch, o.shuffle, o.group_by_length);
+        self.cursor = 0;
+        Ok(())
+    }
+
+    fn next_batch(&mut self) -> TaskResult<Option<T5Batch>> {
+        let Some(idx) = self.batches.get(self.cursor) else {
+            return Ok(None);
+        };
+        let examples = self.train.read(idx)?;
+        self.cursor += 1;
+        Ok(Some(self.collator.collate(&examples, &self.device)?))
+    }
+
+    fn counts(&self, b: &T5Batch) -> (usize, usize) {
+        (b.label_tokens, b.input_ids.dim(0).unwrap_or(0))
+    }
+
+    fn summed_loss(&mut self, b: &T5Batch, ctx: &StepCtx) -> TaskResult<Tensor> {
+        let drop = DropoutCtx::train(self.model.config().dropout_rate, ctx.dropout_seed);
+        Ok(self.model.summed_loss(b, &drop, ctx.checkpointer)?)
+    }
+
+    fn evaluate(&mut self, _step: u64, _ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>> {
+        Ok(self.evaluate_now()?)
+    }
+
+    fn save_model(&self, dir: &Path) -> TaskResult<()> {
+        Ok(save_hf(&self.model, &self.store, &self.tokenizer_path, dir)?)
+    }
+
+    fn data_state(&self) -> serde_json::Value {
+        serde_json::json!({"epoch": self.epoch, "cursor": self.cursor})
+    }
+
+    fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
+        let epoch = s["epoch"].as_u64().ok_or("trainer_state: data.epoch missing")? as usize;
+        self.start_epoch(epoch)?;
+        self.cursor = s["cursor"].as_u64().ok_or("trainer_state: data.cursor missing")? as usize;
+        Ok(())
+    }
+}

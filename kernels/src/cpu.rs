@@ -1,0 +1,48 @@
+//! Shared plumbing of the CPU forward passes: dtype dispatch over contiguous row-major data.
+
+use candle_core::{bail, CpuStorage, Layout, Result, WithDType};
+
+/// The contiguous slice of `storage` described by `layout`, as `T`.
+pub(crate) fn slice<'a, T: WithDType>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => bail!("kernel input must be contiguous"),
+    }
+}
+
+/// Applies `f` row by row (rows of `dim` elements) computing in f64 and writing `T`.
+pub(crate) fn map_rows<T: WithDType>(
+    src: &[T],
+    dim: usize,
+    f: &(dyn Fn(&[f64], &mut [f64]) + Sync),
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::zero(); src.len()];
+    out.par_chunks_mut(dim.max(1))
+        .zip(src.par_chunks(dim.max(1)))
+        .for_each(|(o, s)| {
+            let x: Vec<f64> = s.iter().map(|v| v.to_f64()).collect();
+            let mut y = vec![0f64; x.len()];
+            f(&x, &mut y);
+            for (oi, yi) in o.iter_mut().zip(y) {
+                *oi = T::from_f64(yi);
+            }
+        });
+    out
+}
+
+/// Runs a row function over any float storage.
+pub(crate) fn rows(
+    storage: &CpuStorage,
+    layout: &Layout,
+    f: &(dyn Fn(&[f64], &mut [f64]) + Sync),
+) -> Result<CpuStorage> {
+    let dim = layout.dims().last().copied().unwrap_or(1);
+    Ok(match storage {
+        CpuStorage::F32(d) => CpuStorage::F32(map_rows(slice(d, layout)?, dim, f)),
+        CpuStorage::F64(d) => CpuStorage::F64(map_rows(slice(d, layout)?, dim, f)),
+        CpuStorage::F16(d) => CpuStorage::F16(map_rows(slice(d, layout)?, dim, f)),
+        CpuStorage::BF16(d) => CpuStorage::BF16(map_rows(slice(d, layout)?, dim, f)),
+        _ => bail!("unsupported dtype for a float kernel (f32, f64, f16, bf16)"),
+    })
+}

@@ -1,0 +1,86 @@
+//! Softmax and log-softmax over the last dimension, with a backward.
+//!
+//! `candle_nn::ops::softmax_last_dim` has no backward (it is applied with `apply_op1_no_bwd`), so
+//! a model built on it silently gets no gradient through attention. Here the forward keeps only
+//! its output, and the backward is `y * (g - sum(g * y))` (log-softmax: `g - exp(y) * sum(g)`).
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
+
+use crate::cpu;
+
+struct Softmax {
+    log: bool,
+}
+
+fn softmax_row(x: &[f64], y: &mut [f64]) {
+    let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let mut s = 0.0;
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi = (xi - m).exp();
+        s += *yi;
+    }
+    for yi in y.iter_mut() {
+        *yi /= s;
+    }
+}
+
+fn log_softmax_row(x: &[f64], y: &mut [f64]) {
+    let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = m + x.iter().map(|xi| (xi - m).exp()).sum::<f64>().ln();
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi = xi - lse;
+    }
+}
+
+impl CustomOp1 for Softmax {
+    fn name(&self) -> &'static str {
+        if self.log {
+            "ft-log-softmax-last-dim"
+        } else {
+            "ft-softmax-last-dim"
+        }
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let f: &(dyn Fn(&[f64], &mut [f64]) + Sync) = if self.log {
+            &log_softmax_row
+        } else {
+            &softmax_row
+        };
+        Ok((cpu::rows(s, l, f)?, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let grad = if self.log {
+            let s = g.sum_keepdim(D::Minus1)?;
+            (g - res.exp()?.broadcast_mul(&s)?)?
+        } else {
+            let s = (g * res)?.sum_keepdim(D::Minus1)?;
+            (res * g.broadcast_sub(&s)?)?
+        };
+        Ok(Some(grad))
+    }
+}
+
+/// Softmax over the last dimension (computed in f64 per row on CPU, any float dtype).
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        x.contiguous()?.apply_op1(Softmax { log: false })
+    } else {
+        // Composition with a correct backward until the CUDA kernel lands.
+        let m = x.max_keepdim(D::Minus1)?.detach();
+        let e = x.broadcast_sub(&m)?.exp()?;
+        e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+    }
+}
+
+/// Log-softmax over the last dimension.
+pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        x.contiguous()?.apply_op1(Softmax { log: true })
+    } else {
+        let m = x.max_keepdim(D::Minus1)?.detach();
+        let z = x.broadcast_sub(&m)?;
+        z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)
+    }
+}
