@@ -8,7 +8,13 @@ use crate::{linear::matmul, softmax::softmax_last_dim};
 /// `bias` broadcasts to [B, H, Lq, Lk] (a trainable relative position bias gets its gradient;
 /// masks are large negative values). Forms the full score matrix: see the memory-efficient
 /// version for long sequences.
-pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+pub fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
     let s = matmul(q, &k.transpose(2, 3)?)?;
     let s = if scale != 1.0 { (s * scale)? } else { s };
     let s = match bias {

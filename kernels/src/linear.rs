@@ -11,7 +11,11 @@ use candle_core::{Result, Tensor};
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
-        candle_core::bail!("matmul needs rank >= 2, got {:?} and {:?}", a.dims(), b.dims());
+        candle_core::bail!(
+            "matmul needs rank >= 2, got {:?} and {:?}",
+            a.dims(),
+            b.dims()
+        );
     }
     let (ba, bb) = (&a.dims()[..ra - 2], &b.dims()[..rb - 2]);
     let batch = candle_core::Shape::from(ba).broadcast_shape_binary_op(&bb.into(), "matmul")?;

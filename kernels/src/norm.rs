@@ -18,7 +18,11 @@ struct Normalize {
 impl Normalize {
     fn row(&self, x: &[f64], y: &mut [f64]) {
         let n = x.len().max(1) as f64;
-        let mean = if self.center { x.iter().sum::<f64>() / n } else { 0.0 };
+        let mean = if self.center {
+            x.iter().sum::<f64>() / n
+        } else {
+            0.0
+        };
         let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
         let r = 1.0 / (var + self.eps).sqrt();
         for (yi, xi) in y.iter_mut().zip(x) {
@@ -33,7 +37,9 @@ impl Normalize {
         } else {
             x.clone()
         };
-        let r = (xc.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?.sqrt()?.recip()?;
+        let r = (xc.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
         Ok((xc, r))
     }
 }
@@ -55,12 +61,17 @@ impl CustomOp1 for Normalize {
     /// for RMS norm; computed in f32 (f64 for f64 inputs).
     fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let dt = arg.dtype();
-        let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+        let wide = if dt == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
         let x = arg.to_dtype(wide)?;
         let g = g.to_dtype(wide)?;
         let (xc, r) = self.rstd(&x)?;
         let xhat = xc.broadcast_mul(&r)?;
-        let mut inner = g.broadcast_sub(&xhat.broadcast_mul(&(&g * &xhat)?.mean_keepdim(D::Minus1)?)?)?;
+        let mut inner =
+            g.broadcast_sub(&xhat.broadcast_mul(&(&g * &xhat)?.mean_keepdim(D::Minus1)?)?)?;
         if self.center {
             inner = inner.broadcast_sub(&g.mean_keepdim(D::Minus1)?)?;
         }
@@ -74,7 +85,11 @@ fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
         x.contiguous()?.apply_op1(op)
     } else {
         let dt = x.dtype();
-        let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+        let wide = if dt == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
         let (xc, r) = op.rstd(&x.to_dtype(wide)?)?;
         xc.broadcast_mul(&r)?.to_dtype(dt)
     }
@@ -92,7 +107,12 @@ fn affine(y: Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>) -> Result<T
 }
 
 /// Layer norm over the last dimension, as `torch.nn.functional.layer_norm`.
-pub fn layer_norm(x: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+pub fn layer_norm(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
     affine(normalize(x, eps, true)?, weight, bias)
 }
 
@@ -113,7 +133,9 @@ pub fn group_norm(
 ) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     if dims.len() < 2 || num_groups == 0 || dims[1] % num_groups != 0 {
-        candle_core::bail!("group_norm: {num_groups} groups do not divide the channels of {dims:?}");
+        candle_core::bail!(
+            "group_norm: {num_groups} groups do not divide the channels of {dims:?}"
+        );
     }
     let n = dims[0];
     let y = normalize(&x.reshape((n, num_groups, ()))?, eps, true)?.reshape(dims.as_slice())?;

@@ -22,6 +22,38 @@ where
     parse_from(std::env::args_os(), config_path)
 }
 
+/// [`parse_from`], with a built-in TOML preset (e.g. the `--demo` settings) used as the file
+/// layer when `preset` returns one and no `--config` was given.
+pub fn parse_with_preset<T, I, A>(
+    args: I,
+    config_path: impl Fn(&T) -> Option<PathBuf>,
+    preset: impl Fn(&T) -> Option<(&'static str, &'static str)>,
+) -> Result<T>
+where
+    T: Parser + Serialize + DeserializeOwned,
+    I: IntoIterator<Item = A>,
+    A: Into<std::ffi::OsString> + Clone,
+{
+    let matches = T::command().get_matches_from(args);
+    let parsed = T::from_arg_matches(&matches).map_err(|e| Error::Invalid(e.to_string()))?;
+    let explicit: Vec<String> = matches
+        .ids()
+        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| id.as_str().to_string())
+        .collect();
+    let known: Vec<String> = T::command()
+        .get_arguments()
+        .map(|a| a.get_id().as_str().to_string())
+        .collect();
+    if let Some(path) = config_path(&parsed) {
+        return merge_file(&parsed, &path, &known, &explicit);
+    }
+    match preset(&parsed) {
+        Some((label, text)) => merge_text(&parsed, text, label, &known, &explicit),
+        None => Ok(parsed),
+    }
+}
+
 /// [`parse`] over explicit arguments (the first is the program name). `--help` and bad flags exit
 /// through clap as usual.
 pub fn parse_from<T, I, A>(args: I, config_path: impl Fn(&T) -> Option<PathBuf>) -> Result<T>
@@ -53,13 +85,26 @@ pub fn merge_file<T>(parsed: &T, path: &Path, known: &[String], explicit: &[Stri
 where
     T: Serialize + DeserializeOwned,
 {
-    let label = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    merge_text(parsed, &text, &path.display().to_string(), known, explicit)
+}
+
+/// [`merge_file`] over TOML text; `label` names it in errors.
+pub fn merge_text<T>(
+    parsed: &T,
+    text: &str,
+    label: &str,
+    known: &[String],
+    explicit: &[String],
+) -> Result<T>
+where
+    T: Serialize + DeserializeOwned,
+{
     let cfg_err = |reason: String| Error::Config {
-        path: label.clone(),
+        path: label.to_string(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let file: toml::Table = toml::from_str(&text).map_err(|e| cfg_err(e.to_string()))?;
+    let file: toml::Table = toml::from_str(text).map_err(|e| cfg_err(e.to_string()))?;
     let mut merged =
         toml::Table::try_from(parsed).map_err(|e| cfg_err(format!("internal: {e}")))?;
     for (key, value) in file {

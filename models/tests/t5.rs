@@ -11,7 +11,12 @@ fn batch(dev: &Device) -> anyhow::Result<T5Batch> {
     let ids = Tensor::new(&[[5u32, 6, 7, 1, 0], [8, 9, 10, 11, 1]], dev)?;
     let mask = Tensor::new(&[[1f32, 1., 1., 1., 0.], [1., 1., 1., 1., 1.]], dev)?;
     let labels = Tensor::new(&[[12i64, 13, 1, -100], [14, 15, 16, 1]], dev)?;
-    Ok(T5Batch { input_ids: ids, attention_mask: mask, labels, label_tokens: 7 })
+    Ok(T5Batch {
+        input_ids: ids,
+        attention_mask: mask,
+        labels,
+        label_tokens: 7,
+    })
 }
 
 fn model(cfg: &T5Config) -> anyhow::Result<(T5, Vec<(String, Var)>)> {
@@ -21,7 +26,12 @@ fn model(cfg: &T5Config) -> anyhow::Result<(T5, Vec<(String, Var)>)> {
     Ok((m, store.trainable()?))
 }
 
-fn grads(m: &T5, params: &[Var], ck: &Checkpointer, drop: &DropoutCtx) -> anyhow::Result<Vec<Tensor>> {
+fn grads(
+    m: &T5,
+    params: &[Var],
+    ck: &Checkpointer,
+    drop: &DropoutCtx,
+) -> anyhow::Result<Vec<Tensor>> {
     let b = batch(&Device::Cpu)?;
     let loss = m.summed_loss(&b, drop, ck)?;
     Ok(ck
@@ -45,10 +55,15 @@ fn every_parameter_gets_a_nonzero_gradient_in_both_variants() -> anyhow::Result<
             assert!(s > 0.0, "{ff}: `{name}` has a zero gradient");
         }
         let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
-        assert!(names.contains(&"encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"));
+        assert!(
+            names.contains(&"encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+        );
         assert!(names.contains(&"decoder.block.1.layer.1.EncDecAttention.q.weight"));
         assert_eq!(names.contains(&"lm_head.weight"), !tied);
-        assert_eq!(names.contains(&"decoder.block.0.layer.2.DenseReluDense.wi_1.weight"), !tied);
+        assert_eq!(
+            names.contains(&"decoder.block.0.layer.2.DenseReluDense.wi_1.weight"),
+            !tied
+        );
     }
     Ok(())
 }
@@ -72,7 +87,9 @@ fn checkpointed_blocks_with_dropout_equal_plain_backprop() -> anyhow::Result<()>
     let b = batch(&Device::Cpu)?;
     let ck = Checkpointer::new(false);
     let l1 = m.summed_loss(&b, &drop, &ck)?.to_scalar::<f32>()?;
-    let l2 = m.summed_loss(&b, &DropoutCtx::train(0.2, 78), &ck)?.to_scalar::<f32>()?;
+    let l2 = m
+        .summed_loss(&b, &DropoutCtx::train(0.2, 78), &ck)?
+        .to_scalar::<f32>()?;
     assert_ne!(l1, l2);
     Ok(())
 }
@@ -80,13 +97,41 @@ fn checkpointed_blocks_with_dropout_equal_plain_backprop() -> anyhow::Result<()>
 #[test]
 fn relative_buckets_match_transformers_values() {
     // Values from transformers' T5Attention._relative_position_bucket (32 buckets, max 128).
-    let bi = [(-200, 15), (-20, 10), (-8, 8), (-7, 7), (0, 0), (1, 17), (7, 23), (8, 24), (50, 29), (300, 31)];
+    let bi = [
+        (-200, 15),
+        (-20, 10),
+        (-8, 8),
+        (-7, 7),
+        (0, 0),
+        (1, 17),
+        (7, 23),
+        (8, 24),
+        (50, 29),
+        (300, 31),
+    ];
     for (rp, want) in bi {
-        assert_eq!(relative_position_bucket(rp, true, 32, 128), want, "bidirectional {rp}");
+        assert_eq!(
+            relative_position_bucket(rp, true, 32, 128),
+            want,
+            "bidirectional {rp}"
+        );
     }
-    let causal = [(5, 0), (0, 0), (-1, 1), (-15, 15), (-16, 16), (-40, 23), (-127, 31), (-500, 31)];
+    let causal = [
+        (5, 0),
+        (0, 0),
+        (-1, 1),
+        (-15, 15),
+        (-16, 16),
+        (-40, 23),
+        (-127, 31),
+        (-500, 31),
+    ];
     for (rp, want) in causal {
-        assert_eq!(relative_position_bucket(rp, false, 32, 128), want, "causal {rp}");
+        assert_eq!(
+            relative_position_bucket(rp, false, 32, 128),
+            want,
+            "causal {rp}"
+        );
     }
 }
 
@@ -129,7 +174,10 @@ fn padding_does_not_change_an_examples_logits() -> anyhow::Result<()> {
         label_tokens: 5,
     };
     let a = m.forward(&alone, &DropoutCtx::eval(), &ck)?;
-    let p = m.forward(&padded, &DropoutCtx::eval(), &ck)?.narrow(0, 0, 1)?.narrow(1, 0, 2)?;
+    let p = m
+        .forward(&padded, &DropoutCtx::eval(), &ck)?
+        .narrow(0, 0, 1)?
+        .narrow(1, 0, 2)?;
     let d = (a - p)?.abs()?.max_all()?.to_scalar::<f32>()?;
     assert!(d < 1e-5, "padding changed the logits by {d}");
     Ok(())

@@ -81,7 +81,8 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> DataError + '_ {
 }
 
 fn parse_json(text: &str, fields: &Fields) -> std::result::Result<Example, String> {
-    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
     let get = |k: &str| -> std::result::Result<String, String> {
         match v.get(k) {
             Some(serde_json::Value::String(s)) => Ok(s.clone()),
@@ -173,7 +174,9 @@ impl RecordFile {
 
     fn index_csv(&mut self) -> Result<()> {
         let file = File::open(&self.path).map_err(io(&self.path))?;
-        let mut r = csv::ReaderBuilder::new().flexible(true).from_reader(BufReader::new(file));
+        let mut r = csv::ReaderBuilder::new()
+            .flexible(true)
+            .from_reader(BufReader::new(file));
         let headers = r.headers().map_err(|e| DataError::File {
             path: self.path.clone(),
             reason: format!("CSV header: {e}"),
@@ -199,7 +202,10 @@ impl RecordFile {
                 Ok(true) => {
                     let end = r.position().byte();
                     if rec.get(i).is_none() || rec.get(t).is_none() {
-                        self.bad(pos.line(), format!("record has {} fields, too few", rec.len()))?;
+                        self.bad(
+                            pos.line(),
+                            format!("record has {} fields, too few", rec.len()),
+                        )?;
                     } else {
                         self.entries.push(Entry {
                             offset: pos.byte(),
@@ -244,11 +250,16 @@ impl RecordFile {
         let mut file = File::open(&self.path).map_err(io(&self.path))?;
         let mut out = Vec::with_capacity(idx.len());
         for &i in idx {
-            let e = self.entries.get(i).copied().ok_or_else(|| DataError::File {
-                path: self.path.clone(),
-                reason: format!("record {i} out of range"),
-            })?;
-            file.seek(SeekFrom::Start(e.offset)).map_err(io(&self.path))?;
+            let e = self
+                .entries
+                .get(i)
+                .copied()
+                .ok_or_else(|| DataError::File {
+                    path: self.path.clone(),
+                    reason: format!("record {i} out of range"),
+                })?;
+            file.seek(SeekFrom::Start(e.offset))
+                .map_err(io(&self.path))?;
             let mut bytes = vec![0u8; e.len as usize];
             file.read_exact(&mut bytes).map_err(io(&self.path))?;
             let rec_err = |reason: String| DataError::Record {
@@ -265,8 +276,13 @@ impl RecordFile {
                         .flexible(true)
                         .from_reader(text.as_bytes());
                     let mut rec = csv::StringRecord::new();
-                    r.read_record(&mut rec).map_err(|err| rec_err(err.to_string()))?;
-                    let get = |c: usize| rec.get(c).map(str::to_string).ok_or_else(|| rec_err("missing field".into()));
+                    r.read_record(&mut rec)
+                        .map_err(|err| rec_err(err.to_string()))?;
+                    let get = |c: usize| {
+                        rec.get(c)
+                            .map(str::to_string)
+                            .ok_or_else(|| rec_err("missing field".into()))
+                    };
                     Example {
                         input: get(self.columns.0)?,
                         target: get(self.columns.1)?,
@@ -299,7 +315,10 @@ pub fn epoch_batches(
             chunk.sort_by_key(|&i| std::cmp::Reverse(file.byte_len(i)));
         }
     }
-    let mut batches: Vec<Vec<usize>> = order.chunks(batch_size.max(1)).map(|c| c.to_vec()).collect();
+    let mut batches: Vec<Vec<usize>> = order
+        .chunks(batch_size.max(1))
+        .map(|c| c.to_vec())
+        .collect();
     if group_by_length && shuffle {
         rng.shuffle(&mut batches);
     }

@@ -23,7 +23,8 @@ pub fn write(dir: &Path, n_train: usize, n_eval: usize, seed: u64) -> anyhow::Re
     std::fs::write(model.join("config.json"), CONFIG)?;
     std::fs::write(model.join("tokenizer.json"), TOKENIZER)?;
     let mut rng = SplitMix64::new(seed);
-    let lines = |n: usize, rng: &mut SplitMix64| (0..n).map(|_| example(rng) + "\n").collect::<String>();
+    let lines =
+        |n: usize, rng: &mut SplitMix64| (0..n).map(|_| example(rng) + "\n").collect::<String>();
     std::fs::write(dir.join("train.jsonl"), lines(n_train, &mut rng))?;
     std::fs::write(dir.join("eval.jsonl"), lines(n_eval, &mut rng))?;
     Ok(())

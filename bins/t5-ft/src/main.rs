@@ -5,8 +5,15 @@ use t5_ft::cli::Args;
 #[global_allocator]
 static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
 
+/// `--demo` without `--config` starts from these settings (flags still override them).
+const DEMO: &str = include_str!("../../../configs/t5_demo.toml");
+
 fn main() -> anyhow::Result<()> {
-    let args: Args = ft_memory::config::parse(|a: &Args| a.config.clone())?;
+    let args: Args = ft_memory::config::parse_with_preset(
+        std::env::args_os(),
+        |a: &Args| a.config.clone(),
+        |a: &Args| a.demo.then_some(("configs/t5_demo.toml (built in)", DEMO)),
+    )?;
     let summary = t5_ft::run::run(&args)?;
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
         eprintln!("loss {first:.4} -> {last:.4} over {} steps", summary.steps);

@@ -121,7 +121,16 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         shuffle: true,
         group_by_length: args.group_by_length,
     };
-    let mut task = T5Task::new(model, store.clone(), collator, train_file, eval_file, order, device, tokenizer_path);
+    let mut task = T5Task::new(
+        model,
+        store.clone(),
+        collator,
+        train_file,
+        eval_file,
+        order,
+        device,
+        tokenizer_path,
+    );
     task.max_new_tokens = args.max_new_tokens;
     task.eval_limit = args.eval_limit;
 
@@ -136,7 +145,15 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let optimizer = MixedOptimizer::new(
         store.trainable()?,
         precision,
-        |n| Box::new(AdamW::new(n, AdamWConfig { weight_decay: wd, ..Default::default() })),
+        |n| {
+            Box::new(AdamW::new(
+                n,
+                AdamWConfig {
+                    weight_decay: wd,
+                    ..Default::default()
+                },
+            ))
+        },
         clip,
     )?;
     let loop_config = LoopConfig {
@@ -173,9 +190,19 @@ pub fn run(args: &Args) -> anyhow::Result<RunSummary> {
         "t5-ft: {n} trainable parameters ({}), {} steps, precision {:?}",
         ft_memory::ledger::format_bytes(bytes as i64),
         s.loop_config.max_steps,
-        s.optimizer.params().first().map(|p| p.dtype()).unwrap_or(DType::F32)
+        s.optimizer
+            .params()
+            .first()
+            .map(|p| p.dtype())
+            .unwrap_or(DType::F32)
     );
-    let summary = train::run(&mut s.task, &mut s.optimizer, &s.checkpointer, &mut s.ledger, &s.loop_config)?;
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
     eprintln!("{}", s.ledger.table());
     if let Some(dir) = &summary.final_dir {
         eprintln!("model saved in {} (Hugging Face layout)", dir.display());

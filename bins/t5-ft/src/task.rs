@@ -76,8 +76,14 @@ impl T5Task {
     }
 
     fn eval_batches(&self) -> Vec<Vec<usize>> {
-        let Some(eval) = &self.eval else { return Vec::new() };
-        let n = if self.eval_limit > 0 { eval.len().min(self.eval_limit) } else { eval.len() };
+        let Some(eval) = &self.eval else {
+            return Vec::new();
+        };
+        let n = if self.eval_limit > 0 {
+            eval.len().min(self.eval_limit)
+        } else {
+            eval.len()
+        };
         (0..n)
             .collect::<Vec<_>>()
             .chunks(self.order.batch_size.max(1))
@@ -87,7 +93,9 @@ impl T5Task {
 
     /// Mean token loss and exact-match rate of greedy generation on the eval file.
     pub fn evaluate_now(&self) -> anyhow::Result<Vec<(String, f64)>> {
-        let Some(eval) = &self.eval else { return Ok(Vec::new()) };
+        let Some(eval) = &self.eval else {
+            return Ok(Vec::new());
+        };
         let ck = ft_memory::checkpoint::Checkpointer::new(false);
         let (mut loss_sum, mut tokens, mut exact, mut n) = (0f64, 0usize, 0usize, 0usize);
         for idx in self.eval_batches() {
@@ -96,9 +104,11 @@ impl T5Task {
             let loss = self.model.summed_loss(&batch, &DropoutCtx::eval(), &ck)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
             tokens += batch.label_tokens;
-            let generated =
-                self.model
-                    .generate_greedy(&batch.input_ids, &batch.attention_mask, self.max_new_tokens)?;
+            let generated = self.model.generate_greedy(
+                &batch.input_ids,
+                &batch.attention_mask,
+                self.max_new_tokens,
+            )?;
             for (g, ex) in generated.iter().zip(&examples) {
                 let text = self.collator.decode(g)?;
                 if text.trim() == ex.target.trim() {
@@ -119,7 +129,10 @@ pub fn save_hf(model: &T5, store: &ParamStore, tokenizer: &Path, dir: &Path) -> 
     let mut cfg = serde_json::to_value(model.config())?;
     if let Some(obj) = cfg.as_object_mut() {
         obj.insert("model_type".into(), "t5".into());
-        obj.insert("architectures".into(), serde_json::json!(["T5ForConditionalGeneration"]));
+        obj.insert(
+            "architectures".into(),
+            serde_json::json!(["T5ForConditionalGeneration"]),
+        );
         obj.insert("is_encoder_decoder".into(), true.into());
         let (act, gated) = model.config().activation().map_err(anyhow::Error::msg)?;
         let _ = act;
@@ -130,9 +143,11 @@ pub fn save_hf(model: &T5, store: &ParamStore, tokenizer: &Path, dir: &Path) -> 
         std::io::Write::write_all(f, text.as_bytes())
     })?;
     ft_memory::fsutil::save_safetensors(&store.all(), &dir.join("model.safetensors"))?;
-    let tok = std::fs::read(tokenizer)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer.display()))?;
-    ft_memory::fsutil::write_atomic(&dir.join("tokenizer.json"), |f| std::io::Write::write_all(f, &tok))?;
+    let tok =
+        std::fs::read(tokenizer).map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer.display()))?;
+    ft_memory::fsutil::write_atomic(&dir.join("tokenizer.json"), |f| {
+        std::io::Write::write_all(f, &tok)
+    })?;
     Ok(())
 }
 
@@ -142,7 +157,14 @@ impl Task for T5Task {
     fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
         self.epoch = epoch;
         let o = &self.order;
-        self.batches = epoch_batches(&self.train, o.batch_size, o.seed, epoch, o.shuffle, o.group_by_length);
+        self.batches = epoch_batches(
+            &self.train,
+            o.batch_size,
+            o.seed,
+            epoch,
+            o.shuffle,
+            o.group_by_length,
+        );
         self.cursor = 0;
         Ok(())
     }
@@ -170,7 +192,12 @@ impl Task for T5Task {
     }
 
     fn save_model(&self, dir: &Path) -> TaskResult<()> {
-        Ok(save_hf(&self.model, &self.store, &self.tokenizer_path, dir)?)
+        Ok(save_hf(
+            &self.model,
+            &self.store,
+            &self.tokenizer_path,
+            dir,
+        )?)
     }
 
     fn data_state(&self) -> serde_json::Value {
@@ -178,9 +205,13 @@ impl Task for T5Task {
     }
 
     fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
-        let epoch = s["epoch"].as_u64().ok_or("trainer_state: data.epoch missing")? as usize;
+        let epoch = s["epoch"]
+            .as_u64()
+            .ok_or("trainer_state: data.epoch missing")? as usize;
         self.start_epoch(epoch)?;
-        self.cursor = s["cursor"].as_u64().ok_or("trainer_state: data.cursor missing")? as usize;
+        self.cursor = s["cursor"]
+            .as_u64()
+            .ok_or("trainer_state: data.cursor missing")? as usize;
         Ok(())
     }
 }

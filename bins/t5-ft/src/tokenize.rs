@@ -89,7 +89,12 @@ impl Collator {
 }
 
 /// Pads ids to rectangular tensors: sources with `pad` (mask 0), labels with -100.
-pub fn pad_batch(src: &[Vec<u32>], tgt: &[Vec<u32>], pad: u32, device: &Device) -> anyhow::Result<T5Batch> {
+pub fn pad_batch(
+    src: &[Vec<u32>],
+    tgt: &[Vec<u32>],
+    pad: u32,
+    device: &Device,
+) -> anyhow::Result<T5Batch> {
     let b = src.len();
     let ls = src.iter().map(|s| s.len()).max().unwrap_or(0).max(1);
     let lt = tgt.iter().map(|s| s.len()).max().unwrap_or(0).max(1);
@@ -103,7 +108,12 @@ pub fn pad_batch(src: &[Vec<u32>], tgt: &[Vec<u32>], pad: u32, device: &Device) 
     let mut count = 0;
     for t in tgt {
         count += t.len();
-        labels.extend(t.iter().map(|&x| x as i64).chain(std::iter::repeat(-100)).take(lt));
+        labels.extend(
+            t.iter()
+                .map(|&x| x as i64)
+                .chain(std::iter::repeat(-100))
+                .take(lt),
+        );
     }
     Ok(T5Batch {
         input_ids: Tensor::from_vec(ids, (b, ls), device)?,

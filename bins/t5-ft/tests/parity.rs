@@ -74,24 +74,39 @@ fn check_forward_and_grads(variant: &str) -> anyhow::Result<()> {
     let batch = s.task.collator.collate(&examples, &Device::Cpu)?;
     let ck = Checkpointer::new(false);
     let logits = s.task.model.forward(&batch, &DropoutCtx::eval(), &ck)?;
-    let want = SafetensorsFiles::open(&[fixture(variant).join("logits.safetensors")])?
-        .load("logits", None, DType::F32, &Device::Cpu, false)?;
+    let want = SafetensorsFiles::open(&[fixture(variant).join("logits.safetensors")])?.load(
+        "logits",
+        None,
+        DType::F32,
+        &Device::Cpu,
+        false,
+    )?;
     let e = rel_err(&logits, &want)?;
     assert!(e < 1e-4, "{variant}: logits differ by {e} relative");
 
-    let loss = (s.task.model.summed_loss(&batch, &DropoutCtx::eval(), &ck)? / batch.label_tokens as f64)?;
+    let loss =
+        (s.task.model.summed_loss(&batch, &DropoutCtx::eval(), &ck)? / batch.label_tokens as f64)?;
     let params = s.optimizer.params().to_vec();
     let grads = ck.gradients(&loss, &params)?;
     let want = SafetensorsFiles::open(&[fixture(variant).join("grads.safetensors")])?;
     let mut checked = 0;
     for (name, g) in s.optimizer.names().iter().zip(&grads) {
-        let g = g.as_ref().unwrap_or_else(|| panic!("{variant}: `{name}` got no gradient"));
+        let g = g
+            .as_ref()
+            .unwrap_or_else(|| panic!("{variant}: `{name}` got no gradient"));
         let w = want.load(name, Some(g.dims()), DType::F32, &Device::Cpu, false)?;
         let e = rel_err(g, &w)?;
-        assert!(e < 1e-4, "{variant}: gradient of `{name}` differs by {e} relative");
+        assert!(
+            e < 1e-4,
+            "{variant}: gradient of `{name}` differs by {e} relative"
+        );
         checked += 1;
     }
-    assert_eq!(checked, want.names().count(), "{variant}: every reference gradient is checked");
+    assert_eq!(
+        checked,
+        want.names().count(),
+        "{variant}: every reference gradient is checked"
+    );
     drop(s.ledger.points());
     std::fs::remove_dir_all(&out).ok();
     Ok(())
@@ -100,7 +115,13 @@ fn check_forward_and_grads(variant: &str) -> anyhow::Result<()> {
 fn check_losses(variant: &str, batch: usize, accum: usize, key: &str) -> anyhow::Result<()> {
     let out = tmp(&format!("loss-{variant}-{accum}"));
     let mut s = setup(&args(variant, &out, batch, accum, &[]))?;
-    let summary = train::run(&mut s.task, &mut s.optimizer, &s.checkpointer, &mut s.ledger, &s.loop_config)?;
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
     let exp = expected(variant)?;
     let want: Vec<f64> = exp[key]
         .as_array()
@@ -108,7 +129,10 @@ fn check_losses(variant: &str, batch: usize, accum: usize, key: &str) -> anyhow:
         .unwrap_or_default();
     assert_eq!(summary.losses.len(), want.len());
     for (i, (a, b)) in summary.losses.iter().zip(&want).enumerate() {
-        assert!((a - b).abs() / b.abs() < 1e-4, "{variant} {key} step {i}: {a} vs {b}");
+        assert!(
+            (a - b).abs() / b.abs() < 1e-4,
+            "{variant} {key} step {i}: {a} vs {b}"
+        );
     }
     std::fs::remove_dir_all(&out).ok();
     Ok(())

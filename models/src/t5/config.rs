@@ -110,11 +110,10 @@ impl T5Config {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        cfg.validate()
-            .map_err(|reason| ModelError::Config {
-                path: path.display().to_string(),
-                reason,
-            })?;
+        cfg.validate().map_err(|reason| ModelError::Config {
+            path: path.display().to_string(),
+            reason,
+        })?;
         Ok(cfg)
     }
 
@@ -179,16 +178,24 @@ impl T5Config {
             ("d_ff", self.d_ff),
             ("num_layers", self.num_layers),
             ("num_heads", self.num_heads),
-            ("relative_attention_num_buckets", self.relative_attention_num_buckets),
+            (
+                "relative_attention_num_buckets",
+                self.relative_attention_num_buckets,
+            ),
         ] {
             if v == 0 {
                 return Err(format!("`{name}` must be at least 1"));
             }
         }
         if !(0.0..1.0).contains(&self.dropout_rate) {
-            return Err(format!("`dropout_rate` {} must be in [0, 1)", self.dropout_rate));
+            return Err(format!(
+                "`dropout_rate` {} must be in [0, 1)",
+                self.dropout_rate
+            ));
         }
-        if self.pad_token_id as usize >= self.vocab_size || self.eos_token_id as usize >= self.vocab_size {
+        if self.pad_token_id as usize >= self.vocab_size
+            || self.eos_token_id as usize >= self.vocab_size
+        {
             return Err("pad/eos token ids must be below vocab_size".into());
         }
         Ok(())

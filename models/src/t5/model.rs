@@ -61,10 +61,30 @@ impl Attention {
         let inner = cfg.num_heads * cfg.d_kv;
         let dm = cfg.d_model as f64;
         Ok(Attention {
-            q: pb.get(&[inner, cfg.d_model], "q.weight", Init::Normal { std: (dm * cfg.d_kv as f64).powf(-0.5) })?,
-            k: pb.get(&[inner, cfg.d_model], "k.weight", Init::Normal { std: dm.powf(-0.5) })?,
-            v: pb.get(&[inner, cfg.d_model], "v.weight", Init::Normal { std: dm.powf(-0.5) })?,
-            o: pb.get(&[cfg.d_model, inner], "o.weight", Init::Normal { std: (inner as f64).powf(-0.5) })?,
+            q: pb.get(
+                &[inner, cfg.d_model],
+                "q.weight",
+                Init::Normal {
+                    std: (dm * cfg.d_kv as f64).powf(-0.5),
+                },
+            )?,
+            k: pb.get(
+                &[inner, cfg.d_model],
+                "k.weight",
+                Init::Normal { std: dm.powf(-0.5) },
+            )?,
+            v: pb.get(
+                &[inner, cfg.d_model],
+                "v.weight",
+                Init::Normal { std: dm.powf(-0.5) },
+            )?,
+            o: pb.get(
+                &[cfg.d_model, inner],
+                "o.weight",
+                Init::Normal {
+                    std: (inner as f64).powf(-0.5),
+                },
+            )?,
             heads: cfg.num_heads,
             d_kv: cfg.d_kv,
         })
@@ -101,7 +121,9 @@ struct FeedForward {
 
 impl FeedForward {
     fn new(pb: &ParamBuilder, cfg: &T5Config, act: FfAct, gated: bool) -> Result<Self> {
-        let std_in = Init::Normal { std: (cfg.d_model as f64).powf(-0.5) };
+        let std_in = Init::Normal {
+            std: (cfg.d_model as f64).powf(-0.5),
+        };
         let wi = if gated {
             vec![
                 pb.get(&[cfg.d_ff, cfg.d_model], "wi_0.weight", std_in)?,
@@ -110,7 +132,13 @@ impl FeedForward {
         } else {
             vec![pb.get(&[cfg.d_ff, cfg.d_model], "wi.weight", std_in)?]
         };
-        let wo = pb.get(&[cfg.d_model, cfg.d_ff], "wo.weight", Init::Normal { std: (cfg.d_ff as f64).powf(-0.5) })?;
+        let wo = pb.get(
+            &[cfg.d_model, cfg.d_ff],
+            "wo.weight",
+            Init::Normal {
+                std: (cfg.d_ff as f64).powf(-0.5),
+            },
+        )?;
         Ok(FeedForward { wi, wo, act })
     }
 
@@ -144,7 +172,13 @@ struct Block {
 }
 
 impl Block {
-    fn new(pb: &ParamBuilder, cfg: &T5Config, decoder: bool, act: FfAct, gated: bool) -> Result<Self> {
+    fn new(
+        pb: &ParamBuilder,
+        cfg: &T5Config,
+        decoder: bool,
+        act: FfAct,
+        gated: bool,
+    ) -> Result<Self> {
         let l0 = pb.pp("layer.0");
         let self_attn = Attention::new(&l0.pp("SelfAttention"), cfg)?;
         let self_norm = l0.get(&[cfg.d_model], "layer_norm.weight", Init::Ones)?;
@@ -185,7 +219,9 @@ impl Block {
             x = (x + drop.apply(&a, &format!("{}.cross", self.name))?)?;
         }
         let n = norm::rms_norm(&x, Some(&self.ff_norm), self.eps)?;
-        let f = self.ff.forward(&n, drop, &format!("{}.ff.inner", self.name))?;
+        let f = self
+            .ff
+            .forward(&n, drop, &format!("{}.ff.inner", self.name))?;
         x + drop.apply(&f, &format!("{}.ff", self.name))?
     }
 
@@ -218,14 +254,26 @@ struct Stack {
 }
 
 impl Stack {
-    fn new(pb: &ParamBuilder, cfg: &T5Config, decoder: bool, act: FfAct, gated: bool) -> Result<Self> {
+    fn new(
+        pb: &ParamBuilder,
+        cfg: &T5Config,
+        decoder: bool,
+        act: FfAct,
+        gated: bool,
+    ) -> Result<Self> {
         let name = if decoder { "decoder" } else { "encoder" };
         let pb = pb.pp(name);
-        let n_layers = if decoder { cfg.decoder_layers() } else { cfg.num_layers };
+        let n_layers = if decoder {
+            cfg.decoder_layers()
+        } else {
+            cfg.num_layers
+        };
         let rel_bias = pb.pp("block.0.layer.0.SelfAttention").get(
             &[cfg.relative_attention_num_buckets, cfg.num_heads],
             "relative_attention_bias.weight",
-            Init::Normal { std: (cfg.d_model as f64).powf(-0.5) },
+            Init::Normal {
+                std: (cfg.d_model as f64).powf(-0.5),
+            },
         )?;
         let mut blocks = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
@@ -274,7 +322,8 @@ impl Stack {
             let d = *drop;
             x = match cross {
                 None => {
-                    let f: SegmentFn = Arc::new(move |xs: &[Tensor]| b.forward(&xs[0], &xs[1], None, &d));
+                    let f: SegmentFn =
+                        Arc::new(move |xs: &[Tensor]| b.forward(&xs[0], &xs[1], None, &d));
                     ck.run(f, &[&x, &bias], vars)?
                 }
                 Some((enc, mask)) => {
@@ -305,13 +354,21 @@ impl T5 {
     pub fn new(pb: &ParamBuilder, cfg: &T5Config) -> Result<Self> {
         cfg.validate().map_err(ModelError::Invalid)?;
         let (act, gated) = cfg.activation().map_err(ModelError::Invalid)?;
-        let shared = pb.get(&[cfg.vocab_size, cfg.d_model], "shared.weight", Init::Normal { std: 1.0 })?;
+        let shared = pb.get(
+            &[cfg.vocab_size, cfg.d_model],
+            "shared.weight",
+            Init::Normal { std: 1.0 },
+        )?;
         let encoder = Stack::new(pb, cfg, false, act, gated)?;
         let decoder = Stack::new(pb, cfg, true, act, gated)?;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(pb.get(&[cfg.vocab_size, cfg.d_model], "lm_head.weight", Init::Normal { std: 1.0 })?)
+            Some(pb.get(
+                &[cfg.vocab_size, cfg.d_model],
+                "lm_head.weight",
+                Init::Normal { std: 1.0 },
+            )?)
         };
         Ok(T5 {
             cfg: cfg.clone(),
@@ -381,7 +438,8 @@ impl T5 {
         let causal: Vec<f32> = (0..lt)
             .flat_map(|q| (0..lt).map(move |k| if k > q { MASK as f32 } else { 0.0 }))
             .collect();
-        let causal = Tensor::from_vec(causal, (1, 1, lt, lt), self.device())?.to_dtype(self.dtype())?;
+        let causal =
+            Tensor::from_vec(causal, (1, 1, lt, lt), self.device())?.to_dtype(self.dtype())?;
         let bias = self.decoder.position_bias(lt, lt)?.broadcast_add(&causal)?;
         let cross_mask = self.key_mask(attention_mask)?;
         self.decoder
@@ -412,7 +470,12 @@ impl T5 {
     }
 
     /// Cross-entropy summed over label tokens (in f32), for accumulation over micro-batches.
-    pub fn summed_loss(&self, batch: &T5Batch, drop: &DropoutCtx, ck: &Checkpointer) -> Result<Tensor> {
+    pub fn summed_loss(
+        &self,
+        batch: &T5Batch,
+        drop: &DropoutCtx,
+        ck: &Checkpointer,
+    ) -> Result<Tensor> {
         let logits = self.forward(batch, drop, ck)?;
         Ok(summed_cross_entropy(&logits, &batch.labels)?)
     }
@@ -436,9 +499,16 @@ impl T5 {
             let ids = Tensor::from_vec(seqs.concat(), (b, lt), self.device())?;
             let h = self.decode(&ids, &enc, attention_mask, &drop, &ck)?;
             let last = self.logits(&h.i((.., lt - 1..lt, ..))?)?.squeeze(1)?;
-            let next = last.to_dtype(DType::F32)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            let next = last
+                .to_dtype(DType::F32)?
+                .argmax(D::Minus1)?
+                .to_vec1::<u32>()?;
             for (i, s) in seqs.iter_mut().enumerate() {
-                let tok = if done[i] { self.cfg.pad_token_id } else { next[i] };
+                let tok = if done[i] {
+                    self.cfg.pad_token_id
+                } else {
+                    next[i]
+                };
                 if tok == self.cfg.eos_token_id {
                     done[i] = true;
                 }
@@ -466,7 +536,9 @@ pub fn summed_cross_entropy(logits: &Tensor, labels: &Tensor) -> candle_core::Re
     let logits = logits.to_dtype(DType::F32)?.reshape(((), v))?;
     let labels = labels.flatten_all()?.to_dtype(DType::I64)?;
     let valid = labels.ge(0i64)?;
-    let safe = valid.where_cond(&labels, &labels.zeros_like()?)?.to_dtype(DType::U32)?;
+    let safe = valid
+        .where_cond(&labels, &labels.zeros_like()?)?
+        .to_dtype(DType::U32)?;
     let logp = softmax::log_softmax_last_dim(&logits)?;
     let picked = logp.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
     let mask = valid.to_dtype(DType::F32)?;

@@ -1,0 +1,270 @@
+//! t5-ft end to end on CPU: the demo learns, resume continues the same curve, saved checkpoints
+//! reload, and bad input gets one clear error.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use ft_memory::train;
+use t5_ft::cli::Args;
+use t5_ft::run::setup;
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("t5-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn demo_args(out: &Path, extra: &[&str]) -> Args {
+    let mut v: Vec<String> = [
+        "t5-ft",
+        "--demo",
+        "--batch-size",
+        "16",
+        "--accum",
+        "2",
+        "--lr",
+        "3e-3",
+        "--weight-decay",
+        "0",
+        "--warmup-steps",
+        "5",
+        "--schedule",
+        "cosine",
+        "--quiet",
+        "--output-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.push(out.display().to_string());
+    v.extend(extra.iter().map(|s| s.to_string()));
+    Args::parse_from(v)
+}
+
+fn train_run(args: &Args) -> anyhow::Result<train::RunSummary> {
+    let mut s = setup(args)?;
+    Ok(train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?)
+}
+
+#[test]
+fn demo_loss_falls_and_a_hugging_face_checkpoint_is_written() -> anyhow::Result<()> {
+    let out = tmp("demo");
+    let s = train_run(&demo_args(
+        &out,
+        &[
+            "--max-steps",
+            "60",
+            "--eval-limit",
+            "16",
+            "--max-new-tokens",
+            "8",
+        ],
+    ))?;
+    let first: f64 = s.losses[..5].iter().sum::<f64>() / 5.0;
+    let last: f64 = s.losses[s.losses.len() - 5..].iter().sum::<f64>() / 5.0;
+    assert!(last < 0.3 * first, "loss {first} -> {last}");
+    let dir = s.final_dir.expect("final checkpoint");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(dir.join(f).is_file(), "{f} missing from {}", dir.display());
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    assert_eq!(cfg["model_type"], "t5");
+    assert!(s.last_eval.iter().any(|(k, _)| k == "exact_match"));
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    assert!(metrics.lines().count() >= 60);
+    assert!(out.join("memory.jsonl").is_file());
+
+    // The saved model loads back as the model source and gives the same evaluation.
+    let data = out.join("demo-data");
+    let again = setup(&Args::parse_from([
+        "t5-ft",
+        "--model",
+        &dir.display().to_string(),
+        "--train-file",
+        &data.join("train.jsonl").display().to_string(),
+        "--eval-file",
+        &data.join("eval.jsonl").display().to_string(),
+        "--batch-size",
+        "16",
+        "--eval-limit",
+        "16",
+        "--max-new-tokens",
+        "8",
+        "--output-dir",
+        &tmp("demo-reload").display().to_string(),
+    ]))?;
+    let reloaded = again.task.evaluate_now()?;
+    let loss = |m: &[(String, f64)]| {
+        m.iter()
+            .find(|(k, _)| k == "loss")
+            .map(|(_, v)| *v)
+            .unwrap_or(f64::NAN)
+    };
+    assert!(
+        (loss(&reloaded) - loss(&s.last_eval)).abs() < 1e-6,
+        "{reloaded:?} vs {:?}",
+        s.last_eval
+    );
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
+
+#[test]
+fn resumed_run_continues_the_same_loss_curve() -> anyhow::Result<()> {
+    let full = train_run(&demo_args(
+        &tmp("full"),
+        &["--max-steps", "8", "--eval-limit", "4"],
+    ))?;
+    let part_dir = tmp("part");
+    let part = train_run(&demo_args(
+        &part_dir,
+        &[
+            "--max-steps",
+            "8",
+            "--save-every",
+            "3",
+            "--eval-limit",
+            "4",
+            "--eval-every",
+            "0",
+        ],
+    ))
+    .map(|_| ())
+    .err();
+    assert!(part.is_none());
+    let ckpt = part_dir.join("checkpoint-3");
+    assert!(ckpt.join("trainer_state.json").is_file());
+    let resumed = train_run(&demo_args(
+        &part_dir,
+        &[
+            "--max-steps",
+            "8",
+            "--eval-limit",
+            "4",
+            "--resume",
+            &ckpt.display().to_string(),
+        ],
+    ))?;
+    assert_eq!(resumed.losses.len(), 5);
+    for (i, (a, b)) in resumed.losses.iter().zip(&full.losses[3..]).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "step {}: resumed {a} vs uninterrupted {b}",
+            i + 4
+        );
+    }
+    Ok(())
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).ok();
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write");
+    p
+}
+
+fn setup_err(args: &Args) -> String {
+    match setup(args) {
+        Ok(_) => panic!("setup should fail"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
+    let dir = tmp("bad");
+    let good = r#"{"input": "reverse: 1 2", "target": "2 1"}"#;
+    let bad = write(
+        &dir,
+        "bad.jsonl",
+        &format!("{good}\n{good}\n{{\"input\": \"x\"\n{good}\n"),
+    );
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/t5_tiny/flan");
+    let base = |train: &Path, extra: &[&str]| {
+        let mut v = vec![
+            "t5-ft".to_string(),
+            "--model".into(),
+            fixture.display().to_string(),
+            "--train-file".into(),
+            train.display().to_string(),
+            "--quiet".into(),
+            "--output-dir".into(),
+            dir.join("out").display().to_string(),
+        ];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        Args::parse_from(v)
+    };
+    let e = setup_err(&base(&bad, &[]));
+    assert!(e.contains("bad.jsonl:3"), "{e}");
+    let s = setup(&base(&bad, &["--skip-bad-lines"]))?;
+    assert_eq!(s.task.train.len(), 3);
+    assert_eq!(s.task.train.skipped().len(), 1);
+
+    let missing_field = write(&dir, "field.jsonl", r#"{"question": "a", "target": "b"}"#);
+    let e = setup_err(&base(&missing_field, &[]));
+    assert!(e.contains("field.jsonl:1") && e.contains("input"), "{e}");
+
+    let empty = write(&dir, "empty.jsonl", "\n\n");
+    let e = setup_err(&base(&empty, &[]));
+    assert!(e.contains("empty.jsonl") && e.contains("no records"), "{e}");
+
+    let e = setup_err(&base(&dir.join("absent.jsonl"), &[]));
+    assert!(e.contains("absent.jsonl"), "{e}");
+
+    let csv = write(
+        &dir,
+        "data.csv",
+        "input,target\n\"reverse: 1, 2\",\"2 1\"\nreverse: 3 4,4 3\n",
+    );
+    let s = setup(&base(&csv, &[]))?;
+    let ex = s.task.train.read(&[0, 1])?;
+    assert_eq!(ex[0].input, "reverse: 1, 2");
+    assert_eq!(ex[1].target, "4 3");
+    let csv_bad = write(&dir, "cols.csv", "question,answer\na,b\n");
+    let e = setup_err(&base(&csv_bad, &[]));
+    assert!(e.contains("cols.csv") && e.contains("input"), "{e}");
+
+    // A model whose embedding is smaller than the tokenizer's vocabulary.
+    let small = dir.join("small-model");
+    std::fs::create_dir_all(&small)?;
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json"))?)?;
+    cfg["vocab_size"] = 10.into();
+    std::fs::write(small.join("config.json"), cfg.to_string())?;
+    std::fs::copy(fixture.join("tokenizer.json"), small.join("tokenizer.json"))?;
+    let mut a = base(&csv, &[]);
+    a.model = small.display().to_string();
+    let e = setup_err(&a);
+    assert!(e.contains("tokenizer") && e.contains("10"), "{e}");
+
+    // A checkpoint whose tensor has the wrong shape names the tensor and file.
+    let mut a = base(&csv, &[]);
+    std::fs::copy(
+        fixture.join("model.safetensors"),
+        small.join("model.safetensors"),
+    )?;
+    cfg["vocab_size"] = 32.into();
+    cfg["d_ff"] = 48.into();
+    std::fs::write(small.join("config.json"), cfg.to_string())?;
+    a.model = small.display().to_string();
+    let e = setup_err(&a);
+    assert!(
+        e.contains("DenseReluDense") && e.contains("model.safetensors"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
