@@ -182,3 +182,26 @@ fn padding_does_not_change_an_examples_logits() -> anyhow::Result<()> {
     assert!(d < 1e-5, "padding changed the logits by {d}");
     Ok(())
 }
+
+#[test]
+fn param_shapes_list_exactly_what_the_model_creates() -> anyhow::Result<()> {
+    for (ff, tied) in [("gated-gelu", false), ("relu", true)] {
+        let mut cfg = T5Config::tiny(20);
+        cfg.feed_forward_proj = ff.into();
+        cfg.tie_word_embeddings = tied;
+        let (_, params) = model(&cfg)?;
+        let mut built: Vec<(String, Vec<usize>)> =
+            params.iter().map(|(n, v)| (n.clone(), v.dims().to_vec())).collect();
+        let mut listed = cfg.param_shapes();
+        built.sort();
+        listed.sort();
+        assert_eq!(built, listed);
+    }
+    // google/flan-t5-xl's config: 2.85B parameters.
+    let xl: T5Config = serde_json::from_str(
+        r#"{"d_ff": 5120, "d_kv": 64, "d_model": 2048, "num_heads": 32, "num_layers": 24,
+            "feed_forward_proj": "gated-gelu", "tie_word_embeddings": false, "vocab_size": 32128}"#,
+    )?;
+    assert_eq!(xl.param_count(), 2_849_757_184);
+    Ok(())
+}

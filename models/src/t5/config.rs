@@ -201,3 +201,58 @@ impl T5Config {
         Ok(())
     }
 }
+
+impl T5Config {
+    /// Shapes of every parameter the model creates, without allocating them (for memory plans of
+    /// models too large to build here, such as FLAN-T5-XL).
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (d, inner, ff) = (self.d_model, self.num_heads * self.d_kv, self.d_ff);
+        let gated = self.activation().map(|(_, g)| g).unwrap_or(false);
+        let mut v = vec![("shared.weight".to_string(), vec![self.vocab_size, d])];
+        for (stack, n, decoder) in [
+            ("encoder", self.num_layers, false),
+            ("decoder", self.decoder_layers(), true),
+        ] {
+            v.push((
+                format!("{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+                vec![self.relative_attention_num_buckets, self.num_heads],
+            ));
+            for i in 0..n {
+                let b = format!("{stack}.block.{i}");
+                let mut attn = |layer: &str, name: &str| {
+                    for p in ["q", "k", "v"] {
+                        v.push((format!("{b}.{layer}.{name}.{p}.weight"), vec![inner, d]));
+                    }
+                    v.push((format!("{b}.{layer}.{name}.o.weight"), vec![d, inner]));
+                    v.push((format!("{b}.{layer}.layer_norm.weight"), vec![d]));
+                };
+                attn("layer.0", "SelfAttention");
+                let ff_layer = if decoder {
+                    attn("layer.1", "EncDecAttention");
+                    "layer.2"
+                } else {
+                    "layer.1"
+                };
+                let wis: &[&str] = if gated { &["wi_0", "wi_1"] } else { &["wi"] };
+                for w in wis {
+                    v.push((format!("{b}.{ff_layer}.DenseReluDense.{w}.weight"), vec![ff, d]));
+                }
+                v.push((format!("{b}.{ff_layer}.DenseReluDense.wo.weight"), vec![d, ff]));
+                v.push((format!("{b}.{ff_layer}.layer_norm.weight"), vec![d]));
+            }
+            v.push((format!("{stack}.final_layer_norm.weight"), vec![d]));
+        }
+        if !self.tie_word_embeddings {
+            v.push(("lm_head.weight".to_string(), vec![self.vocab_size, d]));
+        }
+        v
+    }
+
+    /// Number of parameters.
+    pub fn param_count(&self) -> usize {
+        self.param_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+}

@@ -1,0 +1,229 @@
+//! `cargo run -p t5-ft --example bench` : train-step time and peak memory of a t5-small-sized
+//! model on CPU with and without checkpointing, next to PyTorch + transformers in the same run
+//! (when `python3` with torch and transformers is found; set `BENCH_PYTHON` to choose one), a
+//! FLAN-T5-XL memory plan from its real config, and data-pipeline throughput.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::checkpoint::Checkpointer;
+use ft_memory::ledger::format_bytes;
+use ft_memory::mixed::MixedOptimizer;
+use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::precision::Precision;
+use ft_memory::rng::SplitMix64;
+use ft_memory::weights::{ParamBuilder, ParamStore};
+use ft_models::dropout::DropoutCtx;
+use ft_models::t5::{T5Batch, T5Config, T5};
+
+#[global_allocator]
+static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
+
+const BATCH: usize = 8;
+const SRC: usize = 64;
+const TGT: usize = 32;
+const STEPS: usize = 3;
+
+fn small() -> T5Config {
+    let mut c = T5Config::tiny(32128);
+    c.d_model = 512;
+    c.d_kv = 64;
+    c.d_ff = 2048;
+    c.num_layers = 6;
+    c.num_decoder_layers = Some(6);
+    c.num_heads = 8;
+    c.relative_attention_num_buckets = 32;
+    c.relative_attention_max_distance = 128;
+    c
+}
+
+fn rss_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn reset_hwm() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+struct Row {
+    name: String,
+    step_s: f64,
+    alloc_peak: Option<u64>,
+    rss_peak: Option<u64>,
+    told: Option<(u64, u64, u64)>,
+}
+
+fn ours(checkpointing: bool) -> anyhow::Result<Row> {
+    let dev = Device::Cpu;
+    let cfg = small();
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0);
+    let model = T5::new(&pb, &cfg)?;
+    let mut opt = MixedOptimizer::new(
+        store.trainable()?,
+        Precision::parse("f32")?,
+        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        None,
+    )?;
+    let params: Vec<Var> = opt.params().to_vec();
+    let mut rng = SplitMix64::new(1);
+    let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| 2 + rng.below(cfg.vocab_size - 2) as u32).collect() };
+    let batch = T5Batch {
+        input_ids: Tensor::from_vec(ids(BATCH * SRC), (BATCH, SRC), &dev)?,
+        attention_mask: Tensor::ones((BATCH, SRC), DType::F32, &dev)?,
+        labels: Tensor::from_vec(ids(BATCH * TGT), (BATCH, TGT), &dev)?.to_dtype(DType::I64)?,
+        label_tokens: BATCH * TGT,
+    };
+    let ck = Checkpointer::new(checkpointing);
+    let mut step = || -> anyhow::Result<()> {
+        let loss = (model.summed_loss(&batch, &DropoutCtx::eval(), &ck)? / (BATCH * TGT) as f64)?;
+        let grads = ck.gradients(&loss, &params)?;
+        drop(loss);
+        opt.step(grads, 1e-4)?;
+        Ok(())
+    };
+    step()?; // warm-up: optimizer state exists from here on
+    let base_rss = rss_kib("VmRSS");
+    let reset = reset_hwm();
+    let base = ft_memory::alloc::reset_peak() as u64;
+    let t0 = Instant::now();
+    for _ in 0..STEPS {
+        step()?;
+    }
+    let dt = t0.elapsed().as_secs_f64() / STEPS as f64;
+    let peak = ft_memory::alloc::peak_bytes() as u64;
+    let (_, pbytes) = store.count(true);
+    let state = opt.optimizer().state_bytes();
+    Ok(Row {
+        name: format!("candle (this repo){}", if checkpointing { ", checkpointing" } else { "" }),
+        step_s: dt,
+        alloc_peak: Some(peak - base),
+        rss_peak: reset.then(|| (rss_kib("VmHWM").saturating_sub(base_rss)) * 1024),
+        told: Some((pbytes, pbytes, state)),
+    })
+}
+
+fn torch(checkpointing: bool) -> Option<Row> {
+    let py = std::env::var("BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/t5_bench_torch.py");
+    let out = std::process::Command::new(&py)
+        .args([script, "--steps", &STEPS.to_string(), "--checkpointing", if checkpointing { "1" } else { "0" }])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("PyTorch reference not run ({py}): {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+        return None;
+    }
+    let line = String::from_utf8_lossy(&out.stdout).lines().last()?.to_string();
+    let v: serde_json::Value = serde_json::from_str(&line).ok()?;
+    Some(Row {
+        name: format!(
+            "PyTorch {} + transformers{}",
+            v["torch"].as_str().unwrap_or("?"),
+            if checkpointing { ", checkpointing" } else { "" }
+        ),
+        step_s: v["step_time_s"].as_f64()?,
+        alloc_peak: None,
+        rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
+        told: None,
+    })
+}
+
+fn fmt(b: Option<u64>) -> String {
+    b.map(|b| format_bytes(b as i64)).unwrap_or_else(|| "-".into())
+}
+
+fn data_throughput() -> anyhow::Result<(usize, f64)> {
+    let dir = std::env::temp_dir().join(format!("t5-bench-data-{}", std::process::id()));
+    t5_ft::demo::write(&dir, 20_000, 1, 3)?;
+    let fields = t5_ft::data::Fields { input: "input".into(), target: "target".into(), skip_bad: false };
+    let t0 = Instant::now();
+    let file = t5_ft::data::RecordFile::open(&dir.join("train.jsonl"), fields)?;
+    let coll = t5_ft::tokenize::Collator::from_file(&dir.join("model/tokenizer.json"), 64, 32, 0, 32)?;
+    for b in t5_ft::data::epoch_batches(&file, 64, 0, 0, true, false) {
+        coll.collate(&file.read(&b)?, &Device::Cpu)?;
+    }
+    let n = file.len();
+    let secs = t0.elapsed().as_secs_f64();
+    std::fs::remove_dir_all(&dir).ok();
+    Ok((n, n as f64 / secs))
+}
+
+fn main() -> anyhow::Result<()> {
+    let cfg = small();
+    println!(
+        "t5-small-sized train step on CPU ({} threads): d_model 512, 6+6 layers, 8 heads, vocab 32128, \
+         batch {BATCH}, source {SRC} / target {TGT} tokens, f32, AdamW; mean of {STEPS} steps after a warm-up\n\
+         ({} parameters)\n",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        cfg.param_count()
+    );
+    println!(
+        "| run | step time | ratio to PyTorch | peak RSS above post-warm-up | peak heap above (exact) | params | grads | optimizer |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut measured = Vec::new();
+    for ck in [false, true] {
+        let r = ours(ck)?;
+        let t = torch(ck);
+        let ratio = t.as_ref().map(|t| format!("{:.2}x", r.step_s / t.step_s)).unwrap_or("-".into());
+        let (p, g, o) = r.told.unwrap_or_default();
+        println!(
+            "| {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} |",
+            r.name,
+            r.step_s,
+            fmt(r.rss_peak),
+            fmt(r.alloc_peak),
+            format_bytes(p as i64),
+            format_bytes(g as i64),
+            format_bytes(o as i64)
+        );
+        if let Some(t) = t {
+            println!("| {} | {:.3} s | 1.00x | {} | - | - | - | - |", t.name, t.step_s, fmt(t.rss_peak));
+        }
+        measured.push(r);
+    }
+
+    // FLAN-T5-XL from its real config: exact model states, activations scaled from t5-small.
+    let xl: T5Config = serde_json::from_str(
+        r#"{"d_ff": 5120, "d_kv": 64, "d_model": 2048, "num_heads": 32, "num_layers": 24,
+            "feed_forward_proj": "gated-gelu", "tie_word_embeddings": false, "vocab_size": 32128}"#,
+    )?;
+    let n = xl.param_count() as u64;
+    println!("\nFLAN-T5-XL ({n} parameters), bf16 weights with fp32 master weights and AdamW:\n");
+    println!("| component | bytes |");
+    println!("|---|---|");
+    for (name, b) in [
+        ("weights (bf16)", 2 * n),
+        ("gradients (bf16)", 2 * n),
+        ("fp32 master weights", 4 * n),
+        ("AdamW moments (fp32)", 8 * n),
+    ] {
+        println!("| {name} | {} |", format_bytes(b as i64));
+    }
+    println!("| model states total | {} |", format_bytes((16 * n) as i64));
+    let tokens_small = (BATCH * (SRC + TGT)) as f64;
+    let scale = (xl.num_layers * (xl.d_model + xl.d_ff)) as f64 / (cfg.num_layers * (cfg.d_model + cfg.d_ff)) as f64;
+    for (label, r) in ["without checkpointing", "with checkpointing"].iter().zip(&measured) {
+        let (p, g, o) = r.told.unwrap_or_default();
+        let act = r.alloc_peak.unwrap_or(0).saturating_sub(g) as f64;
+        let _ = (p, o);
+        let per_token_xl = act / tokens_small * scale * 0.5; // f32 measured, bf16 planned
+        let tokens_xl = 8.0 * (512.0 + 128.0);
+        println!(
+            "| activations, batch 8 x (512 + 128) tokens, {label} (scaled estimate) | {} |",
+            format_bytes((per_token_xl * tokens_xl) as i64)
+        );
+    }
+    let (lines, rate) = data_throughput()?;
+    println!("\ndata pipeline (index + read + tokenize + pad, word-level demo tokenizer): {lines} records at {rate:.0} records/s");
+    Ok(())
+}
