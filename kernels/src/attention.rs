@@ -23,3 +23,286 @@ pub fn sdpa(
     };
     matmul(&softmax_last_dim(&s)?, v)
 }
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape};
+use rayon::prelude::*;
+
+/// A constant additive mask with its broadcast strides into [B, H, Lq, Lk].
+struct Mask {
+    data: Vec<f64>,
+    strides: [usize; 4],
+}
+
+impl Mask {
+    fn new(mask: &Tensor, target: [usize; 4]) -> Result<Self> {
+        let mut dims = mask.dims().to_vec();
+        if dims.len() > 4 {
+            candle_core::bail!("attention mask has rank {}, at most 4", dims.len());
+        }
+        while dims.len() < 4 {
+            dims.insert(0, 1);
+        }
+        let mut strides = [0usize; 4];
+        let mut acc = 1;
+        for i in (0..4).rev() {
+            if dims[i] != 1 && dims[i] != target[i] {
+                candle_core::bail!("attention mask {:?} does not broadcast to {target:?}", mask.dims());
+            }
+            strides[i] = if dims[i] == 1 { 0 } else { acc };
+            acc *= dims[i];
+        }
+        let data = mask.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        Ok(Mask { data, strides })
+    }
+
+    #[inline]
+    fn at(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
+        let s = &self.strides;
+        self.data[b * s[0] + h * s[1] + i * s[2] + j * s[3]]
+    }
+}
+
+/// Memory-efficient attention: see [`sdpa_memory_efficient`].
+struct ChunkedAttention {
+    scale: f64,
+    chunk: usize,
+    mask: Option<Arc<Mask>>,
+}
+
+struct Dims {
+    b: usize,
+    h: usize,
+    lq: usize,
+    lk: usize,
+    d: usize,
+    dv: usize,
+}
+
+fn host(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+impl ChunkedAttention {
+    fn score(&self, dm: &Dims, bh: usize, i: usize, j: usize, qi: &[f64], kj: &[f64]) -> f64 {
+        let s = self.scale * dot(qi, kj);
+        match &self.mask {
+            Some(m) => s + m.at(bh / dm.h, bh % dm.h, i, j),
+            None => s,
+        }
+    }
+
+    /// Online softmax over key chunks, one query row at a time: never more than `chunk` scores.
+    fn forward(&self, q: &[f64], k: &[f64], v: &[f64], dm: &Dims) -> Vec<f64> {
+        let mut out = vec![0f64; dm.b * dm.h * dm.lq * dm.dv];
+        out.par_chunks_mut(dm.lq * dm.dv).enumerate().for_each(|(bh, o)| {
+            let qb = &q[bh * dm.lq * dm.d..(bh + 1) * dm.lq * dm.d];
+            let kb = &k[bh * dm.lk * dm.d..(bh + 1) * dm.lk * dm.d];
+            let vb = &v[bh * dm.lk * dm.dv..(bh + 1) * dm.lk * dm.dv];
+            let mut scores = vec![0f64; self.chunk];
+            for i in 0..dm.lq {
+                let qi = &qb[i * dm.d..(i + 1) * dm.d];
+                let oi = &mut o[i * dm.dv..(i + 1) * dm.dv];
+                let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
+                for start in (0..dm.lk).step_by(self.chunk) {
+                    let end = (start + self.chunk).min(dm.lk);
+                    let mut cmax = f64::NEG_INFINITY;
+                    for j in start..end {
+                        let s = self.score(dm, bh, i, j, qi, &kb[j * dm.d..(j + 1) * dm.d]);
+                        scores[j - start] = s;
+                        cmax = cmax.max(s);
+                    }
+                    let m_new = m.max(cmax);
+                    if m_new == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let corr = (m - m_new).exp();
+                    l *= corr;
+                    oi.iter_mut().for_each(|x| *x *= corr);
+                    for j in start..end {
+                        let p = (scores[j - start] - m_new).exp();
+                        l += p;
+                        let vj = &vb[j * dm.dv..(j + 1) * dm.dv];
+                        oi.iter_mut().zip(vj).for_each(|(x, y)| *x += p * y);
+                    }
+                    m = m_new;
+                }
+                if l > 0.0 {
+                    oi.iter_mut().for_each(|x| *x /= l);
+                }
+            }
+        });
+        out
+    }
+
+    /// FlashAttention-2's backward, one query row at a time: recompute the row's log-sum-exp,
+    /// then P = exp(S - LSE), dV += P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = scale dS K,
+    /// dK += scale dS^T Q. Only per-row scalars are stored, never the Lq x Lk matrix.
+    #[allow(clippy::type_complexity)]
+    fn backward(
+        &self,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        o: &[f64],
+        go: &[f64],
+        dm: &Dims,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let per: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)> = (0..dm.b * dm.h)
+            .into_par_iter()
+            .map(|bh| {
+                let qb = &q[bh * dm.lq * dm.d..(bh + 1) * dm.lq * dm.d];
+                let kb = &k[bh * dm.lk * dm.d..(bh + 1) * dm.lk * dm.d];
+                let vb = &v[bh * dm.lk * dm.dv..(bh + 1) * dm.lk * dm.dv];
+                let ob = &o[bh * dm.lq * dm.dv..(bh + 1) * dm.lq * dm.dv];
+                let gb = &go[bh * dm.lq * dm.dv..(bh + 1) * dm.lq * dm.dv];
+                let mut dq = vec![0f64; dm.lq * dm.d];
+                let mut dk = vec![0f64; dm.lk * dm.d];
+                let mut dv = vec![0f64; dm.lk * dm.dv];
+                for i in 0..dm.lq {
+                    let qi = &qb[i * dm.d..(i + 1) * dm.d];
+                    let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
+                    for j in 0..dm.lk {
+                        let s = self.score(dm, bh, i, j, qi, &kb[j * dm.d..(j + 1) * dm.d]);
+                        if s > m {
+                            l = l * (m - s).exp() + 1.0;
+                            m = s;
+                        } else if s > f64::NEG_INFINITY {
+                            l += (s - m).exp();
+                        }
+                    }
+                    if l == 0.0 {
+                        continue;
+                    }
+                    let lse = m + l.ln();
+                    let goi = &gb[i * dm.dv..(i + 1) * dm.dv];
+                    let d_i = dot(goi, &ob[i * dm.dv..(i + 1) * dm.dv]);
+                    for j in 0..dm.lk {
+                        let kj = &kb[j * dm.d..(j + 1) * dm.d];
+                        let p = (self.score(dm, bh, i, j, qi, kj) - lse).exp();
+                        let vj = &vb[j * dm.dv..(j + 1) * dm.dv];
+                        dv[j * dm.dv..(j + 1) * dm.dv]
+                            .iter_mut()
+                            .zip(goi)
+                            .for_each(|(x, g)| *x += p * g);
+                        let ds = p * (dot(goi, vj) - d_i) * self.scale;
+                        dq[i * dm.d..(i + 1) * dm.d]
+                            .iter_mut()
+                            .zip(kj)
+                            .for_each(|(x, y)| *x += ds * y);
+                        dk[j * dm.d..(j + 1) * dm.d]
+                            .iter_mut()
+                            .zip(qi)
+                            .for_each(|(x, y)| *x += ds * y);
+                    }
+                }
+                (dq, dk, dv)
+            })
+            .collect();
+        let mut dq = Vec::with_capacity(q.len());
+        let mut dk = Vec::with_capacity(k.len());
+        let mut dv = Vec::with_capacity(v.len());
+        for (a, b, c) in per {
+            dq.extend(a);
+            dk.extend(b);
+            dv.extend(c);
+        }
+        (dq, dk, dv)
+    }
+}
+
+fn dims_of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims> {
+    match (q, k, v) {
+        ([b, h, lq, d], [b2, h2, lk, d2], [b3, h3, lk2, dv]) if b == b2 && b == b3 && h == h2 && h == h3 && d == d2 && lk == lk2 => {
+            Ok(Dims { b: *b, h: *h, lq: *lq, lk: *lk, d: *d, dv: *dv })
+        }
+        _ => candle_core::bail!("attention shapes q {q:?}, k {k:?}, v {v:?} do not match [B, H, L, D]"),
+    }
+}
+
+fn storage_f64(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+    Ok(match s {
+        CpuStorage::F32(d) => crate::cpu::slice(d, l)?.iter().map(|x| *x as f64).collect(),
+        CpuStorage::F64(d) => crate::cpu::slice(d, l)?.to_vec(),
+        CpuStorage::F16(d) => crate::cpu::slice(d, l)?.iter().map(|x| x.to_f64()).collect(),
+        CpuStorage::BF16(d) => crate::cpu::slice(d, l)?.iter().map(|x| x.to_f64()).collect(),
+        _ => candle_core::bail!("attention: unsupported dtype"),
+    })
+}
+
+impl CustomOp3 for ChunkedAttention {
+    fn name(&self) -> &'static str {
+        "ft-chunked-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dm = dims_of(ql.dims(), kl.dims(), vl.dims())?;
+        let o = self.forward(&storage_f64(qs, ql)?, &storage_f64(ks, kl)?, &storage_f64(vs, vl)?, &dm);
+        let out = match qs {
+            CpuStorage::F32(_) => CpuStorage::F32(o.into_iter().map(|x| x as f32).collect()),
+            CpuStorage::F64(_) => CpuStorage::F64(o),
+            CpuStorage::F16(_) => CpuStorage::F16(o.into_iter().map(half::f16::from_f64).collect()),
+            CpuStorage::BF16(_) => CpuStorage::BF16(o.into_iter().map(half::bf16::from_f64).collect()),
+            _ => candle_core::bail!("attention: unsupported dtype"),
+        };
+        Ok((out, Shape::from((dm.b, dm.h, dm.lq, dm.dv))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dm = dims_of(q.dims(), k.dims(), v.dims())?;
+        let (dq, dk, dv) = self.backward(&host(q)?, &host(k)?, &host(v)?, &host(res)?, &host(g)?, &dm);
+        let mk = |data: Vec<f64>, like: &Tensor| -> Result<Tensor> {
+            Tensor::from_vec(data, like.shape(), like.device())?.to_dtype(like.dtype())
+        };
+        Ok((Some(mk(dq, q)?), Some(mk(dk, k)?), Some(mk(dv, v)?)))
+    }
+}
+
+/// The same attention as [`sdpa`], computed without ever forming the Lq x Lk score matrix:
+/// the forward runs an online softmax over key chunks of `chunk` keys for one query row at a
+/// time, and the backward recomputes the probabilities from the row's log-sum-exp
+/// (FlashAttention-2's scheme). Peak memory is O(L * D), not O(L^2).
+///
+/// `mask` is a constant additive mask broadcastable to [B, H, Lq, Lk] (no gradient flows to it:
+/// a trainable bias, like T5's relative position bias, uses [`sdpa`]). A row whose every key is
+/// masked with -inf gives zeros (where `sdpa` would give NaN); use a large finite negative to
+/// match `sdpa` exactly. CPU only for now; the CUDA kernel comes with the GPU work.
+pub fn sdpa_memory_efficient(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    chunk: usize,
+) -> Result<Tensor> {
+    if !q.device().is_cpu() {
+        candle_core::bail!("sdpa_memory_efficient: the CUDA kernel comes with the GPU work; run on the CPU");
+    }
+    let dm = dims_of(q.dims(), k.dims(), v.dims())?;
+    let mask = match mask {
+        Some(m) => Some(Arc::new(Mask::new(m, [dm.b, dm.h, dm.lq, dm.lk])?)),
+        None => None,
+    };
+    let op = ChunkedAttention { scale, chunk: chunk.max(1), mask };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}

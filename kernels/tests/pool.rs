@@ -1,0 +1,73 @@
+//! Pooling: values against a naive loop (odd sizes, kernel != stride) and gradients against
+//! finite differences (candle scales max-pool gradients by 1/k^2 and errors for kernel != stride).
+
+mod common;
+use candle_core::{Device, Result, Tensor};
+use common::*;
+use ft_kernels::pool::{avg_pool2d, global_avg_pool, max_pool2d};
+
+fn naive(x: &Tensor, k: (usize, usize), s: (usize, usize), max: bool) -> Result<Tensor> {
+    let (n, c, h, w) = x.dims4()?;
+    let (oh, ow) = ((h - k.0) / s.0 + 1, (w - k.1) / s.1 + 1);
+    let v: Vec<f64> = x.flatten_all()?.to_vec1()?;
+    let mut out = Vec::new();
+    for p in 0..n * c {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let win: Vec<f64> = (0..k.0)
+                    .flat_map(|dy| (0..k.1).map(move |dx| (dy, dx)))
+                    .map(|(dy, dx)| v[p * h * w + (oy * s.0 + dy) * w + ox * s.1 + dx])
+                    .collect();
+                out.push(if max {
+                    win.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+                } else {
+                    win.iter().sum::<f64>() / win.len() as f64
+                });
+            }
+        }
+    }
+    Tensor::from_vec(out, (n, c, oh, ow), &Device::Cpu)
+}
+
+const CASES: [((usize, usize), (usize, usize)); 4] = [((2, 2), (2, 2)), ((3, 3), (2, 2)), ((3, 2), (1, 2)), ((2, 2), (3, 3))];
+
+#[test]
+fn values_match_naive_on_odd_sizes() -> Result<()> {
+    let x = rand(&[2, 3, 7, 5], 1)?;
+    for (k, s) in CASES {
+        assert_eq!(max_diff(&max_pool2d(&x, k, s)?, &naive(&x, k, s, true)?)?, 0.0, "max {k:?} {s:?}");
+        assert!(max_diff(&avg_pool2d(&x, k, s)?, &naive(&x, k, s, false)?)? < 1e-15, "avg {k:?} {s:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_match_finite_differences() -> Result<()> {
+    // Distinct values (no ties) so max pooling is differentiable at the test point.
+    let x = rand(&[2, 2, 7, 5], 2)?;
+    for (k, s) in CASES {
+        check_gradients(|xs| max_pool2d(&xs[0], k, s), &[x.clone()], EPS)?.assert_close(TOL)?;
+        check_gradients(|xs| avg_pool2d(&xs[0], k, s), &[x.clone()], EPS)?.assert_close(TOL)?;
+    }
+    check_gradients(|xs| global_avg_pool(&xs[0]), &[x.clone()], EPS)?.assert_close(TOL)?;
+    // Non-contiguous input and an input with another consumer.
+    check_gradients(|xs| max_pool2d(&xs[0].transpose(2, 3)?, (2, 2), (2, 2)), &[x.clone()], EPS)?.assert_close(TOL)?;
+    check_gradients(
+        |xs| (avg_pool2d(&xs[0], (2, 2), (2, 2))?.sum_all()? + xs[0].sqr()?.sum_all()?),
+        &[x],
+        EPS,
+    )?
+    .assert_close(TOL)
+}
+
+#[test]
+fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
+    let x = Tensor::new(&[[[[1f64, 3., 3., 0.], [2., 0., 1., 1.]]]], &Device::Cpu)?;
+    let v = candle_core::Var::from_tensor(&x)?;
+    let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
+    let g = y.sum_all()?.backward()?.get(v.as_tensor()).cloned().expect("grad");
+    let got: Vec<f64> = g.flatten_all()?.to_vec1()?;
+    assert_eq!(got, vec![0., 1., 1., 0., 0., 0., 0., 0.]);
+    assert!(max_pool2d(&x, (3, 3), (1, 1)).is_err(), "kernel larger than the input");
+    Ok(())
+}
