@@ -31,7 +31,9 @@ use rayon::prelude::*;
 
 /// A constant additive mask with its broadcast strides into [B, H, Lq, Lk].
 struct Mask {
-    data: Vec<f64>,
+    /// f32 even for f64 inputs: masks are 0 or large negatives, and a 1024 x 1024 mask in f64
+    /// would be the largest buffer of the op.
+    data: Vec<f32>,
     strides: [usize; 4],
 }
 
@@ -48,19 +50,22 @@ impl Mask {
         let mut acc = 1;
         for i in (0..4).rev() {
             if dims[i] != 1 && dims[i] != target[i] {
-                candle_core::bail!("attention mask {:?} does not broadcast to {target:?}", mask.dims());
+                candle_core::bail!(
+                    "attention mask {:?} does not broadcast to {target:?}",
+                    mask.dims()
+                );
             }
             strides[i] = if dims[i] == 1 { 0 } else { acc };
             acc *= dims[i];
         }
-        let data = mask.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let data = mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         Ok(Mask { data, strides })
     }
 
     #[inline]
     fn at(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
         let s = &self.strides;
-        self.data[b * s[0] + h * s[1] + i * s[2] + j * s[3]]
+        self.data[b * s[0] + h * s[1] + i * s[2] + j * s[3]] as f64
     }
 }
 
@@ -100,43 +105,45 @@ impl ChunkedAttention {
     /// Online softmax over key chunks, one query row at a time: never more than `chunk` scores.
     fn forward(&self, q: &[f64], k: &[f64], v: &[f64], dm: &Dims) -> Vec<f64> {
         let mut out = vec![0f64; dm.b * dm.h * dm.lq * dm.dv];
-        out.par_chunks_mut(dm.lq * dm.dv).enumerate().for_each(|(bh, o)| {
-            let qb = &q[bh * dm.lq * dm.d..(bh + 1) * dm.lq * dm.d];
-            let kb = &k[bh * dm.lk * dm.d..(bh + 1) * dm.lk * dm.d];
-            let vb = &v[bh * dm.lk * dm.dv..(bh + 1) * dm.lk * dm.dv];
-            let mut scores = vec![0f64; self.chunk];
-            for i in 0..dm.lq {
-                let qi = &qb[i * dm.d..(i + 1) * dm.d];
-                let oi = &mut o[i * dm.dv..(i + 1) * dm.dv];
-                let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
-                for start in (0..dm.lk).step_by(self.chunk) {
-                    let end = (start + self.chunk).min(dm.lk);
-                    let mut cmax = f64::NEG_INFINITY;
-                    for j in start..end {
-                        let s = self.score(dm, bh, i, j, qi, &kb[j * dm.d..(j + 1) * dm.d]);
-                        scores[j - start] = s;
-                        cmax = cmax.max(s);
+        out.par_chunks_mut(dm.lq * dm.dv)
+            .enumerate()
+            .for_each(|(bh, o)| {
+                let qb = &q[bh * dm.lq * dm.d..(bh + 1) * dm.lq * dm.d];
+                let kb = &k[bh * dm.lk * dm.d..(bh + 1) * dm.lk * dm.d];
+                let vb = &v[bh * dm.lk * dm.dv..(bh + 1) * dm.lk * dm.dv];
+                let mut scores = vec![0f64; self.chunk];
+                for i in 0..dm.lq {
+                    let qi = &qb[i * dm.d..(i + 1) * dm.d];
+                    let oi = &mut o[i * dm.dv..(i + 1) * dm.dv];
+                    let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
+                    for start in (0..dm.lk).step_by(self.chunk) {
+                        let end = (start + self.chunk).min(dm.lk);
+                        let mut cmax = f64::NEG_INFINITY;
+                        for j in start..end {
+                            let s = self.score(dm, bh, i, j, qi, &kb[j * dm.d..(j + 1) * dm.d]);
+                            scores[j - start] = s;
+                            cmax = cmax.max(s);
+                        }
+                        let m_new = m.max(cmax);
+                        if m_new == f64::NEG_INFINITY {
+                            continue;
+                        }
+                        let corr = (m - m_new).exp();
+                        l *= corr;
+                        oi.iter_mut().for_each(|x| *x *= corr);
+                        for j in start..end {
+                            let p = (scores[j - start] - m_new).exp();
+                            l += p;
+                            let vj = &vb[j * dm.dv..(j + 1) * dm.dv];
+                            oi.iter_mut().zip(vj).for_each(|(x, y)| *x += p * y);
+                        }
+                        m = m_new;
                     }
-                    let m_new = m.max(cmax);
-                    if m_new == f64::NEG_INFINITY {
-                        continue;
+                    if l > 0.0 {
+                        oi.iter_mut().for_each(|x| *x /= l);
                     }
-                    let corr = (m - m_new).exp();
-                    l *= corr;
-                    oi.iter_mut().for_each(|x| *x *= corr);
-                    for j in start..end {
-                        let p = (scores[j - start] - m_new).exp();
-                        l += p;
-                        let vj = &vb[j * dm.dv..(j + 1) * dm.dv];
-                        oi.iter_mut().zip(vj).for_each(|(x, y)| *x += p * y);
-                    }
-                    m = m_new;
                 }
-                if l > 0.0 {
-                    oi.iter_mut().for_each(|x| *x /= l);
-                }
-            }
-        });
+            });
         out
     }
 
@@ -218,10 +225,21 @@ impl ChunkedAttention {
 
 fn dims_of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims> {
     match (q, k, v) {
-        ([b, h, lq, d], [b2, h2, lk, d2], [b3, h3, lk2, dv]) if b == b2 && b == b3 && h == h2 && h == h3 && d == d2 && lk == lk2 => {
-            Ok(Dims { b: *b, h: *h, lq: *lq, lk: *lk, d: *d, dv: *dv })
+        ([b, h, lq, d], [b2, h2, lk, d2], [b3, h3, lk2, dv])
+            if b == b2 && b == b3 && h == h2 && h == h3 && d == d2 && lk == lk2 =>
+        {
+            Ok(Dims {
+                b: *b,
+                h: *h,
+                lq: *lq,
+                lk: *lk,
+                d: *d,
+                dv: *dv,
+            })
         }
-        _ => candle_core::bail!("attention shapes q {q:?}, k {k:?}, v {v:?} do not match [B, H, L, D]"),
+        _ => candle_core::bail!(
+            "attention shapes q {q:?}, k {k:?}, v {v:?} do not match [B, H, L, D]"
+        ),
     }
 }
 
@@ -229,8 +247,14 @@ fn storage_f64(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
     Ok(match s {
         CpuStorage::F32(d) => crate::cpu::slice(d, l)?.iter().map(|x| *x as f64).collect(),
         CpuStorage::F64(d) => crate::cpu::slice(d, l)?.to_vec(),
-        CpuStorage::F16(d) => crate::cpu::slice(d, l)?.iter().map(|x| x.to_f64()).collect(),
-        CpuStorage::BF16(d) => crate::cpu::slice(d, l)?.iter().map(|x| x.to_f64()).collect(),
+        CpuStorage::F16(d) => crate::cpu::slice(d, l)?
+            .iter()
+            .map(|x| x.to_f64())
+            .collect(),
+        CpuStorage::BF16(d) => crate::cpu::slice(d, l)?
+            .iter()
+            .map(|x| x.to_f64())
+            .collect(),
         _ => candle_core::bail!("attention: unsupported dtype"),
     })
 }
@@ -250,12 +274,19 @@ impl CustomOp3 for ChunkedAttention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dm = dims_of(ql.dims(), kl.dims(), vl.dims())?;
-        let o = self.forward(&storage_f64(qs, ql)?, &storage_f64(ks, kl)?, &storage_f64(vs, vl)?, &dm);
+        let o = self.forward(
+            &storage_f64(qs, ql)?,
+            &storage_f64(ks, kl)?,
+            &storage_f64(vs, vl)?,
+            &dm,
+        );
         let out = match qs {
             CpuStorage::F32(_) => CpuStorage::F32(o.into_iter().map(|x| x as f32).collect()),
             CpuStorage::F64(_) => CpuStorage::F64(o),
             CpuStorage::F16(_) => CpuStorage::F16(o.into_iter().map(half::f16::from_f64).collect()),
-            CpuStorage::BF16(_) => CpuStorage::BF16(o.into_iter().map(half::bf16::from_f64).collect()),
+            CpuStorage::BF16(_) => {
+                CpuStorage::BF16(o.into_iter().map(half::bf16::from_f64).collect())
+            }
             _ => candle_core::bail!("attention: unsupported dtype"),
         };
         Ok((out, Shape::from((dm.b, dm.h, dm.lq, dm.dv))))
@@ -270,7 +301,8 @@ impl CustomOp3 for ChunkedAttention {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dm = dims_of(q.dims(), k.dims(), v.dims())?;
-        let (dq, dk, dv) = self.backward(&host(q)?, &host(k)?, &host(v)?, &host(res)?, &host(g)?, &dm);
+        let (dq, dk, dv) =
+            self.backward(&host(q)?, &host(k)?, &host(v)?, &host(res)?, &host(g)?, &dm);
         let mk = |data: Vec<f64>, like: &Tensor| -> Result<Tensor> {
             Tensor::from_vec(data, like.shape(), like.device())?.to_dtype(like.dtype())
         };
@@ -296,13 +328,20 @@ pub fn sdpa_memory_efficient(
     chunk: usize,
 ) -> Result<Tensor> {
     if !q.device().is_cpu() {
-        candle_core::bail!("sdpa_memory_efficient: the CUDA kernel comes with the GPU work; run on the CPU");
+        candle_core::bail!(
+            "sdpa_memory_efficient: the CUDA kernel comes with the GPU work; run on the CPU"
+        );
     }
     let dm = dims_of(q.dims(), k.dims(), v.dims())?;
     let mask = match mask {
         Some(m) => Some(Arc::new(Mask::new(m, [dm.b, dm.h, dm.lq, dm.lk])?)),
         None => None,
     };
-    let op = ChunkedAttention { scale, chunk: chunk.max(1), mask };
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    let op = ChunkedAttention {
+        scale,
+        chunk: chunk.max(1),
+        mask,
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }

@@ -28,7 +28,11 @@ impl Pool {
         let (kh, kw) = self.kernel;
         let (sh, sw) = self.stride;
         if kh == 0 || kw == 0 || sh == 0 || sw == 0 || kh > h || kw > w {
-            candle_core::bail!("pool: kernel {:?} stride {:?} do not fit input {h}x{w}", self.kernel, self.stride);
+            candle_core::bail!(
+                "pool: kernel {:?} stride {:?} do not fit input {h}x{w}",
+                self.kernel,
+                self.stride
+            );
         }
         Ok(((h - kh) / sh + 1, (w - kw) / sw + 1))
     }
@@ -74,7 +78,12 @@ impl Pool {
         Ok(out)
     }
 
-    fn backward_vec(&self, x: &[f64], g: &[f64], dims: (usize, usize, usize, usize)) -> Result<Vec<f64>> {
+    fn backward_vec(
+        &self,
+        x: &[f64],
+        g: &[f64],
+        dims: (usize, usize, usize, usize),
+    ) -> Result<Vec<f64>> {
         let (n, c, h, w) = dims;
         let (oh, ow) = self.out_hw(h, w)?;
         let (kh, kw) = self.kernel;
@@ -135,7 +144,10 @@ impl CustomOp1 for Pool {
             dims: (usize, usize, usize, usize),
         ) -> Result<Vec<T>> {
             let x: Vec<f64> = cpu::slice(d, l)?.iter().map(|v| v.to_f64()).collect();
-            Ok(p.forward_vec(&x, dims)?.into_iter().map(T::from_f64).collect())
+            Ok(p.forward_vec(&x, dims)?
+                .into_iter()
+                .map(T::from_f64)
+                .collect())
         }
         let out = match s {
             CpuStorage::F32(d) => CpuStorage::F32(run(self, d, l, dims)?),
@@ -150,7 +162,9 @@ impl CustomOp1 for Pool {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let dims = arg.dims4()?;
         let dx = self.backward_vec(&to_f64_vec(arg)?, &to_f64_vec(g)?, dims)?;
-        Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?.to_dtype(arg.dtype())?))
+        Ok(Some(
+            Tensor::from_vec(dx, arg.shape(), arg.device())?.to_dtype(arg.dtype())?,
+        ))
     }
 }
 
@@ -158,7 +172,11 @@ fn pool(x: &Tensor, kind: Kind, kernel: (usize, usize), stride: (usize, usize)) 
     if !x.device().is_cpu() {
         candle_core::bail!("pooling: the CUDA kernel comes with the GPU work; run on the CPU");
     }
-    x.contiguous()?.apply_op1(Pool { kind, kernel, stride })
+    x.contiguous()?.apply_op1(Pool {
+        kind,
+        kernel,
+        stride,
+    })
 }
 
 /// Max pooling; the gradient goes to the first maximum of each window.

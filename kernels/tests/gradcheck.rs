@@ -14,8 +14,13 @@ impl CustomOp1 for WrongSquare {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         match s {
             CpuStorage::F64(d) => {
-                let (a, b) = l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("strided".into()))?;
-                Ok((CpuStorage::F64(d[a..b].iter().map(|x| x * x).collect()), l.shape().clone()))
+                let (a, b) = l
+                    .contiguous_offsets()
+                    .ok_or_else(|| candle_core::Error::Msg("strided".into()))?;
+                Ok((
+                    CpuStorage::F64(d[a..b].iter().map(|x| x * x).collect()),
+                    l.shape().clone(),
+                ))
             }
             _ => candle_core::bail!("f64 only"),
         }
@@ -35,7 +40,11 @@ fn a_correct_backward_passes() -> Result<()> {
 fn a_wrong_backward_is_caught() -> Result<()> {
     let x = rand(&[3, 5], 2)?;
     let r = check_gradients(|xs| xs[0].contiguous()?.apply_op1(WrongSquare), &[x], EPS)?;
-    let err = r.assert_close(TOL).err().map(|e| e.to_string()).unwrap_or_default();
+    let err = r
+        .assert_close(TOL)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     assert!(err.contains("input 0"), "the checker must fail: {r:?}");
     Ok(())
 }

@@ -16,7 +16,9 @@ fn naive(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     for z in 0..bs {
         for i in 0..m {
             for j in 0..n {
-                out[(z * m + i) * n + j] = (0..k).map(|t| av[(z * m + i) * k + t] * bv[(z * k + t) * n + j]).sum();
+                out[(z * m + i) * n + j] = (0..k)
+                    .map(|t| av[(z * m + i) * k + t] * bv[(z * k + t) * n + j])
+                    .sum();
             }
         }
     }
@@ -29,15 +31,21 @@ fn transposed_lhs_times_broadcast_rhs_is_right() -> Result<()> {
     let a = rand(&[3, 5, 4], 1)?.transpose(1, 2)?;
     let b = rand(&[5, 6], 2)?;
     let got = matmul(&a, &b.unsqueeze(0)?)?;
-    let want = naive(&a.contiguous()?, &b.unsqueeze(0)?.broadcast_as((3, 5, 6))?.contiguous()?)?;
+    let want = naive(
+        &a.contiguous()?,
+        &b.unsqueeze(0)?.broadcast_as((3, 5, 6))?.contiguous()?,
+    )?;
     assert!(max_diff(&got, &want)? < 1e-12);
     // linear on a non-contiguous 3-D input: what nn::Linear gets wrong.
     let w = rand(&[6, 5], 3)?;
     let bias = rand(&[6], 4)?;
     let x = rand(&[3, 5, 4], 5)?.transpose(1, 2)?; // [3, 4, 5]
     let got = linear(&x, &w, Some(&bias))?;
-    let want = naive(&x.contiguous()?, &w.t()?.unsqueeze(0)?.broadcast_as((3, 5, 6))?.contiguous()?)?
-        .broadcast_add(&bias)?;
+    let want = naive(
+        &x.contiguous()?,
+        &w.t()?.unsqueeze(0)?.broadcast_as((3, 5, 6))?.contiguous()?,
+    )?
+    .broadcast_add(&bias)?;
     assert!(max_diff(&got, &want)? < 1e-12);
     Ok(())
 }
@@ -47,7 +55,8 @@ fn four_d_non_contiguous_rhs_works() -> Result<()> {
     let a = rand(&[2, 3, 4, 5], 6)?;
     let b = rand(&[2, 3, 6, 5], 7)?.transpose(2, 3)?;
     let got = matmul(&a, &b)?;
-    let want = naive(&a.reshape((6, 4, 5))?, &b.contiguous()?.reshape((6, 5, 6))?)?.reshape((2, 3, 4, 6))?;
+    let want = naive(&a.reshape((6, 4, 5))?, &b.contiguous()?.reshape((6, 5, 6))?)?
+        .reshape((2, 3, 4, 6))?;
     assert!(max_diff(&got, &want)? < 1e-12);
     Ok(())
 }
@@ -55,12 +64,20 @@ fn four_d_non_contiguous_rhs_works() -> Result<()> {
 #[test]
 fn gradients_match_finite_differences() -> Result<()> {
     let (a, b) = (rand(&[2, 3, 5], 8)?, rand(&[5, 4], 9)?);
-    check_gradients(|xs| matmul(&xs[0].transpose(1, 2)?.transpose(1, 2)?, &xs[1]), &[a.clone(), b], EPS)?
-        .assert_close(TOL)?;
+    check_gradients(
+        |xs| matmul(&xs[0].transpose(1, 2)?.transpose(1, 2)?, &xs[1]),
+        &[a.clone(), b],
+        EPS,
+    )?
+    .assert_close(TOL)?;
     let (w, bias) = (rand(&[4, 3], 10)?, rand(&[4], 11)?);
     let x = rand(&[2, 3, 5], 12)?;
-    check_gradients(|xs| linear(&xs[0].transpose(1, 2)?, &xs[1], Some(&xs[2])), &[x, w, bias], EPS)?
-        .assert_close(TOL)?;
+    check_gradients(
+        |xs| linear(&xs[0].transpose(1, 2)?, &xs[1], Some(&xs[2])),
+        &[x, w, bias],
+        EPS,
+    )?
+    .assert_close(TOL)?;
     let _ = a;
     Ok(())
 }

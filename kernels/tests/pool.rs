@@ -29,14 +29,26 @@ fn naive(x: &Tensor, k: (usize, usize), s: (usize, usize), max: bool) -> Result<
     Tensor::from_vec(out, (n, c, oh, ow), &Device::Cpu)
 }
 
-const CASES: [((usize, usize), (usize, usize)); 4] = [((2, 2), (2, 2)), ((3, 3), (2, 2)), ((3, 2), (1, 2)), ((2, 2), (3, 3))];
+const CASES: [((usize, usize), (usize, usize)); 4] = [
+    ((2, 2), (2, 2)),
+    ((3, 3), (2, 2)),
+    ((3, 2), (1, 2)),
+    ((2, 2), (3, 3)),
+];
 
 #[test]
 fn values_match_naive_on_odd_sizes() -> Result<()> {
     let x = rand(&[2, 3, 7, 5], 1)?;
     for (k, s) in CASES {
-        assert_eq!(max_diff(&max_pool2d(&x, k, s)?, &naive(&x, k, s, true)?)?, 0.0, "max {k:?} {s:?}");
-        assert!(max_diff(&avg_pool2d(&x, k, s)?, &naive(&x, k, s, false)?)? < 1e-15, "avg {k:?} {s:?}");
+        assert_eq!(
+            max_diff(&max_pool2d(&x, k, s)?, &naive(&x, k, s, true)?)?,
+            0.0,
+            "max {k:?} {s:?}"
+        );
+        assert!(
+            max_diff(&avg_pool2d(&x, k, s)?, &naive(&x, k, s, false)?)? < 1e-15,
+            "avg {k:?} {s:?}"
+        );
     }
     Ok(())
 }
@@ -51,7 +63,12 @@ fn gradients_match_finite_differences() -> Result<()> {
     }
     check_gradients(|xs| global_avg_pool(&xs[0]), &[x.clone()], EPS)?.assert_close(TOL)?;
     // Non-contiguous input and an input with another consumer.
-    check_gradients(|xs| max_pool2d(&xs[0].transpose(2, 3)?, (2, 2), (2, 2)), &[x.clone()], EPS)?.assert_close(TOL)?;
+    check_gradients(
+        |xs| max_pool2d(&xs[0].transpose(2, 3)?, (2, 2), (2, 2)),
+        &[x.clone()],
+        EPS,
+    )?
+    .assert_close(TOL)?;
     check_gradients(
         |xs| (avg_pool2d(&xs[0], (2, 2), (2, 2))?.sum_all()? + xs[0].sqr()?.sum_all()?),
         &[x],
@@ -65,9 +82,17 @@ fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
     let x = Tensor::new(&[[[[1f64, 3., 3., 0.], [2., 0., 1., 1.]]]], &Device::Cpu)?;
     let v = candle_core::Var::from_tensor(&x)?;
     let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
-    let g = y.sum_all()?.backward()?.get(v.as_tensor()).cloned().expect("grad");
+    let g = y
+        .sum_all()?
+        .backward()?
+        .get(v.as_tensor())
+        .cloned()
+        .expect("grad");
     let got: Vec<f64> = g.flatten_all()?.to_vec1()?;
     assert_eq!(got, vec![0., 1., 1., 0., 0., 0., 0., 0.]);
-    assert!(max_pool2d(&x, (3, 3), (1, 1)).is_err(), "kernel larger than the input");
+    assert!(
+        max_pool2d(&x, (3, 3), (1, 1)).is_err(),
+        "kernel larger than the input"
+    );
     Ok(())
 }

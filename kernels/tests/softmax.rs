@@ -37,8 +37,18 @@ fn gradients_match_finite_differences() -> Result<()> {
 #[test]
 fn non_contiguous_input() -> Result<()> {
     let x = rand(&[2, 5, 3], 3)?;
-    check_gradients(|xs| softmax_last_dim(&xs[0].transpose(1, 2)?), &[x.clone()], EPS)?.assert_close(TOL)?;
-    check_gradients(|xs| log_softmax_last_dim(&xs[0].transpose(1, 2)?), &[x], EPS)?.assert_close(TOL)
+    check_gradients(
+        |xs| softmax_last_dim(&xs[0].transpose(1, 2)?),
+        &[x.clone()],
+        EPS,
+    )?
+    .assert_close(TOL)?;
+    check_gradients(
+        |xs| log_softmax_last_dim(&xs[0].transpose(1, 2)?),
+        &[x],
+        EPS,
+    )?
+    .assert_close(TOL)
 }
 
 #[test]

@@ -190,8 +190,10 @@ fn param_shapes_list_exactly_what_the_model_creates() -> anyhow::Result<()> {
         cfg.feed_forward_proj = ff.into();
         cfg.tie_word_embeddings = tied;
         let (_, params) = model(&cfg)?;
-        let mut built: Vec<(String, Vec<usize>)> =
-            params.iter().map(|(n, v)| (n.clone(), v.dims().to_vec())).collect();
+        let mut built: Vec<(String, Vec<usize>)> = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+            .collect();
         let mut listed = cfg.param_shapes();
         built.sort();
         listed.sort();

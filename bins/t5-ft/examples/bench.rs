@@ -75,7 +75,11 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
     )?;
     let params: Vec<Var> = opt.params().to_vec();
     let mut rng = SplitMix64::new(1);
-    let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| 2 + rng.below(cfg.vocab_size - 2) as u32).collect() };
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| 2 + rng.below(cfg.vocab_size - 2) as u32)
+            .collect()
+    };
     let batch = T5Batch {
         input_ids: Tensor::from_vec(ids(BATCH * SRC), (BATCH, SRC), &dev)?,
         attention_mask: Tensor::ones((BATCH, SRC), DType::F32, &dev)?,
@@ -103,7 +107,10 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
     let (_, pbytes) = store.count(true);
     let state = opt.optimizer().state_bytes();
     Ok(Row {
-        name: format!("candle (this repo){}", if checkpointing { ", checkpointing" } else { "" }),
+        name: format!(
+            "candle (this repo){}",
+            if checkpointing { ", checkpointing" } else { "" }
+        ),
         step_s: dt,
         alloc_peak: Some(peak - base),
         rss_peak: reset.then(|| (rss_kib("VmHWM").saturating_sub(base_rss)) * 1024),
@@ -113,16 +120,34 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
 
 fn torch(checkpointing: bool) -> Option<Row> {
     let py = std::env::var("BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/t5_bench_torch.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/t5_bench_torch.py"
+    );
     let out = std::process::Command::new(&py)
-        .args([script, "--steps", &STEPS.to_string(), "--checkpointing", if checkpointing { "1" } else { "0" }])
+        .args([
+            script,
+            "--steps",
+            &STEPS.to_string(),
+            "--checkpointing",
+            if checkpointing { "1" } else { "0" },
+        ])
         .output()
         .ok()?;
     if !out.status.success() {
-        eprintln!("PyTorch reference not run ({py}): {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+        eprintln!(
+            "PyTorch reference not run ({py}): {}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        );
         return None;
     }
-    let line = String::from_utf8_lossy(&out.stdout).lines().last()?.to_string();
+    let line = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()?
+        .to_string();
     let v: serde_json::Value = serde_json::from_str(&line).ok()?;
     Some(Row {
         name: format!(
@@ -138,16 +163,22 @@ fn torch(checkpointing: bool) -> Option<Row> {
 }
 
 fn fmt(b: Option<u64>) -> String {
-    b.map(|b| format_bytes(b as i64)).unwrap_or_else(|| "-".into())
+    b.map(|b| format_bytes(b as i64))
+        .unwrap_or_else(|| "-".into())
 }
 
 fn data_throughput() -> anyhow::Result<(usize, f64)> {
     let dir = std::env::temp_dir().join(format!("t5-bench-data-{}", std::process::id()));
     t5_ft::demo::write(&dir, 20_000, 1, 3)?;
-    let fields = t5_ft::data::Fields { input: "input".into(), target: "target".into(), skip_bad: false };
+    let fields = t5_ft::data::Fields {
+        input: "input".into(),
+        target: "target".into(),
+        skip_bad: false,
+    };
     let t0 = Instant::now();
     let file = t5_ft::data::RecordFile::open(&dir.join("train.jsonl"), fields)?;
-    let coll = t5_ft::tokenize::Collator::from_file(&dir.join("model/tokenizer.json"), 64, 32, 0, 32)?;
+    let coll =
+        t5_ft::tokenize::Collator::from_file(&dir.join("model/tokenizer.json"), 64, 32, 0, 32)?;
     for b in t5_ft::data::epoch_batches(&file, 64, 0, 0, true, false) {
         coll.collate(&file.read(&b)?, &Device::Cpu)?;
     }
@@ -174,7 +205,10 @@ fn main() -> anyhow::Result<()> {
     for ck in [false, true] {
         let r = ours(ck)?;
         let t = torch(ck);
-        let ratio = t.as_ref().map(|t| format!("{:.2}x", r.step_s / t.step_s)).unwrap_or("-".into());
+        let ratio = t
+            .as_ref()
+            .map(|t| format!("{:.2}x", r.step_s / t.step_s))
+            .unwrap_or("-".into());
         let (p, g, o) = r.told.unwrap_or_default();
         println!(
             "| {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} |",
@@ -187,7 +221,12 @@ fn main() -> anyhow::Result<()> {
             format_bytes(o as i64)
         );
         if let Some(t) = t {
-            println!("| {} | {:.3} s | 1.00x | {} | - | - | - | - |", t.name, t.step_s, fmt(t.rss_peak));
+            println!(
+                "| {} | {:.3} s | 1.00x | {} | - | - | - | - |",
+                t.name,
+                t.step_s,
+                fmt(t.rss_peak)
+            );
         }
         measured.push(r);
     }
@@ -211,8 +250,12 @@ fn main() -> anyhow::Result<()> {
     }
     println!("| model states total | {} |", format_bytes((16 * n) as i64));
     let tokens_small = (BATCH * (SRC + TGT)) as f64;
-    let scale = (xl.num_layers * (xl.d_model + xl.d_ff)) as f64 / (cfg.num_layers * (cfg.d_model + cfg.d_ff)) as f64;
-    for (label, r) in ["without checkpointing", "with checkpointing"].iter().zip(&measured) {
+    let scale = (xl.num_layers * (xl.d_model + xl.d_ff)) as f64
+        / (cfg.num_layers * (cfg.d_model + cfg.d_ff)) as f64;
+    for (label, r) in ["without checkpointing", "with checkpointing"]
+        .iter()
+        .zip(&measured)
+    {
         let (p, g, o) = r.told.unwrap_or_default();
         let act = r.alloc_peak.unwrap_or(0).saturating_sub(g) as f64;
         let _ = (p, o);

@@ -155,12 +155,24 @@ fn tied_relu_forward_and_every_gradient_match_transformers() -> anyhow::Result<(
 fn saved_checkpoint_is_left_for_the_transformers_check() -> anyhow::Result<()> {
     let out = tmp("saved");
     let mut s = setup(&args("flan", &out, 8, 1, &[]))?;
-    let summary = train::run(&mut s.task, &mut s.optimizer, &s.checkpointer, &mut s.ledger, &s.loop_config)?;
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
     let dir = summary.final_dir.expect("final checkpoint");
     let examples = s.task.train.read(&(0..8).collect::<Vec<_>>())?;
     let batch = s.task.collator.collate(&examples, &Device::Cpu)?;
-    let logits = s.task.model.forward(&batch, &DropoutCtx::eval(), &Checkpointer::new(false))?;
-    ft_memory::fsutil::save_safetensors(&[("logits".into(), logits)], &dir.join("logits.safetensors"))?;
+    let logits = s
+        .task
+        .model
+        .forward(&batch, &DropoutCtx::eval(), &Checkpointer::new(false))?;
+    ft_memory::fsutil::save_safetensors(
+        &[("logits".into(), logits)],
+        &dir.join("logits.safetensors"),
+    )?;
     let keep = std::env::temp_dir().join("t5-ft-parity-saved");
     let _ = std::fs::remove_dir_all(&keep);
     std::fs::rename(&dir, &keep)?;

@@ -20,6 +20,11 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// Max |a - b| relative to max |b|.
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let scale = b.to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-12);
+    let scale = b
+        .to_dtype(DType::F64)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f64>()?
+        .max(1e-12);
     Ok(max_diff(a, b)? / scale)
 }

@@ -235,9 +235,15 @@ impl T5Config {
                 };
                 let wis: &[&str] = if gated { &["wi_0", "wi_1"] } else { &["wi"] };
                 for w in wis {
-                    v.push((format!("{b}.{ff_layer}.DenseReluDense.{w}.weight"), vec![ff, d]));
+                    v.push((
+                        format!("{b}.{ff_layer}.DenseReluDense.{w}.weight"),
+                        vec![ff, d],
+                    ));
                 }
-                v.push((format!("{b}.{ff_layer}.DenseReluDense.wo.weight"), vec![d, ff]));
+                v.push((
+                    format!("{b}.{ff_layer}.DenseReluDense.wo.weight"),
+                    vec![d, ff],
+                ));
                 v.push((format!("{b}.{ff_layer}.layer_norm.weight"), vec![d]));
             }
             v.push((format!("{stack}.final_layer_norm.weight"), vec![d]));
