@@ -132,7 +132,7 @@ pub fn group_norm(
     eps: f64,
 ) -> Result<Tensor> {
     let dims = x.dims().to_vec();
-    if dims.len() < 2 || num_groups == 0 || dims[1] % num_groups != 0 {
+    if dims.len() < 2 || num_groups == 0 || !dims[1].is_multiple_of(num_groups) {
         candle_core::bail!(
             "group_norm: {num_groups} groups do not divide the channels of {dims:?}"
         );

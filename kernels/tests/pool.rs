@@ -58,19 +58,22 @@ fn gradients_match_finite_differences() -> Result<()> {
     // Distinct values (no ties) so max pooling is differentiable at the test point.
     let x = rand(&[2, 2, 7, 5], 2)?;
     for (k, s) in CASES {
-        check_gradients(|xs| max_pool2d(&xs[0], k, s), &[x.clone()], EPS)?.assert_close(TOL)?;
-        check_gradients(|xs| avg_pool2d(&xs[0], k, s), &[x.clone()], EPS)?.assert_close(TOL)?;
+        check_gradients(|xs| max_pool2d(&xs[0], k, s), std::slice::from_ref(&x), EPS)?
+            .assert_close(TOL)?;
+        check_gradients(|xs| avg_pool2d(&xs[0], k, s), std::slice::from_ref(&x), EPS)?
+            .assert_close(TOL)?;
     }
-    check_gradients(|xs| global_avg_pool(&xs[0]), &[x.clone()], EPS)?.assert_close(TOL)?;
+    check_gradients(|xs| global_avg_pool(&xs[0]), std::slice::from_ref(&x), EPS)?
+        .assert_close(TOL)?;
     // Non-contiguous input and an input with another consumer.
     check_gradients(
         |xs| max_pool2d(&xs[0].transpose(2, 3)?, (2, 2), (2, 2)),
-        &[x.clone()],
+        std::slice::from_ref(&x),
         EPS,
     )?
     .assert_close(TOL)?;
     check_gradients(
-        |xs| (avg_pool2d(&xs[0], (2, 2), (2, 2))?.sum_all()? + xs[0].sqr()?.sum_all()?),
+        |xs| avg_pool2d(&xs[0], (2, 2), (2, 2))?.sum_all()? + xs[0].sqr()?.sum_all()?,
         &[x],
         EPS,
     )?

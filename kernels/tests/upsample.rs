@@ -27,7 +27,7 @@ fn gradient_accumulates_with_another_consumer() -> Result<()> {
             let down = up.reshape((2, 3, 3, 2, 5, 2))?.sum(5)?.sum(3)?;
             (down + (&xs[0] * 3.0)?)?.tanh()
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
         EPS,
     )?
     .assert_close(TOL)?;

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Result, Tensor};
+#[allow(unused_imports)]
 pub use ft_kernels::gradcheck::{check_gradients, random_non_contiguous, random_tensor};
 
 pub const EPS: f64 = 1e-5;
