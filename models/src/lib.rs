@@ -3,6 +3,7 @@
 
 pub mod dropout;
 pub mod error;
+pub mod fewshot;
 pub mod t5;
 
 pub use error::{ModelError, Result};

@@ -198,6 +198,26 @@ impl ParamBuilder {
         Ok(t)
     }
 
+    /// A non-trainable state tensor that the model updates in place (batch-norm running
+    /// statistics): a `Var` for `set`, registered as frozen so optimizers skip it and checkpoints
+    /// keep it.
+    pub fn buffer(&self, shape: &[usize], name: &str, init: Init) -> Result<Var> {
+        let full = self.full_name(name);
+        if let Some(t) = self.store.get(&full) {
+            return Ok(Var::from_tensor(&t)?);
+        }
+        let mut b = self.clone();
+        b.trainable = true; // creates a Var
+        let t = match &self.source {
+            Some(files) if files.meta(&full).is_some() => {
+                files.load(&full, Some(shape), self.dtype, &self.device, true)?
+            }
+            _ => b.init(&full, shape, init)?,
+        };
+        self.store.insert(full, t.clone(), false);
+        Ok(Var::from_tensor(&t)?)
+    }
+
     fn init(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let n: usize = shape.iter().product();
         let mut rng = SplitMix64::new(self.seed ^ crate::rng::hash_str(name));

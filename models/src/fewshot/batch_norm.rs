@@ -1,0 +1,66 @@
+//! BatchNorm2d with running statistics, as `torch.nn.BatchNorm2d` (momentum 0.1, eps 1e-5):
+//! batch statistics in training (biased variance to normalise, unbiased for the running
+//! estimate), running statistics in evaluation. A composition of ops with correct backwards.
+
+use candle_core::{Tensor, Var};
+use ft_memory::weights::{Init, ParamBuilder};
+
+use crate::error::Result;
+
+#[derive(Clone)]
+pub struct BatchNorm2d {
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Var,
+    running_var: Var,
+    eps: f64,
+    momentum: f64,
+}
+
+impl BatchNorm2d {
+    pub fn new(pb: &ParamBuilder, channels: usize) -> Result<Self> {
+        Ok(BatchNorm2d {
+            weight: pb.get(&[channels], "weight", Init::Ones)?,
+            bias: pb.get(&[channels], "bias", Init::Zeros)?,
+            running_mean: pb.buffer(&[channels], "running_mean", Init::Zeros)?,
+            running_var: pb.buffer(&[channels], "running_var", Init::Ones)?,
+            eps: 1e-5,
+            momentum: 0.1,
+        })
+    }
+
+    /// Normalises [N, C, H, W]; in training also updates the running statistics.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (n, c, h, w) = x.dims4()?;
+        let shape = (1, c, 1, 1);
+        let (mean, var) = if train {
+            let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+            let var = x
+                .broadcast_sub(&mean)?
+                .sqr()?
+                .mean_keepdim(0)?
+                .mean_keepdim(2)?
+                .mean_keepdim(3)?;
+            let count = (n * h * w) as f64;
+            let unbiased = (var.detach() * (count / (count - 1.0).max(1.0)))?.flatten_all()?;
+            let m = self.momentum;
+            self.running_mean.set(
+                &((self.running_mean.as_tensor() * (1.0 - m))?
+                    + (mean.detach().flatten_all()? * m)?)?,
+            )?;
+            self.running_var
+                .set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)?;
+            (mean, var)
+        } else {
+            (
+                self.running_mean.as_tensor().reshape(shape)?,
+                self.running_var.as_tensor().reshape(shape)?,
+            )
+        };
+        let y = x
+            .broadcast_sub(&mean)?
+            .broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        Ok(y.broadcast_mul(&self.weight.reshape(shape)?)?
+            .broadcast_add(&self.bias.reshape(shape)?)?)
+    }
+}

@@ -1,0 +1,130 @@
+//! Few-shot models: every trainable parameter gets a nonzero gradient, shapes and names are
+//! right, batch norm keeps running statistics, and FSCT's cosine attention is bounded.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::weights::{ParamBuilder, ParamStore};
+use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+
+fn build(
+    kind: BackboneKind,
+    method: Method,
+    size: usize,
+    flatten: bool,
+) -> anyhow::Result<(FewShotModel, Vec<(String, Var)>, std::sync::Arc<ParamStore>)> {
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(store.clone(), DType::F32, &Device::Cpu, 11);
+    let bb = Backbone::new(&pb, kind, size, flatten)?;
+    let m = FewShotModel::new(&pb, bb, method, 3, 2)?;
+    let params = store.trainable()?;
+    Ok((m, params, store))
+}
+
+fn episode(size: usize, seed: u64) -> anyhow::Result<Episode> {
+    let images =
+        ft_kernels::gradcheck::random_tensor(&[3 * (2 + 2), 3, size, size], seed, &Device::Cpu)?
+            .to_dtype(DType::F32)?;
+    Ok(Episode {
+        images,
+        n_way: 3,
+        k_shot: 2,
+        n_query: 2,
+    })
+}
+
+#[test]
+fn every_parameter_gets_a_gradient_for_each_method_and_backbone() -> anyhow::Result<()> {
+    for (kind, size, flatten) in [
+        (BackboneKind::Conv4, 32, true),
+        (BackboneKind::Conv6, 32, false),
+        (BackboneKind::ResNet10, 32, true),
+        (BackboneKind::ResNet18, 32, false),
+    ] {
+        for method in [Method::FsctCosine, Method::FsctSoftmax, Method::ProtoNet] {
+            let (m, params, _) = build(kind, method, size, flatten)?;
+            let (loss, correct) = m.summed_loss(&episode(size, 1)?, true)?;
+            assert!(correct <= 6);
+            let g = loss.backward()?;
+            for (name, v) in &params {
+                // A bias added to every class's score shifts all logits equally: cross-entropy's
+                // gradient for it is exactly zero (in the reference too).
+                if method == Method::FsctSoftmax && name == "linear.2.bias" {
+                    continue;
+                }
+                let s = g
+                    .get(v.as_tensor())
+                    .map(|t| {
+                        t.abs()
+                            .and_then(|a| a.sum_all())
+                            .and_then(|s| s.to_scalar::<f32>())
+                    })
+                    .transpose()?
+                    .unwrap_or(0.0);
+                assert!(s > 0.0, "{kind:?} {method:?}: `{name}` has no gradient");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn names_and_feature_sizes_follow_the_reference() -> anyhow::Result<()> {
+    let (m, params, store) = build(BackboneKind::Conv4, Method::FsctCosine, 84, true)?;
+    assert_eq!(
+        m.backbone.feat_dim,
+        64 * 5 * 5,
+        "Conv4 at 84 px flattens to 1600"
+    );
+    let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+    for n in [
+        "feature.trunk.0.C.weight",
+        "feature.trunk.3.BN.bias",
+        "proto_weight",
+        "ATTN.input_linear.1.weight",
+        "FFN.3.bias",
+        "linear.2.L.weight_v",
+        "linear.2.L.weight_g",
+    ] {
+        assert!(names.contains(&n), "missing {n}");
+    }
+    let frozen: Vec<String> = store.frozen().into_iter().map(|(n, _)| n).collect();
+    assert!(frozen.contains(&"feature.trunk.0.BN.running_mean".to_string()));
+    let (r, _, _) = build(BackboneKind::ResNet18, Method::ProtoNet, 224, true)?;
+    assert_eq!(r.backbone.feat_dim, 512 * 7 * 7);
+    assert!("resnet50".parse::<BackboneKind>().is_err());
+    assert!("matchingnet".parse::<Method>().is_err());
+    Ok(())
+}
+
+#[test]
+fn batch_norm_running_statistics_move_in_training_only() -> anyhow::Result<()> {
+    let (m, _, store) = build(BackboneKind::Conv4, Method::ProtoNet, 32, true)?;
+    let rm = || {
+        store
+            .get("feature.trunk.0.BN.running_mean")
+            .expect("buffer")
+            .sum_all()?
+            .to_scalar::<f32>()
+    };
+    let before = rm()?;
+    m.scores(&episode(32, 2)?, false)?;
+    assert_eq!(rm()?, before, "evaluation leaves running stats alone");
+    m.scores(&episode(32, 2)?, true)?;
+    assert_ne!(rm()?, before, "training updates them");
+    // Eval output is deterministic and per-sample (no batch statistics).
+    let ep = episode(32, 3)?;
+    let a = m.scores(&ep, false)?;
+    let b = m.scores(&ep, false)?;
+    assert_eq!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    Ok(())
+}
+
+#[test]
+fn protonet_scores_are_negative_squared_distances() -> anyhow::Result<()> {
+    let (m, _, _) = build(BackboneKind::Conv4, Method::ProtoNet, 32, true)?;
+    let ep = episode(32, 4)?;
+    let s = m.scores(&ep, false)?;
+    assert_eq!(s.dims(), &[6, 3]);
+    assert!(s.max_all()?.to_scalar::<f32>()? <= 0.0);
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
+    Ok(())
+}
