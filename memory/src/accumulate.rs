@@ -69,9 +69,9 @@ impl GradAccumulator {
         }
         for (s, g) in self.sums.iter_mut().zip(grads) {
             let Some(g) = g else { continue };
-            let g = g.to_dtype(DType::F32)?;
+            let g = g.to_dtype(DType::F32)?.detach();
             *s = Some(match s.take() {
-                Some(prev) => (prev + g)?,
+                Some(prev) => (prev + g)?.detach(),
                 None => g,
             });
         }

@@ -115,9 +115,12 @@ impl Checkpointer {
         for p in params {
             let direct = grads.remove(p.as_tensor());
             let from_segments = self.sink.take(p.id());
+            // Detached: a gradient computed from tracked activations records the ops that made
+            // it, and would keep the whole forward graph alive for as long as it (or optimizer
+            // state derived from it) lives.
             out.push(match (direct, from_segments) {
-                (Some(a), Some(b)) => Some(a.add(&b)?),
-                (a, b) => a.or(b),
+                (Some(a), Some(b)) => Some(a.add(&b)?.detach()),
+                (a, b) => a.or(b).map(|g| g.detach()),
             });
         }
         self.sink.clear();
@@ -153,7 +156,7 @@ impl SegmentOp {
         let mut grads = surrogate.backward()?;
         for p in &self.params {
             if let Some(g) = grads.remove(p.as_tensor()) {
-                self.sink.add(p.id(), g)?;
+                self.sink.add(p.id(), g.detach())?;
             }
         }
         Ok(vars
@@ -161,7 +164,7 @@ impl SegmentOp {
             .zip(&self.tracked)
             .map(|(v, tracked)| {
                 if *tracked {
-                    grads.remove(v.as_tensor())
+                    grads.remove(v.as_tensor()).map(|g| g.detach())
                 } else {
                     None
                 }

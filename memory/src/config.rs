@@ -22,8 +22,9 @@ where
     parse_from(std::env::args_os(), config_path)
 }
 
-/// [`parse_from`], with a built-in TOML preset (e.g. the `--demo` settings) used as the file
-/// layer when `preset` returns one and no `--config` was given.
+/// [`parse_from`] with a built-in TOML preset between the flags' defaults and the config file:
+/// built-in defaults < preset (a binary's own defaults, or its `--demo` settings) < `--config`
+/// file < flags typed on the command line.
 pub fn parse_with_preset<T, I, A>(
     args: I,
     config_path: impl Fn(&T) -> Option<PathBuf>,
@@ -45,12 +46,13 @@ where
         .get_arguments()
         .map(|a| a.get_id().as_str().to_string())
         .collect();
-    if let Some(path) = config_path(&parsed) {
-        return merge_file(&parsed, &path, &known, &explicit);
-    }
-    match preset(&parsed) {
-        Some((label, text)) => merge_text(&parsed, text, label, &known, &explicit),
-        None => Ok(parsed),
+    let with_preset = match preset(&parsed) {
+        Some((label, text)) => merge_text(&parsed, text, label, &known, &explicit)?,
+        None => parsed,
+    };
+    match config_path(&with_preset) {
+        Some(path) => merge_file(&with_preset, &path, &known, &explicit),
+        None => Ok(with_preset),
     }
 }
 
@@ -143,8 +145,12 @@ pub struct CommonArgs {
     /// Micro-batch size.
     #[arg(long, default_value_t = 1)]
     pub batch_size: usize,
-    /// Micro-batches per optimizer step (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
+    /// Micro-batches (episodes, for fewshot-ft) per optimizer step: gradient accumulation.
+    #[arg(
+        long,
+        visible_alias = "gradient-accumulation-steps",
+        default_value_t = 1
+    )]
     pub accum: usize,
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-4)]

@@ -117,7 +117,9 @@ impl Optimizer for AdamW {
         let bc2_sqrt = bc2.sqrt();
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
-            let g = g.to_dtype(DType::F32)?;
+            // Detached throughout: optimizer state must not record (and keep alive) the graph
+            // of the gradients it was computed from.
+            let g = g.to_dtype(DType::F32)?.detach();
             let m = match &self.m[i] {
                 Some(m) => ((m * c.beta1)? + (&g * (1.0 - c.beta1))?)?,
                 None => (&g * (1.0 - c.beta1))?,
@@ -128,7 +130,7 @@ impl Optimizer for AdamW {
                 None => (g2 * (1.0 - c.beta2))?,
             };
             let denom = ((v.sqrt()? / bc2_sqrt)? + c.eps)?;
-            let p32 = p.as_tensor().to_dtype(DType::F32)?;
+            let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
             let decayed = if c.weight_decay != 0.0 {
                 (p32 * (1.0 - lr * c.weight_decay))?
             } else {
@@ -136,8 +138,8 @@ impl Optimizer for AdamW {
             };
             let update = ((&m / denom)? * step_size)?;
             p.set(&(decayed - update)?.to_dtype(p.dtype())?)?;
-            self.m[i] = Some(m);
-            self.v[i] = Some(v);
+            self.m[i] = Some(m.detach());
+            self.v[i] = Some(v.detach());
         }
         Ok(())
     }
@@ -192,8 +194,8 @@ impl Optimizer for Sgd {
         self.t += 1;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
-            let mut g = g.to_dtype(DType::F32)?;
-            let p32 = p.as_tensor().to_dtype(DType::F32)?;
+            let mut g = g.to_dtype(DType::F32)?.detach();
+            let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
             if self.weight_decay != 0.0 {
                 g = (g + (&p32 * self.weight_decay)?)?;
             }
@@ -207,7 +209,7 @@ impl Optimizer for Sgd {
                 } else {
                     b.clone()
                 };
-                self.buf[i] = Some(b);
+                self.buf[i] = Some(b.detach());
             }
             p.set(&(p32 - (g * lr)?)?.to_dtype(p.dtype())?)?;
         }

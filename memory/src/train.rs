@@ -76,6 +76,18 @@ pub struct LoopConfig {
     pub progress: bool,
     /// Resume from this checkpoint folder.
     pub resume: Option<PathBuf>,
+    /// Keep the best checkpoint by an evaluation metric in `output_dir/best`, and stop early.
+    pub best: Option<BestConfig>,
+}
+
+/// "Best checkpoint kept, early stopping": which metric decides and how long to wait.
+#[derive(Debug, Clone)]
+pub struct BestConfig {
+    /// Key of a metric returned by [`Task::evaluate`].
+    pub metric: String,
+    pub higher_is_better: bool,
+    /// Stop after this many evaluations without improvement (0: never stop early).
+    pub patience: usize,
 }
 
 /// What a run reports at its end.
@@ -86,6 +98,10 @@ pub struct RunSummary {
     pub losses: Vec<f64>,
     pub last_eval: Vec<(String, f64)>,
     pub final_dir: Option<PathBuf>,
+    /// Best value of the watched metric and the folder holding that checkpoint.
+    pub best: Option<(f64, PathBuf)>,
+    /// True when early stopping ended the run before `max_steps`.
+    pub stopped_early: bool,
 }
 
 fn task_err(e: Box<dyn std::error::Error + Send + Sync>) -> Error {
@@ -159,6 +175,7 @@ pub fn run<T: Task>(
 
     let mut summary = RunSummary::default();
     let mut acc = GradAccumulator::new();
+    let mut bad_evals = 0usize;
     while step < cfg.max_steps {
         let t0 = Instant::now();
         // Gather the step's micro-batches first: the loss is normalised by all of their units.
@@ -253,7 +270,41 @@ pub fn run<T: Task>(
                         .join(", ")
                 ));
             }
+            let mut stop = false;
+            if let Some(b) = &cfg.best {
+                if let Some((_, v)) = m.iter().find(|(k, _)| *k == b.metric) {
+                    let better = match &summary.best {
+                        None => true,
+                        Some((best, _)) => {
+                            if b.higher_is_better {
+                                v > best
+                            } else {
+                                v < best
+                            }
+                        }
+                    };
+                    if better {
+                        let dir = cfg.output_dir.join("best");
+                        save_checkpoint(task, opt, step, epoch, &dir)?;
+                        summary.best = Some((*v, dir));
+                        bad_evals = 0;
+                    } else {
+                        bad_evals += 1;
+                        stop = b.patience > 0 && bad_evals >= b.patience;
+                    }
+                }
+            }
             summary.last_eval = m;
+            if stop && !last {
+                bar.println(format!(
+                    "early stopping at step {step}: no improvement in {bad_evals} evaluations"
+                ));
+                let dir = cfg.output_dir.join(format!("checkpoint-{step}"));
+                save_checkpoint(task, opt, step, epoch, &dir)?;
+                summary.final_dir = Some(dir);
+                summary.stopped_early = true;
+                break;
+            }
         }
         if (cfg.save_every > 0 && step.is_multiple_of(cfg.save_every)) || last {
             let dir = cfg.output_dir.join(format!("checkpoint-{step}"));

@@ -68,3 +68,31 @@ fn unknown_key_and_wrong_type_name_the_file() {
         .to_string();
     assert!(e.contains("/nonexistent/cfg.toml"), "{e}");
 }
+
+#[test]
+fn preset_sits_between_defaults_and_the_file() -> anyhow::Result<()> {
+    let preset = |_: &Args| Some(("preset", "lr = 0.001\naccum = 8\n"));
+    let p = |args: &[&str]| {
+        ft_memory::config::parse_with_preset(
+            args.iter().copied(),
+            |a: &Args| a.config.clone(),
+            preset,
+        )
+    };
+    let a = p(&["x"])?;
+    assert_eq!((a.lr, a.accum), (0.001, 8));
+    let f = write("over-preset.toml", "accum = 2\n");
+    let a = p(&[
+        "x",
+        "--config",
+        f.to_str().unwrap_or_default(),
+        "--lr",
+        "0.5",
+    ])?;
+    assert_eq!(
+        (a.lr, a.accum),
+        (0.5, 2),
+        "file beats preset, flag beats both"
+    );
+    Ok(())
+}

@@ -169,6 +169,7 @@ fn run(
         save_every: 4,
         progress: false,
         resume,
+        best: None,
     };
     let mut ledger = Ledger::new(&Device::Cpu);
     let s = train::run(

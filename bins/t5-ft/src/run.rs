@@ -172,6 +172,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         save_every: args.save_every,
         progress: !args.quiet,
         resume: args.resume.clone(),
+        best: None,
     };
     Ok(Setup {
         task,

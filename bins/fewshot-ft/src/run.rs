@@ -1,0 +1,213 @@
+//! From arguments to a trained and tested model.
+
+use std::sync::Arc;
+
+use candle_core::Device;
+use ft_memory::checkpoint::Checkpointer;
+use ft_memory::ledger::Ledger;
+use ft_memory::mixed::MixedOptimizer;
+use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::precision::Precision;
+use ft_memory::schedule::LrSchedule;
+use ft_memory::train::{self, BestConfig, LoopConfig, RunSummary, Units};
+use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
+use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
+
+use crate::cli::Args;
+use crate::data::{EpisodeShape, ImageConfig, Splits};
+use crate::task::{Accuracy, FewShotTask};
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn device(spec: &str) -> anyhow::Result<Device> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0)?),
+        s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Ok(Device::new_cuda(n)?),
+            None => anyhow::bail!("--device `{s}`: expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+/// Everything a run needs.
+pub struct Setup {
+    pub task: FewShotTask,
+    pub optimizer: MixedOptimizer,
+    pub ledger: Ledger,
+    pub loop_config: LoopConfig,
+    pub checkpointer: Checkpointer,
+}
+
+pub fn setup(args: &Args) -> anyhow::Result<Setup> {
+    args.validate()?;
+    let out = args.common.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    let device = device(&args.common.device)?;
+    // Conv2d has no bf16 kernel on candle's CPU backend: f32 there, bf16 on GPU unless asked.
+    let precision = match &args.common.precision {
+        Some(p) => Precision::parse(p)?,
+        None if device.is_cpu() => Precision::parse("f32")?,
+        None => Precision::parse("bf16")?,
+    };
+    let kind: BackboneKind = args.backbone.parse()?;
+    let method: Method = args.method.parse()?;
+    let size = args.image_size.unwrap_or(match kind {
+        BackboneKind::Conv4 | BackboneKind::Conv6 => 84,
+        _ => 224,
+    });
+    let splits = if args.demo {
+        Splits::synthetic(40, 40, args.common.seed)
+    } else {
+        let dir = args
+            .data_dir
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("--data-dir is required"))?;
+        Splits::from_dir(&dir, args.common.seed)?
+    };
+    let shape = EpisodeShape {
+        n_way: args.n_way,
+        k_shot: args.k_shot,
+        n_query: args.n_query,
+    };
+    splits.check(shape.n_way, shape.k_shot + shape.n_query)?;
+
+    let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
+    ledger.set_baseline();
+    let store = ParamStore::new();
+    let mut pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed);
+    if let Some(dir) = &args.resume {
+        pb = pb.with_source(Arc::new(
+            ModelRepo::Local(dir.clone()).safetensors("model")?,
+        ));
+    }
+    let backbone = Backbone::new(&pb, kind, size, !args.pooled)?;
+    let model = FewShotModel::new(&pb, backbone, method, shape.n_way, shape.k_shot)?;
+    ledger.mark("load", 0)?;
+    let config_json = serde_json::json!({
+        "backbone": args.backbone, "method": args.method, "n_way": shape.n_way, "k_shot": shape.k_shot,
+        "image_size": size, "flatten": !args.pooled,
+    });
+    let task = FewShotTask::new(
+        model,
+        store.clone(),
+        splits,
+        shape,
+        ImageConfig {
+            size,
+            augment: args.augment,
+        },
+        ImageConfig {
+            size,
+            augment: false,
+        },
+        device,
+        args.common.seed,
+        args.n_episode,
+        args.val_episodes,
+        config_json,
+    );
+    let steps_per_epoch = args.n_episode.div_ceil(args.common.accum) as u64;
+    let max_steps = args
+        .common
+        .max_steps
+        .unwrap_or(steps_per_epoch * args.common.epochs as u64)
+        .max(1);
+    let wd = args.common.weight_decay;
+    let clip = (args.common.max_grad_norm > 0.0).then_some(args.common.max_grad_norm);
+    let optimizer = MixedOptimizer::new(
+        store.trainable()?,
+        precision,
+        |n| {
+            Box::new(AdamW::new(
+                n,
+                AdamWConfig {
+                    weight_decay: wd,
+                    ..Default::default()
+                },
+            ))
+        },
+        clip,
+    )?;
+    let loop_config = LoopConfig {
+        units: Units::Samples,
+        accum: args.common.accum,
+        max_steps,
+        schedule: LrSchedule {
+            kind: args.common.schedule.parse()?,
+            base_lr: args.common.lr,
+            warmup_steps: args.common.warmup_steps,
+            total_steps: max_steps,
+        },
+        seed: args.common.seed,
+        output_dir: out,
+        eval_every: steps_per_epoch,
+        save_every: steps_per_epoch,
+        progress: !args.quiet,
+        resume: args.resume.clone(),
+        best: Some(BestConfig {
+            metric: "accuracy".into(),
+            higher_is_better: true,
+            patience: args.patience,
+        }),
+    };
+    Ok(Setup {
+        task,
+        optimizer,
+        ledger,
+        loop_config,
+        checkpointer: Checkpointer::new(false),
+    })
+}
+
+/// What a finished run reports.
+pub struct Outcome {
+    pub summary: RunSummary,
+    pub test: Accuracy,
+}
+
+/// Trains, keeps the best validation checkpoint, and tests it on `--test-episodes` episodes.
+pub fn run(args: &Args) -> anyhow::Result<Outcome> {
+    let mut s = setup(args)?;
+    let (n, bytes) = s.task.store.count(true);
+    eprintln!(
+        "fewshot-ft: {} {} {}-way {}-shot, {n} trainable parameters ({}), {} steps",
+        args.backbone,
+        args.method,
+        args.n_way,
+        args.k_shot,
+        ft_memory::ledger::format_bytes(bytes as i64),
+        s.loop_config.max_steps
+    );
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
+    if let Some((acc, dir)) = &summary.best {
+        eprintln!(
+            "best validation accuracy {acc:.2}% ({}); testing it",
+            dir.display()
+        );
+        s.task.load_weights(dir)?;
+    }
+    s.ledger.mark("eval/before", summary.steps)?;
+    let test = s.task.accuracy(
+        &s.task.splits.test,
+        args.test_episodes,
+        args.common.seed ^ 0x7E57,
+    )?;
+    s.ledger.mark("eval/after", summary.steps)?;
+    eprintln!("{}", s.ledger.table());
+    let result = serde_json::json!({
+        "test_accuracy": test.mean, "test_ci95": test.ci95, "test_episodes": test.episodes,
+        "best_val_accuracy": summary.best.as_ref().map(|b| b.0), "steps": summary.steps,
+        "stopped_early": summary.stopped_early,
+    });
+    let path = args.common.output_dir.join("results.json");
+    ft_memory::fsutil::write_atomic(&path, |f| {
+        std::io::Write::write_all(f, result.to_string().as_bytes())
+    })?;
+    Ok(Outcome { summary, test })
+}

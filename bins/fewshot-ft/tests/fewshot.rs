@@ -1,0 +1,257 @@
+//! fewshot-ft end to end on CPU: the demo learns far above chance (an untrained model does not),
+//! episode accumulation equals one big step, and bad data gets one clear error.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Var};
+use clap::Parser;
+use fewshot_ft::cli::Args;
+use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, Splits};
+use fewshot_ft::run::{run, setup};
+use ft_memory::accumulate::{GradAccumulator, LossNorm};
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fewshot-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The demo's settings (configs/fewshot_demo.toml) with fewer episodes, for test time.
+fn demo(out: &Path, extra: &[&str]) -> Args {
+    let has = |k: &str| extra.contains(&k);
+    let mut v: Vec<String> = [
+        "fewshot-ft",
+        "--demo",
+        "--quiet",
+        "--image-size",
+        "28",
+        "--n-query",
+        "6",
+        "--val-episodes",
+        "10",
+        "--test-episodes",
+        "100",
+        "--weight-decay",
+        "1e-5",
+        "--max-grad-norm",
+        "0",
+        "--output-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.push(out.display().to_string());
+    for (k, default) in [("--lr", "1e-3"), ("--n-episode", "15"), ("--epochs", "2")] {
+        if !has(k) {
+            v.extend([k.to_string(), default.to_string()]);
+        }
+    }
+    v.extend(extra.iter().map(|s| s.to_string()));
+    Args::parse_from(v)
+}
+
+#[test]
+fn demo_learns_far_above_chance_and_an_untrained_model_does_not() -> anyhow::Result<()> {
+    let out = tmp("demo");
+    let trained = run(&demo(&out, &[]))?;
+    println!("trained: {:?}", trained.test);
+    assert!(
+        trained.test.mean > 40.0,
+        "5-way 1-shot test accuracy {:.1}% is not clearly above chance",
+        trained.test.mean
+    );
+    assert!(
+        out.join("best").join("model.safetensors").is_file(),
+        "best checkpoint kept"
+    );
+    assert!(out.join("results.json").is_file());
+    let untrained = run(&demo(
+        &tmp("untrained"),
+        &["--lr", "1e-12", "--n-episode", "1", "--epochs", "1"],
+    ))?;
+    println!("untrained: {:?}", untrained.test);
+    assert!(
+        untrained.test.mean < 30.0,
+        "an untrained FSCT must not reach the margin: {:.1}%",
+        untrained.test.mean
+    );
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
+
+#[test]
+fn accumulating_episodes_equals_one_big_step() -> anyhow::Result<()> {
+    let s = setup(&demo(&tmp("accum"), &["--method", "fsct_softmax"]))?;
+    let params: Vec<Var> = s.optimizer.params().to_vec();
+    let shape = EpisodeShape {
+        n_way: 5,
+        k_shot: 1,
+        n_query: 6,
+    };
+    let img = ImageConfig {
+        size: 28,
+        augment: false,
+    };
+    let eps: Vec<_> = (0..2)
+        .map(|i| sample_episode(&s.task.splits.train, shape, 1, i, img, &Device::Cpu))
+        .collect::<Result<_, _>>()?;
+    // Evaluation-mode batch norm: the two paths then see the same statistics.
+    let queries: Vec<usize> = eps.iter().map(|e| e.n_way * e.n_query).collect();
+    let norm = LossNorm::samples(&queries);
+    let mut acc = GradAccumulator::new();
+    for e in &eps {
+        let (l, _) = s.task.model.summed_loss(e, false)?;
+        let g = norm.scale(&l)?.backward()?;
+        acc.add(
+            params
+                .iter()
+                .map(|p| g.get(p.as_tensor()).cloned())
+                .collect(),
+        )?;
+    }
+    let mut total = None;
+    for e in &eps {
+        let (l, _) = s.task.model.summed_loss(e, false)?;
+        total = Some(match total {
+            Some(t) => (t + l)?,
+            None => l,
+        });
+    }
+    let big = (total.expect("loss") / queries.iter().sum::<usize>() as f64)?.backward()?;
+    for (p, a) in params.iter().zip(acc.take()) {
+        let (Some(a), Some(b)) = (a, big.get(p.as_tensor())) else {
+            continue;
+        };
+        let d = (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        let m = b
+            .to_dtype(DType::F64)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        assert!(
+            d <= 1e-5 * m.max(1e-8),
+            "accumulated gradient differs by {d} (scale {m})"
+        );
+    }
+    Ok(())
+}
+
+fn png(path: &Path, seed: u8) {
+    let img = image::RgbImage::from_fn(40, 30, |x, y| {
+        image::Rgb([(x as u8).wrapping_mul(seed), y as u8, seed])
+    });
+    img.save(path).expect("png");
+}
+
+#[test]
+fn datasets_load_and_bad_data_names_the_file_or_class() -> anyhow::Result<()> {
+    // One folder of class folders, split by seed into disjoint train/val/test classes.
+    let root = tmp("data");
+    for c in 0..10 {
+        let d = root.join(format!("class{c}"));
+        std::fs::create_dir_all(&d)?;
+        for i in 0..4 {
+            png(&d.join(format!("{i}.png")), (c * 10 + i) as u8);
+        }
+    }
+    let splits = Splits::from_dir(&root, 0)?;
+    assert_eq!(
+        (
+            splits.train.classes.len(),
+            splits.val.classes.len(),
+            splits.test.classes.len()
+        ),
+        (6, 1, 3)
+    );
+    assert!(
+        splits.check(2, 3).is_err(),
+        "one val class cannot make 2-way episodes"
+    );
+    let shape = EpisodeShape {
+        n_way: 3,
+        k_shot: 1,
+        n_query: 2,
+    };
+    let ep = sample_episode(
+        &splits.train,
+        shape,
+        0,
+        0,
+        ImageConfig {
+            size: 16,
+            augment: true,
+        },
+        &Device::Cpu,
+    )?;
+    assert_eq!(ep.images.dims(), &[9, 3, 16, 16]);
+
+    // miniImageNet layout: split CSVs and images/.
+    let mini = tmp("mini");
+    std::fs::create_dir_all(mini.join("images"))?;
+    let mut rows = std::collections::HashMap::new();
+    for (split, classes) in [
+        ("train", ["n01", "n02"]),
+        ("val", ["n03", "n04"]),
+        ("test", ["n05", "n06"]),
+    ] {
+        let mut text = String::from("filename,label\n");
+        for c in classes {
+            for i in 0..3 {
+                let f = format!("{c}_{i}.png");
+                png(&mini.join("images").join(&f), i as u8 + 1);
+                text.push_str(&format!("{f},{c}\n"));
+            }
+        }
+        rows.insert(split, text.clone());
+        std::fs::write(mini.join(format!("{split}.csv")), text)?;
+    }
+    let m = Splits::from_dir(&mini, 0)?;
+    m.check(2, 3)?;
+    assert_eq!(m.test.classes[1].name, "n06");
+
+    // A missing image and a corrupt one name the file.
+    std::fs::remove_file(mini.join("images").join("n01_0.png"))?;
+    let shape = EpisodeShape {
+        n_way: 2,
+        k_shot: 1,
+        n_query: 2,
+    };
+    let img = ImageConfig {
+        size: 16,
+        augment: false,
+    };
+    let err = (0..20)
+        .find_map(|i| sample_episode(&m.train, shape, 0, i, img, &Device::Cpu).err())
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("n01_0.png"), "{err}");
+    std::fs::write(mini.join("images").join("n01_0.png"), b"not a png")?;
+    let err = (0..20)
+        .find_map(|i| sample_episode(&m.train, shape, 0, i, img, &Device::Cpu).err())
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("n01_0.png") && err.contains("cannot read image"),
+        "{err}"
+    );
+
+    // A malformed CSV line names file and line; too few images names the class.
+    std::fs::write(mini.join("val.csv"), "filename,label\nonly_one_field\n")?;
+    let e = Splits::from_dir(&mini, 0)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("val.csv:2"), "{e}");
+    let e = Splits::synthetic(30, 4, 0)
+        .check(5, 6)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("synthetic-000") && e.contains("4 images"), "{e}");
+    std::fs::remove_dir_all(&root).ok();
+    std::fs::remove_dir_all(&mini).ok();
+    Ok(())
+}
