@@ -90,6 +90,11 @@ fn names_and_feature_sizes_follow_the_reference() -> anyhow::Result<()> {
     assert!(frozen.contains(&"feature.trunk.0.BN.running_mean".to_string()));
     let (r, _, _) = build(BackboneKind::ResNet18, Method::ProtoNet, 224, true)?;
     assert_eq!(r.backbone.feat_dim, 512 * 7 * 7);
+    // Sizes that are not multiples of 32 round up at each stride (72 -> 36, 18, 9, 5, 3).
+    let (r, _, _) = build(BackboneKind::ResNet10, Method::ProtoNet, 72, true)?;
+    let x = ft_kernels::gradcheck::random_tensor(&[1, 3, 72, 72], 1, &Device::Cpu)?.to_dtype(DType::F32)?;
+    assert_eq!(r.backbone.forward(&x, false)?.dims(), &[1, r.backbone.feat_dim]);
+    assert_eq!(r.backbone.feat_dim, 512 * 3 * 3);
     assert!("resnet50".parse::<BackboneKind>().is_err());
     assert!("matchingnet".parse::<Method>().is_err());
     Ok(())

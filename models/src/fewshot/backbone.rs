@@ -216,8 +216,9 @@ impl Backbone {
                         cin = cout;
                     }
                 }
-                // 224 -> 112 (stem) -> 56 (pool) -> 56, 28, 14, 7.
-                let size = image_size / 32;
+                // The stem conv, the max pool and the three strided stages each give
+                // ceil(size / 2): 224 -> 112 -> 56 -> 28 -> 14 -> 7, 112 -> ... -> 4.
+                let size = (0..5).fold(image_size, |s, _| s.div_ceil(2));
                 if size == 0 {
                     return Err(ModelError::Invalid(format!(
                         "images of {image_size} px are too small for {kind:?}"
