@@ -64,21 +64,7 @@ where
     I: IntoIterator<Item = A>,
     A: Into<std::ffi::OsString> + Clone,
 {
-    let matches = T::command().get_matches_from(args);
-    let parsed = T::from_arg_matches(&matches).map_err(|e| Error::Invalid(e.to_string()))?;
-    let Some(path) = config_path(&parsed) else {
-        return Ok(parsed);
-    };
-    let explicit: Vec<String> = matches
-        .ids()
-        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
-        .map(|id| id.as_str().to_string())
-        .collect();
-    let known: Vec<String> = T::command()
-        .get_arguments()
-        .map(|a| a.get_id().as_str().to_string())
-        .collect();
-    merge_file(&parsed, &path, &known, &explicit)
+    parse_with_preset(args, config_path, |_: &T| None)
 }
 
 /// `parsed` (CLI values with built-in defaults) overlaid with the file's values, except those given
@@ -208,5 +194,75 @@ impl CommonArgs {
             return bad("--max-steps must be at least 1");
         }
         Ok(())
+    }
+}
+
+impl CommonArgs {
+    /// The `--device` as a candle device: `cpu`, `cuda` or `cuda:N`.
+    pub fn device(&self) -> Result<candle_core::Device> {
+        match self.device.as_str() {
+            "cpu" => Ok(candle_core::Device::Cpu),
+            "cuda" => Ok(candle_core::Device::new_cuda(0)?),
+            s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => Ok(candle_core::Device::new_cuda(n)?),
+                None => Err(Error::Invalid(format!(
+                    "--device `{s}`: expected cpu, cuda or cuda:N"
+                ))),
+            },
+        }
+    }
+
+    /// `--precision`, or bf16 with fp32 master weights on a GPU and f32 on the CPU (where some
+    /// candle kernels, conv2d among them, have no bf16).
+    pub fn precision(&self, device: &candle_core::Device) -> Result<crate::precision::Precision> {
+        match &self.precision {
+            Some(p) => crate::precision::Precision::parse(p),
+            None if device.is_cpu() => crate::precision::Precision::parse("f32"),
+            None => crate::precision::Precision::parse("bf16"),
+        }
+    }
+
+    /// Optimizer steps of the run: `--max-steps`, else `--epochs` passes of
+    /// `micro_batches_per_epoch` micro-batches grouped by `--accum`.
+    pub fn max_steps(&self, micro_batches_per_epoch: usize) -> u64 {
+        let per_epoch = micro_batches_per_epoch.div_ceil(self.accum) as u64;
+        self.max_steps
+            .unwrap_or(per_epoch * self.epochs as u64)
+            .max(1)
+    }
+
+    /// AdamW (`--lr` through the schedule, `--weight-decay`) over `params`, with fp32 masters as
+    /// the precision asks and clipping at `--max-grad-norm` (0 disables).
+    pub fn optimizer(
+        &self,
+        params: Vec<(String, candle_core::Var)>,
+        precision: crate::precision::Precision,
+    ) -> Result<crate::mixed::MixedOptimizer> {
+        let wd = self.weight_decay;
+        let clip = (self.max_grad_norm > 0.0).then_some(self.max_grad_norm);
+        crate::mixed::MixedOptimizer::new(
+            params,
+            precision,
+            |n| {
+                Box::new(crate::optim::AdamW::new(
+                    n,
+                    crate::optim::AdamWConfig {
+                        weight_decay: wd,
+                        ..Default::default()
+                    },
+                ))
+            },
+            clip,
+        )
+    }
+
+    /// `--schedule` with `--lr` and `--warmup-steps` over `total_steps`.
+    pub fn schedule(&self, total_steps: u64) -> Result<crate::schedule::LrSchedule> {
+        Ok(crate::schedule::LrSchedule {
+            kind: self.schedule.parse()?,
+            base_lr: self.lr,
+            warmup_steps: self.warmup_steps,
+            total_steps,
+        })
     }
 }

@@ -5,12 +5,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
 
-fn build(
-    kind: BackboneKind,
-    method: Method,
-    size: usize,
-    flatten: bool,
-) -> anyhow::Result<(FewShotModel, Vec<(String, Var)>, std::sync::Arc<ParamStore>)> {
+/// A built model, its trainable parameters and its store.
+type Built = (FewShotModel, Vec<(String, Var)>, std::sync::Arc<ParamStore>);
+
+fn build(kind: BackboneKind, method: Method, size: usize, flatten: bool) -> anyhow::Result<Built> {
     let store = ParamStore::new();
     let pb = ParamBuilder::new(store.clone(), DType::F32, &Device::Cpu, 11);
     let bb = Backbone::new(&pb, kind, size, flatten)?;
@@ -92,8 +90,12 @@ fn names_and_feature_sizes_follow_the_reference() -> anyhow::Result<()> {
     assert_eq!(r.backbone.feat_dim, 512 * 7 * 7);
     // Sizes that are not multiples of 32 round up at each stride (72 -> 36, 18, 9, 5, 3).
     let (r, _, _) = build(BackboneKind::ResNet10, Method::ProtoNet, 72, true)?;
-    let x = ft_kernels::gradcheck::random_tensor(&[1, 3, 72, 72], 1, &Device::Cpu)?.to_dtype(DType::F32)?;
-    assert_eq!(r.backbone.forward(&x, false)?.dims(), &[1, r.backbone.feat_dim]);
+    let x = ft_kernels::gradcheck::random_tensor(&[1, 3, 72, 72], 1, &Device::Cpu)?
+        .to_dtype(DType::F32)?;
+    assert_eq!(
+        r.backbone.forward(&x, false)?.dims(),
+        &[1, r.backbone.feat_dim]
+    );
     assert_eq!(r.backbone.feat_dim, 512 * 3 * 3);
     assert!("resnet50".parse::<BackboneKind>().is_err());
     assert!("matchingnet".parse::<Method>().is_err());

@@ -22,19 +22,44 @@ use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 #[global_allocator]
 static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
 
-fn measure(kind: BackboneKind, size: usize, n_query: usize, accum: usize) -> anyhow::Result<(u64, u64, f64)> {
+fn measure(
+    kind: BackboneKind,
+    size: usize,
+    n_query: usize,
+    accum: usize,
+) -> anyhow::Result<(u64, u64, f64)> {
     let dev = Device::Cpu;
     let store = ParamStore::new();
     let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0);
-    let shape = EpisodeShape { n_way: 5, k_shot: 1, n_query };
-    let model = FewShotModel::new(&pb, Backbone::new(&pb, kind, size, true)?, Method::FsctCosine, 5, 1)?;
-    let mut opt = MixedOptimizer::new(store.trainable()?, Precision::parse("f32")?, |n| Box::new(AdamW::new(n, AdamWConfig::default())), None)?;
+    let shape = EpisodeShape {
+        n_way: 5,
+        k_shot: 1,
+        n_query,
+    };
+    let model = FewShotModel::new(
+        &pb,
+        Backbone::new(&pb, kind, size, true)?,
+        Method::FsctCosine,
+        5,
+        1,
+    )?;
+    let mut opt = MixedOptimizer::new(
+        store.trainable()?,
+        Precision::parse("f32")?,
+        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        None,
+    )?;
     let params: Vec<Var> = opt.params().to_vec();
     let splits = Splits::synthetic(20, n_query + 1, 0);
-    let img = ImageConfig { size, augment: false };
+    let img = ImageConfig {
+        size,
+        augment: false,
+    };
     let ck = Checkpointer::new(false);
     let mut step = |seed: u64| -> anyhow::Result<()> {
-        let eps: Vec<_> = (0..accum).map(|i| sample_episode(&splits.train, shape, seed, i as u64, img, &dev)).collect::<Result<_, _>>()?;
+        let eps: Vec<_> = (0..accum)
+            .map(|i| sample_episode(&splits.train, shape, seed, i as u64, img, &dev))
+            .collect::<Result<_, _>>()?;
         let norm = LossNorm::samples(&vec![5 * n_query; accum]);
         let mut acc = GradAccumulator::new();
         for e in &eps {
@@ -54,7 +79,12 @@ fn measure(kind: BackboneKind, size: usize, n_query: usize, accum: usize) -> any
 }
 
 fn main() -> anyhow::Result<()> {
-    println!("FSCT_cosine 5-way 1-shot, one optimizer step, f32, CPU ({} threads)\n", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!(
+        "FSCT_cosine 5-way 1-shot, one optimizer step, f32, CPU ({} threads)\n",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    );
     println!("| backbone | image | n_query | accumulation | queries per update | peak above weights+state | parameters | step time |");
     println!("|---|---|---|---|---|---|---|---|");
     let runs: &[(BackboneKind, &str, usize, usize, usize)] = &[

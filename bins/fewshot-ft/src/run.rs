@@ -2,13 +2,9 @@
 
 use std::sync::Arc;
 
-use candle_core::Device;
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::Ledger;
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig};
-use ft_memory::precision::Precision;
-use ft_memory::schedule::LrSchedule;
 use ft_memory::train::{self, BestConfig, LoopConfig, RunSummary, Units};
 use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
@@ -16,18 +12,6 @@ use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 use crate::cli::Args;
 use crate::data::{EpisodeShape, ImageConfig, Splits};
 use crate::task::{Accuracy, FewShotTask};
-
-/// `cpu`, `cuda` or `cuda:N`.
-pub fn device(spec: &str) -> anyhow::Result<Device> {
-    match spec {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0)?),
-        s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-            Some(n) => Ok(Device::new_cuda(n)?),
-            None => anyhow::bail!("--device `{s}`: expected cpu, cuda or cuda:N"),
-        },
-    }
-}
 
 /// Everything a run needs.
 pub struct Setup {
@@ -42,13 +26,8 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     args.validate()?;
     let out = args.common.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
-    let device = device(&args.common.device)?;
-    // Conv2d has no bf16 kernel on candle's CPU backend: f32 there, bf16 on GPU unless asked.
-    let precision = match &args.common.precision {
-        Some(p) => Precision::parse(p)?,
-        None if device.is_cpu() => Precision::parse("f32")?,
-        None => Precision::parse("bf16")?,
-    };
+    let device = args.common.device()?;
+    let precision = args.common.precision(&device)?;
     let kind: BackboneKind = args.backbone.parse()?;
     let method: Method = args.method.parse()?;
     let size = args.image_size.unwrap_or(match kind {
@@ -107,37 +86,13 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         config_json,
     );
     let steps_per_epoch = args.n_episode.div_ceil(args.common.accum) as u64;
-    let max_steps = args
-        .common
-        .max_steps
-        .unwrap_or(steps_per_epoch * args.common.epochs as u64)
-        .max(1);
-    let wd = args.common.weight_decay;
-    let clip = (args.common.max_grad_norm > 0.0).then_some(args.common.max_grad_norm);
-    let optimizer = MixedOptimizer::new(
-        store.trainable()?,
-        precision,
-        |n| {
-            Box::new(AdamW::new(
-                n,
-                AdamWConfig {
-                    weight_decay: wd,
-                    ..Default::default()
-                },
-            ))
-        },
-        clip,
-    )?;
+    let max_steps = args.common.max_steps(args.n_episode);
+    let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let loop_config = LoopConfig {
         units: Units::Samples,
         accum: args.common.accum,
         max_steps,
-        schedule: LrSchedule {
-            kind: args.common.schedule.parse()?,
-            base_lr: args.common.lr,
-            warmup_steps: args.common.warmup_steps,
-            total_steps: max_steps,
-        },
+        schedule: args.common.schedule(max_steps)?,
         seed: args.common.seed,
         output_dir: out,
         eval_every: steps_per_epoch,

@@ -3,13 +3,10 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::Ledger;
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig};
-use ft_memory::precision::Precision;
-use ft_memory::schedule::LrSchedule;
 use ft_memory::train::{self, LoopConfig, RunSummary, Units};
 use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::t5::{T5Config, T5};
@@ -18,27 +15,6 @@ use crate::cli::Args;
 use crate::data::{Fields, RecordFile};
 use crate::task::{Order, T5Task};
 use crate::tokenize::Collator;
-
-/// `cpu`, `cuda` or `cuda:N`.
-pub fn device(spec: &str) -> anyhow::Result<Device> {
-    match spec {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0)?),
-        s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-            Some(n) => Ok(Device::new_cuda(n)?),
-            None => anyhow::bail!("--device `{s}`: expected cpu, cuda or cuda:N"),
-        },
-    }
-}
-
-/// bf16 with fp32 masters on GPU, f32 on CPU, unless `--precision` says otherwise.
-pub fn precision(args: &Args, device: &Device) -> anyhow::Result<Precision> {
-    Ok(match &args.common.precision {
-        Some(p) => Precision::parse(p)?,
-        None if device.is_cpu() => Precision::parse("f32")?,
-        None => Precision::parse("bf16")?,
-    })
-}
 
 /// Everything a run needs, built from the arguments (also used by tests and the bench).
 pub struct Setup {
@@ -62,8 +38,8 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         args.train_file = Some(dir.join("train.jsonl"));
         args.eval_file = Some(dir.join("eval.jsonl"));
     }
-    let device = device(&args.common.device)?;
-    let precision = precision(&args, &device)?;
+    let device = args.common.device()?;
+    let precision = args.common.precision(&device)?;
     let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
     ledger.set_baseline();
 
@@ -134,38 +110,13 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     task.max_new_tokens = args.max_new_tokens;
     task.eval_limit = args.eval_limit;
 
-    let steps_per_epoch = task.batches_per_epoch().div_ceil(args.common.accum) as u64;
-    let max_steps = args
-        .common
-        .max_steps
-        .unwrap_or(steps_per_epoch * args.common.epochs as u64)
-        .max(1);
-    let wd = args.common.weight_decay;
-    let clip = (args.common.max_grad_norm > 0.0).then_some(args.common.max_grad_norm);
-    let optimizer = MixedOptimizer::new(
-        store.trainable()?,
-        precision,
-        |n| {
-            Box::new(AdamW::new(
-                n,
-                AdamWConfig {
-                    weight_decay: wd,
-                    ..Default::default()
-                },
-            ))
-        },
-        clip,
-    )?;
+    let max_steps = args.common.max_steps(task.batches_per_epoch());
+    let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let loop_config = LoopConfig {
         units: Units::Tokens,
         accum: args.common.accum,
         max_steps,
-        schedule: LrSchedule {
-            kind: args.common.schedule.parse()?,
-            base_lr: args.common.lr,
-            warmup_steps: args.common.warmup_steps,
-            total_steps: max_steps,
-        },
+        schedule: args.common.schedule(max_steps)?,
         seed: args.common.seed,
         output_dir: out,
         eval_every: args.eval_every,

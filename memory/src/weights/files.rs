@@ -206,7 +206,7 @@ impl SafetensorsFiles {
             .collect()
     }
 
-    fn host_vec_tensor<T: WithDType>(
+    pub(crate) fn host_vec_tensor<T: WithDType>(
         data: Vec<T>,
         shape: &[usize],
         device: &Device,

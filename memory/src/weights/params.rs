@@ -237,10 +237,24 @@ impl ParamBuilder {
         let dev = &self.device;
         let tr = self.trainable;
         let t = match self.dtype {
-            DType::F32 => make(fill::<f32>(n, init, &mut rng), shape, dev, tr)?,
-            DType::F64 => make(fill::<f64>(n, init, &mut rng), shape, dev, tr)?,
-            DType::BF16 => make(fill::<half::bf16>(n, init, &mut rng), shape, dev, tr)?,
-            DType::F16 => make(fill::<half::f16>(n, init, &mut rng), shape, dev, tr)?,
+            DType::F32 => {
+                SafetensorsFiles::host_vec_tensor(fill::<f32>(n, init, &mut rng), shape, dev, tr)?
+            }
+            DType::F64 => {
+                SafetensorsFiles::host_vec_tensor(fill::<f64>(n, init, &mut rng), shape, dev, tr)?
+            }
+            DType::BF16 => SafetensorsFiles::host_vec_tensor(
+                fill::<half::bf16>(n, init, &mut rng),
+                shape,
+                dev,
+                tr,
+            )?,
+            DType::F16 => SafetensorsFiles::host_vec_tensor(
+                fill::<half::f16>(n, init, &mut rng),
+                shape,
+                dev,
+                tr,
+            )?,
             other => {
                 return Err(Error::Invalid(format!(
                     "parameter `{name}`: unsupported dtype {other:?}"
@@ -249,17 +263,4 @@ impl ParamBuilder {
         };
         Ok(t)
     }
-}
-
-fn make<T: WithDType>(
-    data: Vec<T>,
-    shape: &[usize],
-    device: &Device,
-    trainable: bool,
-) -> Result<Tensor> {
-    Ok(if trainable {
-        Var::from_vec(data, shape, device)?.into_inner()
-    } else {
-        Tensor::from_vec(data, shape, device)?
-    })
 }
