@@ -86,7 +86,7 @@ impl ClipTextConfig {
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.hidden_size == 0
             || self.num_attention_heads == 0
-            || self.hidden_size % self.num_attention_heads != 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
         {
             return Err(format!(
                 "hidden_size {} must be a positive multiple of num_attention_heads {}",
