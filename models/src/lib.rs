@@ -2,6 +2,7 @@
 //! backward is tested) rather than candle-transformers' inference code.
 
 pub mod clip;
+pub mod diffusion;
 pub mod dropout;
 pub mod error;
 pub mod fewshot;
