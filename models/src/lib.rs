@@ -7,5 +7,6 @@ pub mod dropout;
 pub mod error;
 pub mod fewshot;
 pub mod t5;
+pub mod vae;
 
 pub use error::{ModelError, Result};

@@ -1,0 +1,391 @@
+//! AutoencoderKL (diffusers' `vae/`), frozen in SDXL fine-tuning: the encoder turns images into
+//! latents once before training, the decoder turns sampled latents into images, in chunks so an
+//! evaluation never decodes a whole batch at once (seed 003's OOM).
+
+use std::path::Path;
+
+use candle_core::Tensor;
+use ft_kernels::{attention, linear, norm, upsample};
+use ft_memory::weights::{Init, ParamBuilder};
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+fn d_ch() -> usize {
+    3
+}
+fn d_blocks() -> Vec<usize> {
+    vec![64]
+}
+fn d_layers() -> usize {
+    1
+}
+fn d_latent() -> usize {
+    4
+}
+fn d_groups() -> usize {
+    32
+}
+fn d_scale() -> f64 {
+    0.18215
+}
+
+/// `vae/config.json` fields (diffusers' AutoencoderKL).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct VaeConfig {
+    #[serde(default = "d_ch")]
+    pub in_channels: usize,
+    #[serde(default = "d_ch")]
+    pub out_channels: usize,
+    #[serde(default = "d_blocks")]
+    pub block_out_channels: Vec<usize>,
+    #[serde(default = "d_layers")]
+    pub layers_per_block: usize,
+    #[serde(default = "d_latent")]
+    pub latent_channels: usize,
+    #[serde(default = "d_groups")]
+    pub norm_num_groups: usize,
+    /// Latents are multiplied by this after encoding (SDXL: 0.13025).
+    #[serde(default = "d_scale")]
+    pub scaling_factor: f64,
+}
+
+impl VaeConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let cfg: VaeConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        if cfg.block_out_channels.is_empty()
+            || cfg
+                .block_out_channels
+                .iter()
+                .any(|c| c % cfg.norm_num_groups != 0)
+        {
+            return Err(ModelError::Config {
+                path: path.display().to_string(),
+                reason: format!(
+                    "block_out_channels {:?} must be non-empty multiples of norm_num_groups {}",
+                    cfg.block_out_channels, cfg.norm_num_groups
+                ),
+            });
+        }
+        Ok(cfg)
+    }
+}
+
+#[derive(Clone)]
+struct Conv {
+    w: Tensor,
+    b: Tensor,
+    stride: usize,
+    pad: usize,
+}
+
+impl Conv {
+    fn new(
+        pb: &ParamBuilder,
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+        pad: usize,
+    ) -> Result<Self> {
+        let bound = 1.0 / ((cin * k * k) as f64).sqrt();
+        Ok(Conv {
+            w: pb.get(&[cout, cin, k, k], "weight", Init::Uniform { bound })?,
+            b: pb.get(&[cout], "bias", Init::Uniform { bound })?,
+            stride,
+            pad,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.conv2d(&self.w, self.pad, self.stride, 1, 1)?
+            .broadcast_add(&self.b.reshape((1, (), 1, 1))?)
+    }
+}
+
+#[derive(Clone)]
+struct Gn {
+    w: Tensor,
+    b: Tensor,
+    groups: usize,
+    eps: f64,
+}
+
+impl Gn {
+    fn new(pb: &ParamBuilder, c: usize, groups: usize, eps: f64) -> Result<Self> {
+        Ok(Gn {
+            w: pb.get(&[c], "weight", Init::Ones)?,
+            b: pb.get(&[c], "bias", Init::Zeros)?,
+            groups,
+            eps,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        norm::group_norm(x, self.groups, Some(&self.w), Some(&self.b), self.eps)
+    }
+}
+
+struct Resnet {
+    norm1: Gn,
+    conv1: Conv,
+    norm2: Gn,
+    conv2: Conv,
+    shortcut: Option<Conv>,
+}
+
+impl Resnet {
+    fn new(pb: &ParamBuilder, cin: usize, cout: usize, groups: usize) -> Result<Self> {
+        Ok(Resnet {
+            norm1: Gn::new(&pb.pp("norm1"), cin, groups, 1e-6)?,
+            conv1: Conv::new(&pb.pp("conv1"), cin, cout, 3, 1, 1)?,
+            norm2: Gn::new(&pb.pp("norm2"), cout, groups, 1e-6)?,
+            conv2: Conv::new(&pb.pp("conv2"), cout, cout, 3, 1, 1)?,
+            shortcut: if cin != cout {
+                Some(Conv::new(&pb.pp("conv_shortcut"), cin, cout, 1, 1, 0)?)
+            } else {
+                None
+            },
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = self.conv1.forward(&self.norm1.forward(x)?.silu()?)?;
+        let h = self.conv2.forward(&self.norm2.forward(&h)?.silu()?)?;
+        let s = match &self.shortcut {
+            Some(c) => c.forward(x)?,
+            None => x.clone(),
+        };
+        s + h
+    }
+}
+
+/// Single-head self-attention over pixels, with a residual (the VAE mid-block's).
+struct PixelAttention {
+    norm: Gn,
+    q: (Tensor, Tensor),
+    k: (Tensor, Tensor),
+    v: (Tensor, Tensor),
+    o: (Tensor, Tensor),
+}
+
+impl PixelAttention {
+    fn new(pb: &ParamBuilder, c: usize, groups: usize) -> Result<Self> {
+        let lin = |name: &str| -> Result<(Tensor, Tensor)> {
+            let p = pb.pp(name);
+            let bound = 1.0 / (c as f64).sqrt();
+            Ok((
+                p.get(&[c, c], "weight", Init::Uniform { bound })?,
+                p.get(&[c], "bias", Init::Uniform { bound })?,
+            ))
+        };
+        Ok(PixelAttention {
+            norm: Gn::new(&pb.pp("group_norm"), c, groups, 1e-6)?,
+            q: lin("to_q")?,
+            k: lin("to_k")?,
+            v: lin("to_v")?,
+            o: lin("to_out.0")?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, c, h, w) = x.dims4()?;
+        let t = self
+            .norm
+            .forward(x)?
+            .reshape((b, c, h * w))?
+            .transpose(1, 2)?; // [B, HW, C]
+        let p = |l: &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
+            linear::linear(&t, &l.0, Some(&l.1))?.unsqueeze(1)
+        };
+        let a = attention::sdpa(
+            &p(&self.q)?,
+            &p(&self.k)?,
+            &p(&self.v)?,
+            None,
+            (c as f64).powf(-0.5),
+        )?
+        .squeeze(1)?;
+        let out = linear::linear(&a, &self.o.0, Some(&self.o.1))?
+            .transpose(1, 2)?
+            .reshape((b, c, h, w))?;
+        x + out
+    }
+}
+
+struct Mid {
+    r0: Resnet,
+    attn: PixelAttention,
+    r1: Resnet,
+}
+
+impl Mid {
+    fn new(pb: &ParamBuilder, c: usize, g: usize) -> Result<Self> {
+        Ok(Mid {
+            r0: Resnet::new(&pb.pp("resnets.0"), c, c, g)?,
+            attn: PixelAttention::new(&pb.pp("attentions.0"), c, g)?,
+            r1: Resnet::new(&pb.pp("resnets.1"), c, c, g)?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.r1.forward(&self.attn.forward(&self.r0.forward(x)?)?)
+    }
+}
+
+struct Stage {
+    resnets: Vec<Resnet>,
+    /// Encoder: stride-2 conv after (0, 1, 0, 1) padding. Decoder: nearest x2 then conv.
+    resample: Option<Conv>,
+}
+
+/// AutoencoderKL with diffusers' tensor names.
+pub struct Vae {
+    cfg: VaeConfig,
+    enc_in: Conv,
+    enc_stages: Vec<Stage>,
+    enc_mid: Mid,
+    enc_norm: Gn,
+    enc_out: Conv,
+    quant: Conv,
+    post_quant: Conv,
+    dec_in: Conv,
+    dec_mid: Mid,
+    dec_stages: Vec<Stage>,
+    dec_norm: Gn,
+    dec_out: Conv,
+}
+
+impl Vae {
+    pub fn new(pb: &ParamBuilder, cfg: &VaeConfig) -> Result<Self> {
+        let ch = &cfg.block_out_channels;
+        let g = cfg.norm_num_groups;
+        let e = pb.pp("encoder");
+        let mut enc_stages = Vec::new();
+        let mut cin = ch[0];
+        for (i, &c) in ch.iter().enumerate() {
+            let bp = e.pp(format!("down_blocks.{i}"));
+            let mut resnets = Vec::new();
+            for j in 0..cfg.layers_per_block {
+                resnets.push(Resnet::new(
+                    &bp.pp(format!("resnets.{j}")),
+                    if j == 0 { cin } else { c },
+                    c,
+                    g,
+                )?);
+            }
+            let resample = if i + 1 < ch.len() {
+                Some(Conv::new(&bp.pp("downsamplers.0.conv"), c, c, 3, 2, 0)?)
+            } else {
+                None
+            };
+            enc_stages.push(Stage { resnets, resample });
+            cin = c;
+        }
+        let top = *ch.last().unwrap_or(&ch[0]);
+        let lc = cfg.latent_channels;
+        let d = pb.pp("decoder");
+        let mut dec_stages = Vec::new();
+        let rev: Vec<usize> = ch.iter().rev().copied().collect();
+        let mut cin = top;
+        for (i, &c) in rev.iter().enumerate() {
+            let bp = d.pp(format!("up_blocks.{i}"));
+            let mut resnets = Vec::new();
+            for j in 0..=cfg.layers_per_block {
+                resnets.push(Resnet::new(
+                    &bp.pp(format!("resnets.{j}")),
+                    if j == 0 { cin } else { c },
+                    c,
+                    g,
+                )?);
+            }
+            let resample = if i + 1 < rev.len() {
+                Some(Conv::new(&bp.pp("upsamplers.0.conv"), c, c, 3, 1, 1)?)
+            } else {
+                None
+            };
+            dec_stages.push(Stage { resnets, resample });
+            cin = c;
+        }
+        Ok(Vae {
+            cfg: cfg.clone(),
+            enc_in: Conv::new(&e.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?,
+            enc_stages,
+            enc_mid: Mid::new(&e.pp("mid_block"), top, g)?,
+            enc_norm: Gn::new(&e.pp("conv_norm_out"), top, g, 1e-6)?,
+            enc_out: Conv::new(&e.pp("conv_out"), top, 2 * lc, 3, 1, 1)?,
+            quant: Conv::new(&pb.pp("quant_conv"), 2 * lc, 2 * lc, 1, 1, 0)?,
+            post_quant: Conv::new(&pb.pp("post_quant_conv"), lc, lc, 1, 1, 0)?,
+            dec_in: Conv::new(&d.pp("conv_in"), lc, top, 3, 1, 1)?,
+            dec_mid: Mid::new(&d.pp("mid_block"), top, g)?,
+            dec_stages,
+            dec_norm: Gn::new(&d.pp("conv_norm_out"), ch[0], g, 1e-6)?,
+            dec_out: Conv::new(&d.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
+        })
+    }
+
+    pub fn config(&self) -> &VaeConfig {
+        &self.cfg
+    }
+
+    /// Mean and log-variance of the latent distribution [B, latent_channels, H/f, W/f], unscaled.
+    pub fn encode_moments(&self, images: &Tensor) -> Result<(Tensor, Tensor)> {
+        let mut h = self.enc_in.forward(images)?;
+        for s in &self.enc_stages {
+            for r in &s.resnets {
+                h = r.forward(&h)?;
+            }
+            if let Some(c) = &s.resample {
+                h = c.forward(&h.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?)?;
+            }
+        }
+        let h = self.enc_mid.forward(&h)?;
+        let h = self.enc_out.forward(&self.enc_norm.forward(&h)?.silu()?)?;
+        let m = self.quant.forward(&h)?;
+        let lc = self.cfg.latent_channels;
+        Ok((
+            m.narrow(1, 0, lc)?,
+            m.narrow(1, lc, lc)?.clamp(-30f32, 20f32)?,
+        ))
+    }
+
+    /// Training latents: the posterior mean times `scaling_factor` (deterministic, so a latent
+    /// cache is reproducible; sampling adds `exp(logvar / 2) * noise`).
+    pub fn encode(&self, images: &Tensor) -> Result<Tensor> {
+        let (mean, _) = self.encode_moments(images)?;
+        Ok((mean * self.cfg.scaling_factor)?)
+    }
+
+    /// Images from scaled latents (divided by `scaling_factor` first).
+    pub fn decode(&self, latents: &Tensor) -> Result<Tensor> {
+        let z = (latents / self.cfg.scaling_factor)?;
+        let mut h = self.dec_in.forward(&self.post_quant.forward(&z)?)?;
+        h = self.dec_mid.forward(&h)?;
+        for s in &self.dec_stages {
+            for r in &s.resnets {
+                h = r.forward(&h)?;
+            }
+            if let Some(c) = &s.resample {
+                h = c.forward(&upsample::upsample_nearest2x(&h)?)?;
+            }
+        }
+        Ok(self.dec_out.forward(&self.dec_norm.forward(&h)?.silu()?)?)
+    }
+
+    /// Decodes `chunk` latents at a time, moving each decoded chunk to the host before the next
+    /// (evaluation never holds a whole batch of full-resolution activations).
+    pub fn decode_chunked(&self, latents: &Tensor, chunk: usize) -> Result<Tensor> {
+        let n = latents.dim(0)?;
+        let mut parts = Vec::new();
+        let mut i = 0;
+        while i < n {
+            let len = chunk.max(1).min(n - i);
+            let img = self.decode(&latents.narrow(0, i, len)?)?;
+            parts.push(img.to_device(&candle_core::Device::Cpu)?);
+            i += len;
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+}
