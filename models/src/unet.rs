@@ -460,9 +460,8 @@ impl UNet {
         let cross = |t: &str| t.starts_with("CrossAttn");
         let mut down = Vec::new();
         let mut cin = ch[0];
-        for i in 0..n {
+        for (i, &c) in ch.iter().enumerate() {
             let p = pb.pp(format!("down_blocks.{i}"));
-            let c = ch[i];
             let mut resnets = Vec::new();
             let mut attns = Vec::new();
             for j in 0..cfg.layers_per_block {
