@@ -6,6 +6,7 @@ pub mod diffusion;
 pub mod dropout;
 pub mod error;
 pub mod fewshot;
+pub mod layers;
 pub mod t5;
 pub mod unet;
 pub mod vae;

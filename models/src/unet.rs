@@ -7,12 +7,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{Tensor, Var, D};
-use ft_kernels::{attention, linear, norm, upsample};
+use ft_kernels::{attention, upsample};
 use ft_memory::checkpoint::{Checkpointer, SegmentFn};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_memory::weights::ParamBuilder;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
+use crate::layers::{Conv2d as Conv, Linear as Lin, Norm};
 
 fn d_groups() -> usize {
     32
@@ -117,98 +118,6 @@ pub fn timestep_embedding(t: &[f32], dim: usize, device: &candle_core::Device) -
 }
 
 #[derive(Clone)]
-struct Lin {
-    w: Tensor,
-    b: Option<Tensor>,
-}
-
-impl Lin {
-    fn new(pb: &ParamBuilder, din: usize, dout: usize, bias: bool) -> Result<Self> {
-        let bound = 1.0 / (din as f64).sqrt();
-        Ok(Lin {
-            w: pb.get(&[dout, din], "weight", Init::Uniform { bound })?,
-            b: if bias {
-                Some(pb.get(&[dout], "bias", Init::Uniform { bound })?)
-            } else {
-                None
-            },
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        linear::linear(x, &self.w, self.b.as_ref())
-    }
-    fn tensors(&self) -> Vec<Tensor> {
-        let mut v = vec![self.w.clone()];
-        v.extend(self.b.clone());
-        v
-    }
-}
-
-#[derive(Clone)]
-struct Conv {
-    w: Tensor,
-    b: Tensor,
-    stride: usize,
-    pad: usize,
-}
-
-impl Conv {
-    fn new(
-        pb: &ParamBuilder,
-        cin: usize,
-        cout: usize,
-        k: usize,
-        stride: usize,
-        pad: usize,
-    ) -> Result<Self> {
-        let bound = 1.0 / ((cin * k * k) as f64).sqrt();
-        Ok(Conv {
-            w: pb.get(&[cout, cin, k, k], "weight", Init::Uniform { bound })?,
-            b: pb.get(&[cout], "bias", Init::Uniform { bound })?,
-            stride,
-            pad,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.conv2d(&self.w, self.pad, self.stride, 1, 1)?
-            .broadcast_add(&self.b.reshape((1, (), 1, 1))?)
-    }
-}
-
-#[derive(Clone)]
-struct Norm {
-    w: Tensor,
-    b: Tensor,
-    groups: Option<usize>,
-    eps: f64,
-}
-
-impl Norm {
-    fn group(pb: &ParamBuilder, c: usize, groups: usize, eps: f64) -> Result<Self> {
-        Ok(Norm {
-            w: pb.get(&[c], "weight", Init::Ones)?,
-            b: pb.get(&[c], "bias", Init::Zeros)?,
-            groups: Some(groups),
-            eps,
-        })
-    }
-    fn layer(pb: &ParamBuilder, c: usize) -> Result<Self> {
-        Ok(Norm {
-            w: pb.get(&[c], "weight", Init::Ones)?,
-            b: pb.get(&[c], "bias", Init::Zeros)?,
-            groups: None,
-            eps: 1e-5,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self.groups {
-            Some(g) => norm::group_norm(x, g, Some(&self.w), Some(&self.b), self.eps),
-            None => norm::layer_norm(x, Some(&self.w), Some(&self.b), self.eps),
-        }
-    }
-}
-
-#[derive(Clone)]
 struct Resnet {
     norm1: Norm,
     conv1: Conv,
@@ -308,11 +217,11 @@ struct TBlock {
 impl TBlock {
     fn new(pb: &ParamBuilder, dim: usize, ctx: usize, heads: usize) -> Result<Self> {
         Ok(TBlock {
-            n1: Norm::layer(&pb.pp("norm1"), dim)?,
+            n1: Norm::layer(&pb.pp("norm1"), dim, 1e-5)?,
             a1: Attn::new(&pb.pp("attn1"), dim, dim, heads)?,
-            n2: Norm::layer(&pb.pp("norm2"), dim)?,
+            n2: Norm::layer(&pb.pp("norm2"), dim, 1e-5)?,
             a2: Attn::new(&pb.pp("attn2"), dim, ctx, heads)?,
-            n3: Norm::layer(&pb.pp("norm3"), dim)?,
+            n3: Norm::layer(&pb.pp("norm3"), dim, 1e-5)?,
             ff_in: Lin::new(&pb.pp("ff.net.0.proj"), dim, dim * 8, true)?,
             ff_out: Lin::new(&pb.pp("ff.net.2"), dim * 4, dim, true)?,
         })
@@ -380,19 +289,13 @@ impl Runner<'_> {
     fn resnet(&self, r: &Resnet, x: &Tensor) -> Result<Tensor> {
         let rr = r.clone();
         let f: SegmentFn = Arc::new(move |xs: &[Tensor]| rr.forward(&xs[0], &xs[1]));
-        let mut ts = vec![
-            r.norm1.w.clone(),
-            r.norm1.b.clone(),
-            r.conv1.w.clone(),
-            r.conv1.b.clone(),
-            r.norm2.w.clone(),
-            r.norm2.b.clone(),
-            r.conv2.w.clone(),
-            r.conv2.b.clone(),
-        ];
+        let mut ts = r.norm1.tensors();
+        ts.extend(r.conv1.tensors());
+        ts.extend(r.norm2.tensors());
+        ts.extend(r.conv2.tensors());
         ts.extend(r.temb.tensors());
         if let Some(c) = &r.shortcut {
-            ts.extend([c.w.clone(), c.b.clone()]);
+            ts.extend(c.tensors());
         }
         Ok(self.ck.run(f, &[x, self.temb], &vars(ts)?)?)
     }
@@ -407,7 +310,7 @@ impl Runner<'_> {
             let f: SegmentFn = Arc::new(move |xs: &[Tensor]| bb.forward(&xs[0], &xs[1]));
             let mut ts = Vec::new();
             for n in [&blk.n1, &blk.n2, &blk.n3] {
-                ts.extend([n.w.clone(), n.b.clone()]);
+                ts.extend(n.tensors());
             }
             for a in [&blk.a1, &blk.a2] {
                 for l in [&a.q, &a.k, &a.v, &a.o] {

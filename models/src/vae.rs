@@ -5,11 +5,12 @@
 use std::path::Path;
 
 use candle_core::Tensor;
-use ft_kernels::{attention, linear, norm, upsample};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_kernels::{attention, upsample};
+use ft_memory::weights::ParamBuilder;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
+use crate::layers::{Conv2d as Conv, Linear, Norm};
 
 fn d_ch() -> usize {
     3
@@ -78,63 +79,10 @@ impl VaeConfig {
     }
 }
 
-#[derive(Clone)]
-struct Conv {
-    w: Tensor,
-    b: Tensor,
-    stride: usize,
-    pad: usize,
-}
-
-impl Conv {
-    fn new(
-        pb: &ParamBuilder,
-        cin: usize,
-        cout: usize,
-        k: usize,
-        stride: usize,
-        pad: usize,
-    ) -> Result<Self> {
-        let bound = 1.0 / ((cin * k * k) as f64).sqrt();
-        Ok(Conv {
-            w: pb.get(&[cout, cin, k, k], "weight", Init::Uniform { bound })?,
-            b: pb.get(&[cout], "bias", Init::Uniform { bound })?,
-            stride,
-            pad,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.conv2d(&self.w, self.pad, self.stride, 1, 1)?
-            .broadcast_add(&self.b.reshape((1, (), 1, 1))?)
-    }
-}
-
-#[derive(Clone)]
-struct Gn {
-    w: Tensor,
-    b: Tensor,
-    groups: usize,
-    eps: f64,
-}
-
-impl Gn {
-    fn new(pb: &ParamBuilder, c: usize, groups: usize, eps: f64) -> Result<Self> {
-        Ok(Gn {
-            w: pb.get(&[c], "weight", Init::Ones)?,
-            b: pb.get(&[c], "bias", Init::Zeros)?,
-            groups,
-            eps,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        norm::group_norm(x, self.groups, Some(&self.w), Some(&self.b), self.eps)
-    }
-}
-
 struct Resnet {
-    norm1: Gn,
+    norm1: Norm,
     conv1: Conv,
-    norm2: Gn,
+    norm2: Norm,
     conv2: Conv,
     shortcut: Option<Conv>,
 }
@@ -142,9 +90,9 @@ struct Resnet {
 impl Resnet {
     fn new(pb: &ParamBuilder, cin: usize, cout: usize, groups: usize) -> Result<Self> {
         Ok(Resnet {
-            norm1: Gn::new(&pb.pp("norm1"), cin, groups, 1e-6)?,
+            norm1: Norm::group(&pb.pp("norm1"), cin, groups, 1e-6)?,
             conv1: Conv::new(&pb.pp("conv1"), cin, cout, 3, 1, 1)?,
-            norm2: Gn::new(&pb.pp("norm2"), cout, groups, 1e-6)?,
+            norm2: Norm::group(&pb.pp("norm2"), cout, groups, 1e-6)?,
             conv2: Conv::new(&pb.pp("conv2"), cout, cout, 3, 1, 1)?,
             shortcut: if cin != cout {
                 Some(Conv::new(&pb.pp("conv_shortcut"), cin, cout, 1, 1, 0)?)
@@ -166,31 +114,25 @@ impl Resnet {
 
 /// Single-head self-attention over pixels, with a residual (the VAE mid-block's).
 struct PixelAttention {
-    norm: Gn,
-    q: (Tensor, Tensor),
-    k: (Tensor, Tensor),
-    v: (Tensor, Tensor),
-    o: (Tensor, Tensor),
+    norm: Norm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
 }
 
 impl PixelAttention {
     fn new(pb: &ParamBuilder, c: usize, groups: usize) -> Result<Self> {
-        let lin = |name: &str| -> Result<(Tensor, Tensor)> {
-            let p = pb.pp(name);
-            let bound = 1.0 / (c as f64).sqrt();
-            Ok((
-                p.get(&[c, c], "weight", Init::Uniform { bound })?,
-                p.get(&[c], "bias", Init::Uniform { bound })?,
-            ))
-        };
+        let lin = |name: &str| Linear::new(&pb.pp(name), c, c, true);
         Ok(PixelAttention {
-            norm: Gn::new(&pb.pp("group_norm"), c, groups, 1e-6)?,
+            norm: Norm::group(&pb.pp("group_norm"), c, groups, 1e-6)?,
             q: lin("to_q")?,
             k: lin("to_k")?,
             v: lin("to_v")?,
             o: lin("to_out.0")?,
         })
     }
+
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, c, h, w) = x.dims4()?;
         let t = self
@@ -198,9 +140,7 @@ impl PixelAttention {
             .forward(x)?
             .reshape((b, c, h * w))?
             .transpose(1, 2)?; // [B, HW, C]
-        let p = |l: &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
-            linear::linear(&t, &l.0, Some(&l.1))?.unsqueeze(1)
-        };
+        let p = |l: &Linear| -> candle_core::Result<Tensor> { l.forward(&t)?.unsqueeze(1) };
         let a = attention::sdpa(
             &p(&self.q)?,
             &p(&self.k)?,
@@ -209,9 +149,7 @@ impl PixelAttention {
             (c as f64).powf(-0.5),
         )?
         .squeeze(1)?;
-        let out = linear::linear(&a, &self.o.0, Some(&self.o.1))?
-            .transpose(1, 2)?
-            .reshape((b, c, h, w))?;
+        let out = self.o.forward(&a)?.transpose(1, 2)?.reshape((b, c, h, w))?;
         x + out
     }
 }
@@ -247,14 +185,14 @@ pub struct Vae {
     enc_in: Conv,
     enc_stages: Vec<Stage>,
     enc_mid: Mid,
-    enc_norm: Gn,
+    enc_norm: Norm,
     enc_out: Conv,
     quant: Conv,
     post_quant: Conv,
     dec_in: Conv,
     dec_mid: Mid,
     dec_stages: Vec<Stage>,
-    dec_norm: Gn,
+    dec_norm: Norm,
     dec_out: Conv,
 }
 
@@ -314,14 +252,14 @@ impl Vae {
             enc_in: Conv::new(&e.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?,
             enc_stages,
             enc_mid: Mid::new(&e.pp("mid_block"), top, g)?,
-            enc_norm: Gn::new(&e.pp("conv_norm_out"), top, g, 1e-6)?,
+            enc_norm: Norm::group(&e.pp("conv_norm_out"), top, g, 1e-6)?,
             enc_out: Conv::new(&e.pp("conv_out"), top, 2 * lc, 3, 1, 1)?,
             quant: Conv::new(&pb.pp("quant_conv"), 2 * lc, 2 * lc, 1, 1, 0)?,
             post_quant: Conv::new(&pb.pp("post_quant_conv"), lc, lc, 1, 1, 0)?,
             dec_in: Conv::new(&d.pp("conv_in"), lc, top, 3, 1, 1)?,
             dec_mid: Mid::new(&d.pp("mid_block"), top, g)?,
             dec_stages,
-            dec_norm: Gn::new(&d.pp("conv_norm_out"), ch[0], g, 1e-6)?,
+            dec_norm: Norm::group(&d.pp("conv_norm_out"), ch[0], g, 1e-6)?,
             dec_out: Conv::new(&d.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
         })
     }

@@ -2,63 +2,22 @@
 //! self-attention, final layer norm, pooled end-of-text feature, optional projection.
 
 use candle_core::{DType, IndexOp, Tensor};
-use ft_kernels::{attention, linear, norm};
+use ft_kernels::{attention, linear};
 use ft_memory::weights::{Init, ParamBuilder};
 
 use super::config::ClipTextConfig;
 use crate::error::{ModelError, Result};
-
-#[derive(Clone)]
-struct Lin {
-    w: Tensor,
-    b: Option<Tensor>,
-}
-
-impl Lin {
-    fn new(pb: &ParamBuilder, din: usize, dout: usize, bias: bool) -> Result<Self> {
-        Ok(Lin {
-            w: pb.get(&[dout, din], "weight", Init::Normal { std: 0.02 })?,
-            b: if bias {
-                Some(pb.get(&[dout], "bias", Init::Zeros)?)
-            } else {
-                None
-            },
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        linear::linear(x, &self.w, self.b.as_ref())
-    }
-}
-
-#[derive(Clone)]
-struct Ln {
-    w: Tensor,
-    b: Tensor,
-    eps: f64,
-}
-
-impl Ln {
-    fn new(pb: &ParamBuilder, dim: usize, eps: f64) -> Result<Self> {
-        Ok(Ln {
-            w: pb.get(&[dim], "weight", Init::Ones)?,
-            b: pb.get(&[dim], "bias", Init::Zeros)?,
-            eps,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        norm::layer_norm(x, Some(&self.w), Some(&self.b), self.eps)
-    }
-}
+use crate::layers::{Linear, Norm};
 
 struct Layer {
-    ln1: Ln,
-    q: Lin,
-    k: Lin,
-    v: Lin,
-    o: Lin,
-    ln2: Ln,
-    fc1: Lin,
-    fc2: Lin,
+    ln1: Norm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ln2: Norm,
+    fc1: Linear,
+    fc2: Linear,
 }
 
 /// Every layer's hidden state and the pooled feature.
@@ -79,7 +38,7 @@ pub struct ClipTextModel {
     token: Tensor,
     position: Tensor,
     layers: Vec<Layer>,
-    final_ln: Ln,
+    final_ln: Norm,
     projection: Option<Tensor>,
 }
 
@@ -99,22 +58,26 @@ impl ClipTextModel {
             "weight",
             Init::Normal { std: 0.01 },
         )?;
+        // CLIP's initialisation: N(0, 0.02) weights, zero biases.
+        let lin = |pb: &ParamBuilder, din: usize, dout: usize| {
+            Linear::with_init(pb, din, dout, true, Init::Normal { std: 0.02 })
+        };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let l = t.pp(format!("encoder.layers.{i}"));
             let a = l.pp("self_attn");
             layers.push(Layer {
-                ln1: Ln::new(&l.pp("layer_norm1"), d, cfg.layer_norm_eps)?,
-                q: Lin::new(&a.pp("q_proj"), d, d, true)?,
-                k: Lin::new(&a.pp("k_proj"), d, d, true)?,
-                v: Lin::new(&a.pp("v_proj"), d, d, true)?,
-                o: Lin::new(&a.pp("out_proj"), d, d, true)?,
-                ln2: Ln::new(&l.pp("layer_norm2"), d, cfg.layer_norm_eps)?,
-                fc1: Lin::new(&l.pp("mlp.fc1"), d, cfg.intermediate_size, true)?,
-                fc2: Lin::new(&l.pp("mlp.fc2"), cfg.intermediate_size, d, true)?,
+                ln1: Norm::layer(&l.pp("layer_norm1"), d, cfg.layer_norm_eps)?,
+                q: lin(&a.pp("q_proj"), d, d)?,
+                k: lin(&a.pp("k_proj"), d, d)?,
+                v: lin(&a.pp("v_proj"), d, d)?,
+                o: lin(&a.pp("out_proj"), d, d)?,
+                ln2: Norm::layer(&l.pp("layer_norm2"), d, cfg.layer_norm_eps)?,
+                fc1: lin(&l.pp("mlp.fc1"), d, cfg.intermediate_size)?,
+                fc2: lin(&l.pp("mlp.fc2"), cfg.intermediate_size, d)?,
             });
         }
-        let final_ln = Ln::new(&t.pp("final_layer_norm"), d, cfg.layer_norm_eps)?;
+        let final_ln = Norm::layer(&t.pp("final_layer_norm"), d, cfg.layer_norm_eps)?;
         let projection = if with_projection {
             Some(pb.pp("text_projection").get(
                 &[cfg.projection_dim, d],

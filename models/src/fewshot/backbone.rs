@@ -9,6 +9,7 @@ use ft_memory::weights::{Init, ParamBuilder};
 
 use super::batch_norm::BatchNorm2d;
 use crate::error::{ModelError, Result};
+use crate::layers::Conv2d as Conv;
 
 /// Which backbone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,54 +39,27 @@ impl std::str::FromStr for BackboneKind {
     }
 }
 
-#[derive(Clone)]
-struct Conv {
-    weight: Tensor,
-    bias: Option<Tensor>,
+/// A conv with the CloserLook code's Kaiming-normal (fan_out, ReLU) weights.
+fn conv(
+    pb: &ParamBuilder,
+    cin: usize,
+    cout: usize,
+    k: usize,
     stride: usize,
     padding: usize,
-}
-
-impl Conv {
-    fn new(
-        pb: &ParamBuilder,
-        cin: usize,
-        cout: usize,
-        k: usize,
-        stride: usize,
-        padding: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        let fan_in = (cin * k * k) as f64;
-        // Kaiming-normal (fan_out, ReLU) as the CloserLook code initialises convs.
-        let std = (2.0 / (cout * k * k) as f64).sqrt();
-        let weight = pb.get(&[cout, cin, k, k], "weight", Init::Normal { std })?;
-        let bias = if bias {
-            Some(pb.get(
-                &[cout],
-                "bias",
-                Init::Uniform {
-                    bound: 1.0 / fan_in.sqrt(),
-                },
-            )?)
-        } else {
-            None
-        };
-        Ok(Conv {
-            weight,
-            bias,
-            stride,
-            padding,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.conv2d(&self.weight, self.padding, self.stride, 1, 1)?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?)?,
-            None => y,
-        })
-    }
+    bias: bool,
+) -> Result<Conv> {
+    let std = (2.0 / (cout * k * k) as f64).sqrt();
+    Conv::with_init(
+        pb,
+        cin,
+        cout,
+        k,
+        stride,
+        padding,
+        bias,
+        Init::Normal { std },
+    )
 }
 
 #[derive(Clone)]
@@ -154,15 +128,7 @@ impl Backbone {
                     let b = pb.pp(format!("trunk.{i}"));
                     let pool = i < 4;
                     blocks.push(ConvBlock {
-                        conv: Conv::new(
-                            &b.pp("C"),
-                            if i == 0 { 3 } else { 64 },
-                            64,
-                            3,
-                            1,
-                            1,
-                            true,
-                        )?,
+                        conv: conv(&b.pp("C"), if i == 0 { 3 } else { 64 }, 64, 3, 1, 1, true)?,
                         bn: BatchNorm2d::new(&b.pp("BN"), 64)?,
                         pool,
                     });
@@ -188,7 +154,7 @@ impl Backbone {
                     BackboneKind::ResNet18 => [2, 2, 2, 2],
                     _ => [3, 4, 6, 3],
                 };
-                let stem = Conv::new(&pb.pp("trunk.0"), 3, 64, 7, 2, 3, false)?;
+                let stem = conv(&pb.pp("trunk.0"), 3, 64, 7, 2, 3, false)?;
                 let stem_bn = BatchNorm2d::new(&pb.pp("trunk.1"), 64)?;
                 let mut blocks = Vec::new();
                 let (mut cin, mut idx) = (64, 4);
@@ -200,16 +166,16 @@ impl Backbone {
                         idx += 1;
                         let shortcut = if stride != 1 || cin != cout {
                             Some((
-                                Conv::new(&b.pp("shortcut"), cin, cout, 1, stride, 0, false)?,
+                                conv(&b.pp("shortcut"), cin, cout, 1, stride, 0, false)?,
                                 BatchNorm2d::new(&b.pp("BNshortcut"), cout)?,
                             ))
                         } else {
                             None
                         };
                         blocks.push(BasicBlock {
-                            c1: Conv::new(&b.pp("C1"), cin, cout, 3, stride, 1, false)?,
+                            c1: conv(&b.pp("C1"), cin, cout, 3, stride, 1, false)?,
                             bn1: BatchNorm2d::new(&b.pp("BN1"), cout)?,
-                            c2: Conv::new(&b.pp("C2"), cout, cout, 3, 1, 1, false)?,
+                            c2: conv(&b.pp("C2"), cout, cout, 3, 1, 1, false)?,
                             bn2: BatchNorm2d::new(&b.pp("BN2"), cout)?,
                             shortcut,
                         });

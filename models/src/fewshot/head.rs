@@ -13,11 +13,12 @@
 //! tensor, i.e. across classes.
 
 use candle_core::{DType, Tensor, D};
-use ft_kernels::{linear, norm, softmax};
+use ft_kernels::{linear, softmax};
 use ft_memory::weights::{Init, ParamBuilder};
 
 use super::backbone::Backbone;
 use crate::error::{ModelError, Result};
+use crate::layers::{Linear as Lin, Norm};
 
 /// Which few-shot method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,60 +55,18 @@ pub struct Episode {
 }
 
 #[derive(Clone)]
-struct Ln {
-    w: Tensor,
-    b: Tensor,
-}
-
-impl Ln {
-    fn new(pb: &ParamBuilder, dim: usize) -> Result<Self> {
-        Ok(Ln {
-            w: pb.get(&[dim], "weight", Init::Ones)?,
-            b: pb.get(&[dim], "bias", Init::Zeros)?,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        norm::layer_norm(x, Some(&self.w), Some(&self.b), 1e-5)
-    }
-}
-
-#[derive(Clone)]
-struct Lin {
-    w: Tensor,
-    b: Option<Tensor>,
-}
-
-impl Lin {
-    /// `torch.nn.Linear`'s default initialisation: U(-1/sqrt(in), 1/sqrt(in)).
-    fn new(pb: &ParamBuilder, din: usize, dout: usize, bias: bool) -> Result<Self> {
-        let bound = 1.0 / (din as f64).sqrt();
-        Ok(Lin {
-            w: pb.get(&[dout, din], "weight", Init::Uniform { bound })?,
-            b: if bias {
-                Some(pb.get(&[dout], "bias", Init::Uniform { bound })?)
-            } else {
-                None
-            },
-        })
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        linear::linear(x, &self.w, self.b.as_ref())
-    }
-}
-
-#[derive(Clone)]
 struct Fsct {
     cosine: bool,
     heads: usize,
     dim_head: usize,
     proto_weight: Tensor,
-    attn_ln: Ln,
+    attn_ln: Norm,
     attn_in: Lin,
     attn_out: Lin,
-    ffn_ln: Ln,
+    ffn_ln: Norm,
     ffn1: Lin,
     ffn2: Lin,
-    out_ln: Ln,
+    out_ln: Norm,
     out_lin: Lin,
     /// Cosine classifier: WeightNorm(g, v) over Linear(dim_head, 1, bias=False); or plain linear.
     cls_g: Option<Tensor>,
@@ -146,13 +105,13 @@ impl FewShotModel {
                     heads,
                     dim_head,
                     proto_weight: pb.get(&[n_way, k_shot, 1], "proto_weight", Init::Ones)?,
-                    attn_ln: Ln::new(&a.pp("input_linear.0"), dim)?,
+                    attn_ln: Norm::layer(&a.pp("input_linear.0"), dim, 1e-5)?,
                     attn_in: Lin::new(&a.pp("input_linear.1"), dim, inner, false)?,
                     attn_out: Lin::new(&a.pp("output_linear"), inner, dim, true)?,
-                    ffn_ln: Ln::new(&pb.pp("FFN.0"), dim)?,
+                    ffn_ln: Norm::layer(&pb.pp("FFN.0"), dim, 1e-5)?,
                     ffn1: Lin::new(&pb.pp("FFN.1"), dim, mlp, true)?,
                     ffn2: Lin::new(&pb.pp("FFN.3"), mlp, dim, true)?,
-                    out_ln: Ln::new(&pb.pp("linear.0"), dim)?,
+                    out_ln: Norm::layer(&pb.pp("linear.0"), dim, 1e-5)?,
                     out_lin: Lin::new(&pb.pp("linear.1"), dim, dim_head, true)?,
                     // WeightNorm's magnitude g starts at 1 (PyTorch starts it at |v|: a scale only).
                     cls_g: if cosine {
