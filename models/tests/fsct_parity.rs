@@ -2,26 +2,16 @@
 //! on a 3-way 1-shot episode in training mode: query scores, summed cross-entropy and every
 //! parameter's gradient within 1e-4 relative.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use ft_memory::weights::{ParamBuilder, ParamStore, SafetensorsFiles};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
 
-fn fixture(variant: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/fsct_tiny")
-        .join(variant)
-}
-
-fn rel(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    Ok(d / b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-8))
-}
-
 fn check(variant: &str, method: Method) -> anyhow::Result<()> {
-    let dir = fixture(variant);
+    let dir = common::fixture(&format!("fsct_tiny/{variant}"));
     let dev = Device::Cpu;
     let weights = Arc::new(SafetensorsFiles::open(&[dir.join("model.safetensors")])?);
     let store = ParamStore::new();
@@ -42,52 +32,19 @@ fn check(variant: &str, method: Method) -> anyhow::Result<()> {
         n_query: 2,
     };
     let scores = model.scores(&ep, true)?;
-    let e = rel(&scores, &load("scores")?)?;
+    let e = common::rel(&scores, &load("scores")?)?;
     assert!(e < 1e-4, "{variant}: scores differ by {e} relative");
     let (loss, _) = model.summed_loss(&ep, true)?;
     let want = load("loss")?.squeeze(0)?;
-    let e = rel(&loss, &want)?;
+    let e = common::rel(&loss, &want)?;
     assert!(e < 1e-4, "{variant}: loss differs by {e} relative");
     let grads = loss.backward()?;
-    let want = SafetensorsFiles::open(&[dir.join("grads.safetensors")])?;
-    let m = |t: &Tensor| {
-        t.abs()
-            .and_then(|a| a.max_all())
-            .and_then(|a| a.to_scalar::<f32>())
-    };
-    let mut global = 0f32;
-    for name in want.names() {
-        global = global.max(m(&want.load(name, None, DType::F32, &dev, false)?)?);
-    }
-    let mut n = 0;
-    for (name, v) in store.trainable()? {
-        let g = grads
-            .get(v.as_tensor())
-            .unwrap_or_else(|| panic!("{variant}: `{name}` has no gradient"));
-        let w = want.load(&name, Some(g.dims()), DType::F32, &dev, false)?;
-        n += 1;
-        if m(&w)? < 1e-5 * global {
-            // Gradients that are 0 in exact arithmetic: a conv bias before training-mode batch
-            // norm (the normalisation removes the shift), or, in the softmax variant, biases
-            // that add the same amount to every class score (cross-entropy ignores it). Both
-            // sides hold rounding noise: check it is noise rather than compare noise.
-            assert!(
-                m(g)? < 1e-4 * global,
-                "{variant}: `{name}` should be ~0, is {}",
-                m(g)?
-            );
-            continue;
-        }
-        let e = rel(g, &w)?;
-        if e >= 1e-4 {
-            panic!("{variant}: gradient of `{name}` differs by {e} relative (ours max {}, reference max {})", m(g)?, m(&w)?);
-        }
-    }
-    assert_eq!(
-        n,
-        want.names().count(),
-        "{variant}: every reference gradient is compared"
-    );
+    let ours: Vec<(String, Option<Tensor>)> = store
+        .trainable()?
+        .into_iter()
+        .map(|(n, v)| (n, grads.get(v.as_tensor()).cloned()))
+        .collect();
+    common::compare_gradients(&dir.join("grads.safetensors"), &ours, 1e-4, variant)?;
     Ok(())
 }
 
