@@ -40,6 +40,9 @@ pub struct SchedulerConfig {
     /// `epsilon` or `v_prediction`.
     #[serde(default = "d_pred")]
     pub prediction_type: String,
+    /// Added to every inference timestep (SDXL: 1, with `leading` spacing).
+    #[serde(default)]
+    pub steps_offset: usize,
 }
 
 /// What the UNet is trained to predict.
@@ -54,6 +57,8 @@ pub enum Prediction {
 pub struct NoiseSchedule {
     pub alphas_cumprod: Vec<f64>,
     pub prediction: Prediction,
+    /// Inference timestep offset for the samplers.
+    pub steps_offset: usize,
 }
 
 impl NoiseSchedule {
@@ -112,6 +117,7 @@ impl NoiseSchedule {
         Ok(NoiseSchedule {
             alphas_cumprod: acp,
             prediction,
+            steps_offset: cfg.steps_offset,
         })
     }
 

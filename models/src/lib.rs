@@ -7,6 +7,7 @@ pub mod dropout;
 pub mod error;
 pub mod fewshot;
 pub mod layers;
+pub mod sampling;
 pub mod t5;
 pub mod unet;
 pub mod vae;

@@ -179,88 +179,131 @@ struct Stage {
     resample: Option<Conv>,
 }
 
+/// The encoder half: images to the latent distribution's moments.
+struct Encoder {
+    conv_in: Conv,
+    stages: Vec<Stage>,
+    mid: Mid,
+    norm: Norm,
+    conv_out: Conv,
+    quant: Conv,
+}
+
+/// The decoder half: latents to images.
+struct Decoder {
+    post_quant: Conv,
+    conv_in: Conv,
+    mid: Mid,
+    stages: Vec<Stage>,
+    norm: Norm,
+    conv_out: Conv,
+}
+
+/// Which halves of the VAE to load. Fine-tuning needs the encoder only while the latent cache is
+/// built and the decoder only for evaluation samples, so each is loaded when it is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VaeParts {
+    Both,
+    Encoder,
+    Decoder,
+}
+
 /// AutoencoderKL with diffusers' tensor names.
 pub struct Vae {
     cfg: VaeConfig,
-    enc_in: Conv,
-    enc_stages: Vec<Stage>,
-    enc_mid: Mid,
-    enc_norm: Norm,
-    enc_out: Conv,
-    quant: Conv,
-    post_quant: Conv,
-    dec_in: Conv,
-    dec_mid: Mid,
-    dec_stages: Vec<Stage>,
-    dec_norm: Norm,
-    dec_out: Conv,
+    encoder: Option<Encoder>,
+    decoder: Option<Decoder>,
 }
 
 impl Vae {
     pub fn new(pb: &ParamBuilder, cfg: &VaeConfig) -> Result<Self> {
+        Self::with_parts(pb, cfg, VaeParts::Both)
+    }
+
+    /// Builds (loads) only the halves in `parts`.
+    pub fn with_parts(pb: &ParamBuilder, cfg: &VaeConfig, parts: VaeParts) -> Result<Self> {
         let ch = &cfg.block_out_channels;
+        if ch.is_empty() {
+            return Err(ModelError::Invalid(
+                "vae block_out_channels is empty".into(),
+            ));
+        }
         let g = cfg.norm_num_groups;
-        let e = pb.pp("encoder");
-        let mut enc_stages = Vec::new();
-        let mut cin = ch[0];
-        for (i, &c) in ch.iter().enumerate() {
-            let bp = e.pp(format!("down_blocks.{i}"));
-            let mut resnets = Vec::new();
-            for j in 0..cfg.layers_per_block {
-                resnets.push(Resnet::new(
-                    &bp.pp(format!("resnets.{j}")),
-                    if j == 0 { cin } else { c },
-                    c,
-                    g,
-                )?);
-            }
-            let resample = if i + 1 < ch.len() {
-                Some(Conv::new(&bp.pp("downsamplers.0.conv"), c, c, 3, 2, 0)?)
-            } else {
-                None
-            };
-            enc_stages.push(Stage { resnets, resample });
-            cin = c;
-        }
-        let top = *ch.last().unwrap_or(&ch[0]);
+        let top = ch[ch.len() - 1];
         let lc = cfg.latent_channels;
-        let d = pb.pp("decoder");
-        let mut dec_stages = Vec::new();
-        let rev: Vec<usize> = ch.iter().rev().copied().collect();
-        let mut cin = top;
-        for (i, &c) in rev.iter().enumerate() {
-            let bp = d.pp(format!("up_blocks.{i}"));
-            let mut resnets = Vec::new();
-            for j in 0..=cfg.layers_per_block {
-                resnets.push(Resnet::new(
-                    &bp.pp(format!("resnets.{j}")),
-                    if j == 0 { cin } else { c },
-                    c,
-                    g,
-                )?);
+        let encoder = if parts != VaeParts::Decoder {
+            let e = pb.pp("encoder");
+            let mut stages = Vec::new();
+            let mut cin = ch[0];
+            for (i, &c) in ch.iter().enumerate() {
+                let bp = e.pp(format!("down_blocks.{i}"));
+                let mut resnets = Vec::new();
+                for j in 0..cfg.layers_per_block {
+                    resnets.push(Resnet::new(
+                        &bp.pp(format!("resnets.{j}")),
+                        if j == 0 { cin } else { c },
+                        c,
+                        g,
+                    )?);
+                }
+                let resample = if i + 1 < ch.len() {
+                    Some(Conv::new(&bp.pp("downsamplers.0.conv"), c, c, 3, 2, 0)?)
+                } else {
+                    None
+                };
+                stages.push(Stage { resnets, resample });
+                cin = c;
             }
-            let resample = if i + 1 < rev.len() {
-                Some(Conv::new(&bp.pp("upsamplers.0.conv"), c, c, 3, 1, 1)?)
-            } else {
-                None
-            };
-            dec_stages.push(Stage { resnets, resample });
-            cin = c;
-        }
+            Some(Encoder {
+                conv_in: Conv::new(&e.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?,
+                stages,
+                mid: Mid::new(&e.pp("mid_block"), top, g)?,
+                norm: Norm::group(&e.pp("conv_norm_out"), top, g, 1e-6)?,
+                conv_out: Conv::new(&e.pp("conv_out"), top, 2 * lc, 3, 1, 1)?,
+                quant: Conv::new(&pb.pp("quant_conv"), 2 * lc, 2 * lc, 1, 1, 0)?,
+            })
+        } else {
+            None
+        };
+        let decoder = if parts != VaeParts::Encoder {
+            let d = pb.pp("decoder");
+            let mut stages = Vec::new();
+            let rev: Vec<usize> = ch.iter().rev().copied().collect();
+            let mut cin = top;
+            for (i, &c) in rev.iter().enumerate() {
+                let bp = d.pp(format!("up_blocks.{i}"));
+                let mut resnets = Vec::new();
+                for j in 0..=cfg.layers_per_block {
+                    resnets.push(Resnet::new(
+                        &bp.pp(format!("resnets.{j}")),
+                        if j == 0 { cin } else { c },
+                        c,
+                        g,
+                    )?);
+                }
+                let resample = if i + 1 < rev.len() {
+                    Some(Conv::new(&bp.pp("upsamplers.0.conv"), c, c, 3, 1, 1)?)
+                } else {
+                    None
+                };
+                stages.push(Stage { resnets, resample });
+                cin = c;
+            }
+            Some(Decoder {
+                post_quant: Conv::new(&pb.pp("post_quant_conv"), lc, lc, 1, 1, 0)?,
+                conv_in: Conv::new(&d.pp("conv_in"), lc, top, 3, 1, 1)?,
+                mid: Mid::new(&d.pp("mid_block"), top, g)?,
+                stages,
+                norm: Norm::group(&d.pp("conv_norm_out"), ch[0], g, 1e-6)?,
+                conv_out: Conv::new(&d.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
+            })
+        } else {
+            None
+        };
         Ok(Vae {
             cfg: cfg.clone(),
-            enc_in: Conv::new(&e.pp("conv_in"), cfg.in_channels, ch[0], 3, 1, 1)?,
-            enc_stages,
-            enc_mid: Mid::new(&e.pp("mid_block"), top, g)?,
-            enc_norm: Norm::group(&e.pp("conv_norm_out"), top, g, 1e-6)?,
-            enc_out: Conv::new(&e.pp("conv_out"), top, 2 * lc, 3, 1, 1)?,
-            quant: Conv::new(&pb.pp("quant_conv"), 2 * lc, 2 * lc, 1, 1, 0)?,
-            post_quant: Conv::new(&pb.pp("post_quant_conv"), lc, lc, 1, 1, 0)?,
-            dec_in: Conv::new(&d.pp("conv_in"), lc, top, 3, 1, 1)?,
-            dec_mid: Mid::new(&d.pp("mid_block"), top, g)?,
-            dec_stages,
-            dec_norm: Norm::group(&d.pp("conv_norm_out"), ch[0], g, 1e-6)?,
-            dec_out: Conv::new(&d.pp("conv_out"), ch[0], cfg.out_channels, 3, 1, 1)?,
+            encoder,
+            decoder,
         })
     }
 
@@ -270,8 +313,12 @@ impl Vae {
 
     /// Mean and log-variance of the latent distribution [B, latent_channels, H/f, W/f], unscaled.
     pub fn encode_moments(&self, images: &Tensor) -> Result<(Tensor, Tensor)> {
-        let mut h = self.enc_in.forward(images)?;
-        for s in &self.enc_stages {
+        let e = self
+            .encoder
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("this VAE was loaded without its encoder".into()))?;
+        let mut h = e.conv_in.forward(images)?;
+        for s in &e.stages {
             for r in &s.resnets {
                 h = r.forward(&h)?;
             }
@@ -279,9 +326,9 @@ impl Vae {
                 h = c.forward(&h.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?)?;
             }
         }
-        let h = self.enc_mid.forward(&h)?;
-        let h = self.enc_out.forward(&self.enc_norm.forward(&h)?.silu()?)?;
-        let m = self.quant.forward(&h)?;
+        let h = e.mid.forward(&h)?;
+        let h = e.conv_out.forward(&e.norm.forward(&h)?.silu()?)?;
+        let m = e.quant.forward(&h)?;
         let lc = self.cfg.latent_channels;
         Ok((
             m.narrow(1, 0, lc)?,
@@ -298,10 +345,14 @@ impl Vae {
 
     /// Images from scaled latents (divided by `scaling_factor` first).
     pub fn decode(&self, latents: &Tensor) -> Result<Tensor> {
+        let d = self
+            .decoder
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("this VAE was loaded without its decoder".into()))?;
         let z = (latents / self.cfg.scaling_factor)?;
-        let mut h = self.dec_in.forward(&self.post_quant.forward(&z)?)?;
-        h = self.dec_mid.forward(&h)?;
-        for s in &self.dec_stages {
+        let mut h = d.conv_in.forward(&d.post_quant.forward(&z)?)?;
+        h = d.mid.forward(&h)?;
+        for s in &d.stages {
             for r in &s.resnets {
                 h = r.forward(&h)?;
             }
@@ -309,7 +360,7 @@ impl Vae {
                 h = c.forward(&upsample::upsample_nearest2x(&h)?)?;
             }
         }
-        Ok(self.dec_out.forward(&self.dec_norm.forward(&h)?.silu()?)?)
+        Ok(d.conv_out.forward(&d.norm.forward(&h)?.silu()?)?)
     }
 
     /// Decodes `chunk` latents at a time, moving each decoded chunk to the host before the next

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use ft_memory::weights::{ParamBuilder, ParamStore, SafetensorsFiles};
-use ft_models::vae::{Vae, VaeConfig};
+use ft_models::vae::{Vae, VaeConfig, VaeParts};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vae_tiny")
@@ -55,6 +55,22 @@ fn encode_and_decode_match_diffusers_and_chunking_is_exact() -> anyhow::Result<(
     assert!(
         rel(&chunked, &decoded)? < 1e-6,
         "chunked decode equals whole-batch decode"
+    );
+
+    // The decoder alone (what evaluation keeps): only decoder tensors are loaded, same output.
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0)
+        .frozen()
+        .with_source(files.clone());
+    let dec = Vae::with_parts(&pb, &cfg, VaeParts::Decoder)?;
+    assert!(store
+        .all()
+        .iter()
+        .all(|(n, _)| n.starts_with("decoder.") || n.starts_with("post_quant_conv.")));
+    assert!(rel(&dec.decode(&get("latents")?)?, &decoded)? < 1e-7);
+    assert!(
+        dec.encode(&get("images")?).is_err(),
+        "no encoder was loaded"
     );
     Ok(())
 }
