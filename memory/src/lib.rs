@@ -13,6 +13,7 @@ pub mod accumulate;
 pub mod alloc;
 pub mod checkpoint;
 pub mod config;
+pub mod ema;
 pub mod error;
 pub mod fsutil;
 pub mod ledger;

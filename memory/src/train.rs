@@ -50,6 +50,11 @@ pub trait Task {
     fn counts(&self, batch: &Self::Batch) -> (usize, usize);
     /// The batch's loss *summed* over its units (the loop divides by the step's total units).
     fn summed_loss(&mut self, batch: &Self::Batch, ctx: &StepCtx) -> TaskResult<Tensor>;
+    /// Called after each optimizer step with the updated weights (the fp32 masters when the
+    /// model is stored in low precision): an EMA folds them in here. `step` counts steps done.
+    fn after_step(&mut self, _step: u64, _weights: &[Var], _ledger: &mut Ledger) -> TaskResult<()> {
+        Ok(())
+    }
     /// Evaluation metrics at `step` (the ledger gets `eval/...` points from the loop around it).
     fn evaluate(&mut self, step: u64, ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>>;
     /// Writes the model in its Hugging Face layout into `dir`.
@@ -233,6 +238,12 @@ pub fn run<T: Task>(
         ledger.remove(Category::Gradients, "model");
         opt.account(ledger, "model");
         step += 1;
+        let weights = if opt.masters().is_empty() {
+            opt.params()
+        } else {
+            opt.masters()
+        };
+        task.after_step(step, weights, ledger).map_err(task_err)?;
         ledger.mark("step", step)?;
         summary.losses.push(step_loss);
         let secs = t0.elapsed().as_secs_f64();

@@ -172,14 +172,26 @@ fn sharded_checkpoint_loads_through_its_index() -> anyhow::Result<()> {
     }
     let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string())?;
+    // The same shards in a diffusers subfolder (`unet/`): shard names are relative to it.
+    let sub = dir.join("unet");
+    std::fs::create_dir_all(&sub)?;
+    for f in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ] {
+        std::fs::copy(dir.join(f), sub.join(f))?;
+    }
     let repo = ModelRepo::open(dir.to_str().unwrap_or_default())?;
-    let files = Arc::new(repo.safetensors("model")?);
-    assert_eq!(files.paths().len(), 2);
-    let store = build(files, DType::F32, &shapes_of(&ts))?;
-    for (name, t) in &ts {
-        let got = store.get(name).expect("loaded");
-        let d = (got - t)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert_eq!(d, 0.0, "{name}");
+    for stem in ["model", "unet/model"] {
+        let files = Arc::new(repo.safetensors(stem)?);
+        assert_eq!(files.paths().len(), 2);
+        let store = build(files, DType::F32, &shapes_of(&ts))?;
+        for (name, t) in &ts {
+            let got = store.get(name).expect("loaded");
+            let d = (got - t)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(d, 0.0, "{stem}: {name}");
+        }
     }
     std::fs::remove_dir_all(&dir)?;
     Ok(())

@@ -108,6 +108,7 @@ impl ModelRepo {
 
     /// Opens the safetensors weights named `stem` (`model`, `diffusion_pytorch_model`, ...): the
     /// single file `{stem}.safetensors`, or the shards listed in `{stem}.safetensors.index.json`.
+    /// `stem` may name a subfolder (`unet/diffusion_pytorch_model`).
     pub fn safetensors(&self, stem: &str) -> Result<super::SafetensorsFiles> {
         let single = format!("{stem}.safetensors");
         let index = format!("{stem}.safetensors.index.json");
@@ -116,9 +117,11 @@ impl ModelRepo {
             Err(single_err) => match self.get(&index) {
                 Ok(idx) => {
                     let shards = super::files::shards_of_index(&idx)?;
+                    // Shard names in an index are relative to its folder (`unet/` in diffusers).
+                    let folder = stem.rsplit_once('/').map(|(d, _)| format!("{d}/"));
                     let paths = shards
                         .iter()
-                        .map(|s| self.get(s))
+                        .map(|s| self.get(&format!("{}{s}", folder.as_deref().unwrap_or(""))))
                         .collect::<Result<Vec<_>>>()?;
                     super::SafetensorsFiles::open(&paths)
                 }
