@@ -1,0 +1,5 @@
+//! sdxl-ft as a library: the diffusers pipeline loader, CLIP tokenizers, image data, the latent and
+//! embedding cache, the task on the shared loop, sampling and the demo, so tests and benches drive
+//! exactly the code path the binary runs.
+
+pub mod tokenize;
