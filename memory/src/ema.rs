@@ -87,11 +87,14 @@ impl Ema {
         }
         let d = self.decay_at(step);
         for (s, p) in self.shadow.iter_mut().zip(params) {
+            // Detached: the weights are Vars, and an op on a Var records its inputs, so each
+            // new average would keep the previous one alive (a chain as long as the run).
             let p = p
                 .as_tensor()
+                .detach()
                 .to_device(&self.device)?
                 .to_dtype(DType::F32)?;
-            *s = ((&*s * d)? + (p * (1.0 - d))?)?;
+            *s = ((&*s * d)? + (p * (1.0 - d))?)?.detach();
         }
         Ok(true)
     }

@@ -2,4 +2,11 @@
 //! embedding cache, the task on the shared loop, sampling and the demo, so tests and benches drive
 //! exactly the code path the binary runs.
 
+pub mod cache;
+pub mod cli;
+pub mod data;
+pub mod demo;
+pub mod pipeline;
+pub mod run;
+pub mod task;
 pub mod tokenize;

@@ -1,0 +1,254 @@
+//! From arguments to a finished run: open the pipeline, build or reuse the cache (the encoders
+//! live only inside it), load the UNet once in the training dtype, train on the shared loop.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use candle_core::{DType, Device};
+use ft_memory::checkpoint::Checkpointer;
+use ft_memory::ema::Ema;
+use ft_memory::ledger::{format_bytes, Ledger};
+use ft_memory::mixed::MixedOptimizer;
+use ft_memory::train::{self, LoopConfig, RunSummary, Units};
+use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
+use ft_models::diffusion::Prediction;
+use ft_models::unet::UNet;
+
+use crate::cache::{Cache, CacheSettings};
+use crate::cli::Args;
+use crate::data::{Crop, ImageFolder};
+use crate::pipeline::Pipeline;
+use crate::task::{EvalSettings, Objective, SdxlTask};
+
+/// Everything a run needs, built from the arguments (also used by tests and the bench).
+pub struct Setup {
+    pub task: SdxlTask,
+    pub optimizer: MixedOptimizer,
+    pub ledger: Ledger,
+    pub loop_config: LoopConfig,
+    pub checkpointer: Checkpointer,
+}
+
+/// Resolves model and data, builds the cache, loads the UNet. With `--demo`, first writes the
+/// bundled pipeline and images.
+pub fn setup(args: &Args) -> Result<Setup> {
+    let mut args = args.clone();
+    args.validate()?;
+    let out = args.common.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| anyhow!("{}: {e}", out.display()))?;
+    if args.demo {
+        let demo = crate::demo::write(&out.join("demo-data"), 48, args.common.seed)?;
+        args.model = demo.model.display().to_string();
+        args.data_dir = Some(demo.data);
+    }
+    let device = args.common.device()?;
+    let precision = args.common.precision(&device)?;
+    let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
+    ledger.set_baseline();
+
+    let mut pipeline = Pipeline::open(&args.model, args.variant.clone())?;
+    let mut schedule = pipeline.schedule.clone();
+    if let Some(p) = &args.prediction_type {
+        schedule.prediction = match p.as_str() {
+            "epsilon" => Prediction::Epsilon,
+            "v_prediction" => Prediction::VPrediction,
+            other => {
+                return Err(anyhow!(
+                    "--prediction-type `{other}`: expected epsilon or v_prediction"
+                ))
+            }
+        };
+        pipeline.schedule = schedule.clone();
+    }
+    let data_dir: PathBuf = args
+        .data_dir
+        .clone()
+        .ok_or_else(|| anyhow!("--data-dir is required"))?;
+    let folder = ImageFolder::scan(&data_dir, &args.caption_column)?;
+    let prompts: Vec<String> = if args.sample_prompt.is_empty() {
+        let mut seen = Vec::new();
+        for r in &folder.records {
+            if seen.len() >= args.num_samples {
+                break;
+            }
+            if !seen.contains(&r.caption) {
+                seen.push(r.caption.clone());
+            }
+        }
+        seen
+    } else {
+        args.sample_prompt.clone()
+    };
+    // The encoders run in the training dtype, except f16, where SDXL's VAE overflows.
+    let encoder_dtype = match precision.storage {
+        DType::F16 => DType::F32,
+        d => d,
+    };
+    let settings = CacheSettings {
+        res: args.res,
+        crop: if args.crop == "random" {
+            Crop::Random
+        } else {
+            Crop::Center
+        },
+        flip: args.random_flip,
+        seed: args.common.seed,
+        strict_images: args.strict_images,
+        device: device.clone(),
+        dtype: encoder_dtype,
+    };
+    let cache_root = args.cache_dir.clone().unwrap_or_else(|| out.join("cache"));
+    let cache = Cache::build_or_reuse(
+        &cache_root,
+        &pipeline,
+        &folder,
+        &prompts,
+        &settings,
+        &mut ledger,
+    )?;
+    report_cache(&cache);
+
+    // The UNet: from the checkpoint being resumed, else the pipeline's weights.
+    let files = match &args.resume {
+        Some(dir) => ModelRepo::Local(dir.clone()).safetensors("unet/diffusion_pytorch_model")?,
+        None => pipeline.weights("unet", "diffusion_pytorch_model")?,
+    };
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed)
+        .with_source(Arc::new(files));
+    let unet = UNet::new(&pb, &pipeline.unet)?;
+    ledger.mark("load", 0)?;
+
+    let optimizer = args.common.optimizer(store.trainable()?, precision)?;
+    let ema = if args.ema {
+        let ema_device = if args.ema_device == "cpu" {
+            Device::Cpu
+        } else {
+            device.clone()
+        };
+        let weights = if optimizer.masters().is_empty() {
+            optimizer.params()
+        } else {
+            optimizer.masters()
+        };
+        let mut ema = Ema::new(
+            optimizer.names(),
+            weights,
+            args.ema_decay,
+            args.ema_every,
+            &ema_device,
+        )?;
+        if let Some(dir) = &args.resume {
+            let saved =
+                ModelRepo::Local(dir.clone()).safetensors("unet_ema/diffusion_pytorch_model")?;
+            ema.load(|name, shape| saved.load(name, Some(shape), DType::F32, &Device::Cpu, false))?;
+        }
+        ledger.set(ft_memory::ledger::Category::Ema, "unet", ema.bytes());
+        Some(ema)
+    } else {
+        None
+    };
+    let dtype = precision.storage;
+    let task = SdxlTask::new(
+        unet,
+        store,
+        pipeline,
+        cache,
+        schedule,
+        Objective {
+            caption_dropout: args.caption_dropout,
+            snr_gamma: args.snr_gamma,
+            noise_offset: args.noise_offset,
+            flip: args.random_flip,
+        },
+        EvalSettings {
+            loss_images: args.eval_images,
+            sampler: args.sampler.parse()?,
+            steps: args.sample_steps,
+            guidance_scale: args.guidance_scale,
+            vae_decode_chunk: args.vae_decode_chunk,
+            dir: out.join("samples"),
+        },
+        ema,
+        device,
+        dtype,
+        args.common.batch_size,
+        args.common.seed,
+    );
+    let max_steps = args.common.max_steps(task.batches_per_epoch());
+    let loop_config = LoopConfig {
+        units: Units::Samples,
+        accum: args.common.accum,
+        max_steps,
+        schedule: args.common.schedule(max_steps)?,
+        seed: args.common.seed,
+        output_dir: out,
+        eval_every: args.eval_every,
+        save_every: args.save_every,
+        progress: !args.quiet,
+        resume: args.resume.clone(),
+        best: None,
+    };
+    Ok(Setup {
+        task,
+        optimizer,
+        ledger,
+        loop_config,
+        checkpointer: Checkpointer::new(args.common.gradient_checkpointing),
+    })
+}
+
+fn report_cache(cache: &Cache) {
+    let m = &cache.manifest;
+    eprintln!(
+        "cache {} ({}): {} images, {} captions, {}",
+        if cache.built { "built" } else { "reused" },
+        cache.dir.display(),
+        m.entries.len(),
+        m.captions.len(),
+        format_bytes(cache.disk_bytes() as i64)
+    );
+    if let Some((file, reason)) = m.skipped.first() {
+        eprintln!(
+            "skipped {} unreadable images (first: {file}: {reason}); --strict-images stops instead",
+            m.skipped.len()
+        );
+    }
+}
+
+/// Trains as the arguments say and prints the memory table.
+pub fn run(args: &Args) -> Result<RunSummary> {
+    let mut s = setup(args)?;
+    let (n, bytes) = s.task.store.count(true);
+    eprintln!(
+        "sdxl-ft: UNet with {n} trainable parameters ({}), {} steps of {} x {} images, {:?}, checkpointing {}",
+        format_bytes(bytes as i64),
+        s.loop_config.max_steps,
+        s.loop_config.accum,
+        s.task.batch_size,
+        s.task.dtype,
+        s.checkpointer.enabled()
+    );
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
+    eprintln!("{}", s.ledger.table());
+    if let Some(dir) = &summary.final_dir {
+        eprintln!(
+            "UNet saved in {} (diffusers layout){}; samples in {}",
+            dir.join("unet").display(),
+            if s.task.ema.is_some() {
+                ", EMA in unet_ema/"
+            } else {
+                ""
+            },
+            s.task.eval.dir.display()
+        );
+    }
+    Ok(summary)
+}

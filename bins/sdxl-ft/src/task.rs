@@ -1,0 +1,405 @@
+//! sdxl-ft's [`Task`]: cached latents and text embeddings in, the DDPM loss of the UNet out;
+//! evaluation writes sample images with the EMA weights swapped in; saves diffusers' layout.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::checkpoint::Checkpointer;
+use ft_memory::ema::Ema;
+use ft_memory::ledger::{Category, Ledger};
+use ft_memory::rng::SplitMix64;
+use ft_memory::train::{StepCtx, Task, TaskResult};
+use ft_memory::weights::ParamStore;
+use ft_models::diffusion::NoiseSchedule;
+use ft_models::sampling::{Sampler, SamplerKind};
+use ft_models::unet::UNet;
+use ft_models::vae::VaeParts;
+
+use crate::cache::Cache;
+use crate::pipeline::Pipeline;
+
+/// The objective's settings.
+#[derive(Debug, Clone)]
+pub struct Objective {
+    pub caption_dropout: f64,
+    pub snr_gamma: Option<f64>,
+    pub noise_offset: f64,
+    pub flip: bool,
+}
+
+/// What an evaluation does.
+#[derive(Debug, Clone)]
+pub struct EvalSettings {
+    /// Images of the cache whose loss at fixed noise and timesteps is the validation loss.
+    pub loss_images: usize,
+    pub sampler: SamplerKind,
+    pub steps: usize,
+    pub guidance_scale: f64,
+    pub vae_decode_chunk: usize,
+    /// Samples are written under `dir/step-N/`.
+    pub dir: PathBuf,
+}
+
+/// The UNet being trained with its data, objective and evaluation.
+pub struct SdxlTask {
+    pub unet: UNet,
+    pub store: Arc<ParamStore>,
+    pub pipeline: Pipeline,
+    pub cache: Cache,
+    pub schedule: NoiseSchedule,
+    pub objective: Objective,
+    pub eval: EvalSettings,
+    pub ema: Option<Ema>,
+    pub device: Device,
+    /// dtype of the UNet's weights and activations.
+    pub dtype: DType,
+    pub batch_size: usize,
+    pub seed: u64,
+    epoch: usize,
+    cursor: usize,
+    order: Vec<usize>,
+}
+
+/// A micro-batch: indices into the cache.
+pub type Batch = Vec<usize>;
+
+fn normal(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() as f32).collect()
+}
+
+impl SdxlTask {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        unet: UNet,
+        store: Arc<ParamStore>,
+        pipeline: Pipeline,
+        cache: Cache,
+        schedule: NoiseSchedule,
+        objective: Objective,
+        eval: EvalSettings,
+        ema: Option<Ema>,
+        device: Device,
+        dtype: DType,
+        batch_size: usize,
+        seed: u64,
+    ) -> Self {
+        let mut t = SdxlTask {
+            unet,
+            store,
+            pipeline,
+            cache,
+            schedule,
+            objective,
+            eval,
+            ema,
+            device,
+            dtype,
+            batch_size,
+            seed,
+            epoch: 0,
+            cursor: 0,
+            order: Vec::new(),
+        };
+        t.shuffle();
+        t
+    }
+
+    /// Micro-batches in one pass over the cached images (a short last one included).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.cache.len().div_ceil(self.batch_size)
+    }
+
+    fn shuffle(&mut self) {
+        self.order = (0..self.cache.len()).collect();
+        SplitMix64::new(self.seed ^ (self.epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .shuffle(&mut self.order);
+    }
+
+    /// The loss of every sample in `batch`, each the mean squared error over its latent
+    /// (min-SNR weighted when asked), with noise, timesteps, latent samples, flips and caption
+    /// dropout drawn from `seed`.
+    fn per_sample_losses(
+        &self,
+        batch: &[usize],
+        seed: u64,
+        train: bool,
+        ck: &Checkpointer,
+    ) -> Result<Tensor> {
+        let mut rng = SplitMix64::new(seed);
+        let b = batch.len();
+        let [c, h, w] = self.cache.manifest.latent_shape;
+        let n = c * h * w;
+        let (mut means, mut stds, mut hidden, mut pooled, mut ids) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut timesteps = Vec::with_capacity(b);
+        for &i in batch {
+            let flipped = self.objective.flip && rng.uniform() < 0.5;
+            let (m, s) = self.cache.latent(i, flipped, &self.device)?;
+            means.push(m);
+            stds.push(s);
+            let caption = if train && rng.uniform() < self.objective.caption_dropout {
+                self.cache.manifest.empty
+            } else {
+                self.cache.manifest.entries[i].caption
+            };
+            let (hs, p) = self.cache.text(caption, self.dtype, &self.device)?;
+            hidden.push(hs);
+            pooled.push(p);
+            ids.extend_from_slice(&self.cache.time_ids(i, flipped));
+            timesteps.push(rng.below(self.schedule.alphas_cumprod.len()));
+        }
+        let dev = &self.device;
+        let posterior = Tensor::from_vec(normal(&mut rng, b * n), (b, c, h, w), dev)?;
+        let scale = self.pipeline.vae.scaling_factor;
+        let x0 = ((Tensor::stack(&means, 0)? + (Tensor::stack(&stds, 0)? * posterior)?)? * scale)?;
+        let mut noise = Tensor::from_vec(normal(&mut rng, b * n), (b, c, h, w), dev)?;
+        if self.objective.noise_offset > 0.0 {
+            let per_channel = Tensor::from_vec(normal(&mut rng, b * c), (b, c, 1, 1), dev)?;
+            noise = ft_models::diffusion::offset_noise(
+                &noise,
+                self.objective.noise_offset,
+                &per_channel,
+            )?;
+        }
+        let noisy = self.schedule.add_noise(&x0, &noise, &timesteps)?;
+        let target = self.schedule.target(&x0, &noise, &timesteps)?;
+        let t: Vec<f32> = timesteps.iter().map(|&t| t as f32).collect();
+        let time_ids = Tensor::from_vec(ids, (b, 6), dev)?.to_dtype(self.dtype)?;
+        let pred = self
+            .unet
+            .forward(
+                &noisy.to_dtype(self.dtype)?,
+                &t,
+                &Tensor::stack(&hidden, 0)?,
+                Some((&Tensor::stack(&pooled, 0)?, &time_ids)),
+                ck,
+            )?
+            .to_dtype(DType::F32)?;
+        let mse = (pred - target)?.sqr()?.reshape((b, n))?.mean(1)?;
+        Ok(match self.objective.snr_gamma {
+            Some(g) => {
+                let w: Vec<f32> = self
+                    .schedule
+                    .min_snr_weights(&timesteps, g)
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect();
+                (mse * Tensor::from_vec(w, b, dev)?)?
+            }
+            None => mse,
+        })
+    }
+
+    /// Mean loss over the first `loss_images` cached images at fixed noise and timesteps: the
+    /// same draws at every evaluation, so values are comparable across steps.
+    pub fn validation_loss(&self) -> Result<f64> {
+        let n = self.eval.loss_images.min(self.cache.len());
+        let mut total = 0f64;
+        for start in (0..n).step_by(self.batch_size.max(1)) {
+            let batch: Vec<usize> = (start..(start + self.batch_size).min(n)).collect();
+            let l = self.per_sample_losses(
+                &batch,
+                self.seed ^ 0xE7A1 ^ start as u64,
+                false,
+                &Checkpointer::new(false),
+            )?;
+            // Only the value: dropping the graph here frees the forward's activations.
+            total += l.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        }
+        Ok(total / n.max(1) as f64)
+    }
+
+    /// Sample images for the cached prompts with classifier-free guidance, decoded in chunks of
+    /// `vae_decode_chunk` and moved to the host chunk by chunk. [N, 3, H, W] on the host.
+    pub fn sample_images(&self, ledger: &mut Ledger, step: u64) -> Result<Tensor> {
+        let prompts = &self.cache.manifest.prompts;
+        if prompts.is_empty() {
+            return Err(anyhow!("no sample prompts in the cache"));
+        }
+        let sampler = Sampler::new(self.eval.sampler, &self.schedule, self.eval.steps)?;
+        let [c, h, w] = self.cache.manifest.latent_shape;
+        let dev = &self.device;
+        let guided = self.eval.guidance_scale != 1.0;
+        let r = self.cache.manifest.res as f32;
+        let ids = Tensor::new(&[r, r, 0.0, 0.0, r, r], dev)?
+            .to_dtype(self.dtype)?
+            .unsqueeze(0)?;
+        let ck = Checkpointer::new(false);
+        let mut latents = Vec::with_capacity(prompts.len());
+        for (k, &p) in prompts.iter().enumerate() {
+            let (hs, pooled) = self.cache.text(p, self.dtype, dev)?;
+            let (uh, up) = if self.pipeline.force_zeros_for_empty_prompt {
+                (hs.zeros_like()?, pooled.zeros_like()?)
+            } else {
+                self.cache
+                    .text(self.cache.manifest.empty, self.dtype, dev)?
+            };
+            let (ctx, pool, tid) = if guided {
+                (
+                    Tensor::stack(&[&uh, &hs], 0)?,
+                    Tensor::stack(&[&up, &pooled], 0)?,
+                    Tensor::cat(&[&ids, &ids], 0)?,
+                )
+            } else {
+                (hs.unsqueeze(0)?, pooled.unsqueeze(0)?, ids.clone())
+            };
+            let mut rng = SplitMix64::new(self.seed ^ 0x5A3F ^ k as u64);
+            let noise = Tensor::from_vec(normal(&mut rng, c * h * w), (1, c, h, w), dev)?;
+            let mut x = (noise * sampler.init_noise_sigma())?;
+            for (i, &t) in sampler.timesteps().iter().enumerate() {
+                let xin = sampler.scale_input(&x, i)?.to_dtype(self.dtype)?;
+                let xin = if guided {
+                    Tensor::cat(&[&xin, &xin], 0)?
+                } else {
+                    xin
+                };
+                let n = xin.dim(0)?;
+                let out = self
+                    .unet
+                    .forward(&xin, &vec![t as f32; n], &ctx, Some((&pool, &tid)), &ck)?
+                    .to_dtype(DType::F32)?;
+                let out = if guided {
+                    let (u, cnd) = (out.get(0)?, out.get(1)?);
+                    (&u + ((cnd - &u)? * self.eval.guidance_scale)?)?.unsqueeze(0)?
+                } else {
+                    out
+                };
+                // Detached: otherwise each step's graph would keep every earlier step's
+                // activations alive through the UNet's trainable weights.
+                x = sampler.step(&out.detach(), i, &x)?.detach();
+            }
+            latents.push(x);
+        }
+        ledger.mark("eval/denoised", step)?;
+        let latents = Tensor::cat(&latents, 0)?;
+        let vae_dtype = if self.dtype == DType::F16 {
+            DType::F32 // SDXL's VAE overflows in f16
+        } else {
+            self.dtype
+        };
+        let vae = self.pipeline.vae(VaeParts::Decoder, vae_dtype, dev)?;
+        let images =
+            vae.decode_chunked(&latents.to_dtype(vae_dtype)?, self.eval.vae_decode_chunk)?;
+        drop(vae);
+        ledger.mark("eval/decoded", step)?;
+        Ok(images.clamp(-1f32, 1f32)?)
+    }
+
+    fn trainable(&self) -> Result<Vec<Var>> {
+        Ok(self
+            .store
+            .trainable()?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect())
+    }
+}
+
+impl Task for SdxlTask {
+    type Batch = Batch;
+
+    fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
+        self.epoch = epoch;
+        self.cursor = 0;
+        self.shuffle();
+        Ok(())
+    }
+
+    fn next_batch(&mut self) -> TaskResult<Option<Batch>> {
+        if self.cursor >= self.order.len() {
+            return Ok(None);
+        }
+        let end = (self.cursor + self.batch_size).min(self.order.len());
+        let b = self.order[self.cursor..end].to_vec();
+        self.cursor = end;
+        Ok(Some(b))
+    }
+
+    fn counts(&self, batch: &Batch) -> (usize, usize) {
+        (batch.len(), batch.len())
+    }
+
+    fn summed_loss(&mut self, batch: &Batch, ctx: &StepCtx) -> TaskResult<Tensor> {
+        // The forward pass under the loop's checkpointer (per-block recompute when enabled).
+        let losses = self.per_sample_losses(batch, ctx.dropout_seed, true, ctx.checkpointer)?;
+        Ok(losses.sum_all()?)
+    }
+
+    fn after_step(&mut self, step: u64, weights: &[Var], ledger: &mut Ledger) -> TaskResult<()> {
+        if let Some(ema) = &mut self.ema {
+            ema.maybe_update(step, weights)?;
+            ledger.set(Category::Ema, "unet", ema.bytes());
+        }
+        Ok(())
+    }
+
+    fn evaluate(&mut self, step: u64, ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>> {
+        let loss = self.validation_loss()?;
+        let params = self.trainable()?;
+        let stash = match &self.ema {
+            Some(ema) => {
+                let s = ema.swap_in(&params)?;
+                ledger.mark("eval/ema", step)?;
+                Some(s)
+            }
+            None => None,
+        };
+        let images = self.sample_images(ledger, step);
+        if let Some(s) = stash {
+            s.restore(&params)?;
+        }
+        let images = images?;
+        let dir = self.eval.dir.join(format!("step-{step}"));
+        crate::data::write_pngs(&images, &dir)?;
+        Ok(vec![
+            ("loss".into(), loss),
+            ("samples".into(), images.dim(0)? as f64),
+        ])
+    }
+
+    fn save_model(&self, dir: &Path) -> TaskResult<()> {
+        let weights = self.store.all();
+        save_unet(&dir.join("unet"), &self.pipeline.unet_json, &weights)?;
+        if let Some(ema) = &self.ema {
+            save_unet(
+                &dir.join("unet_ema"),
+                &self.pipeline.unet_json,
+                &ema.tensors(),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn data_state(&self) -> serde_json::Value {
+        serde_json::json!({"epoch": self.epoch, "cursor": self.cursor})
+    }
+
+    fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
+        self.epoch = s["epoch"]
+            .as_u64()
+            .ok_or("trainer_state: data.epoch missing")? as usize;
+        self.shuffle();
+        self.cursor = s["cursor"]
+            .as_u64()
+            .ok_or("trainer_state: data.cursor missing")? as usize;
+        Ok(())
+    }
+}
+
+/// Writes `unet/config.json` and `diffusion_pytorch_model.safetensors` into `dir` (diffusers'
+/// layout: `UNet2DConditionModel.from_pretrained(dir)` loads it).
+pub fn save_unet(
+    dir: &Path,
+    config: &serde_json::Value,
+    tensors: &[(String, Tensor)],
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    ft_memory::fsutil::save_safetensors(tensors, &dir.join("diffusion_pytorch_model.safetensors"))?;
+    let text = serde_json::to_string_pretty(config)?;
+    ft_memory::fsutil::write_atomic(&dir.join("config.json"), |f| {
+        std::io::Write::write_all(f, text.as_bytes())
+    })?;
+    Ok(())
+}
