@@ -52,9 +52,14 @@ impl SplitMix64 {
 
 /// FNV-1a of a string: a stable per-name seed offset.
 pub fn hash_str(s: &str) -> u64 {
+    hash_bytes(s.as_bytes())
+}
+
+/// FNV-1a of bytes (stable across runs and builds, unlike std's hasher).
+pub fn hash_bytes(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= b as u64;
+    for b in bytes {
+        h ^= *b as u64;
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     h

@@ -4,7 +4,7 @@
 //!
 //! The cache is a folder named by a hash of everything that decides its contents (image files
 //! with their sizes and modification times, captions, sample prompts, resolution, crop and flip
-//! settings, the encoder weights' files); an unchanged run finds it and skips the encoders. It is
+//! settings, the encoder weights by content); an unchanged run finds it and skips the encoders. It is
 //! built in `<name>.tmp` and renamed when complete, so an interrupted build is never reused.
 //!
 //! Latents are stored as the posterior's mean and standard deviation (f32), so each training
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use ft_memory::ledger::{Category, Ledger};
-use ft_memory::rng::{hash_str, SplitMix64};
+use ft_memory::rng::{hash_bytes, hash_str, SplitMix64};
 use ft_memory::weights::SafetensorsFiles;
 use ft_models::vae::VaeParts;
 use serde::{Deserialize, Serialize};
@@ -81,7 +81,9 @@ pub struct Cache {
     texts: SafetensorsFiles,
 }
 
-fn file_stamp(p: &Path) -> String {
+/// An image's identity: its path inside the data folder, size and modification time.
+fn image_stamp(dir: &Path, p: &Path) -> String {
+    let rel = p.strip_prefix(dir).unwrap_or(p).display().to_string();
     match std::fs::metadata(p) {
         Ok(m) => {
             let mtime = m
@@ -90,10 +92,35 @@ fn file_stamp(p: &Path) -> String {
                 .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                 .map(|d| d.as_nanos())
                 .unwrap_or(0);
-            format!("{}:{}:{mtime}", p.display(), m.len())
+            format!("{rel}:{}:{mtime}", m.len())
         }
-        Err(_) => format!("{}:missing", p.display()),
+        Err(_) => format!("{rel}:missing"),
     }
+}
+
+/// A weights file's identity by content: its name, size and a hash of its first and last MiB
+/// (the header with every tensor's name and shape, and values at both ends). The same weights
+/// in another folder or downloaded again give the same stamp.
+fn weights_stamp(p: &Path) -> Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SPAN: u64 = 1 << 20;
+    let mut f = std::fs::File::open(p).with_context(|| p.display().to_string())?;
+    let len = f.metadata().with_context(|| p.display().to_string())?.len();
+    let mut buf = Vec::new();
+    (&mut f)
+        .take(SPAN)
+        .read_to_end(&mut buf)
+        .with_context(|| p.display().to_string())?;
+    f.seek(SeekFrom::Start(len.saturating_sub(SPAN)))
+        .with_context(|| p.display().to_string())?;
+    f.take(SPAN)
+        .read_to_end(&mut buf)
+        .with_context(|| p.display().to_string())?;
+    let name = p
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    Ok(format!("{name}:{len}:{:016x}", hash_bytes(&buf)))
 }
 
 /// The cache folder name: a hash of everything its contents depend on.
@@ -116,11 +143,11 @@ fn key(
         ("text_encoder_2", "model"),
     ] {
         for p in pipeline.weights(f, stem)?.paths() {
-            parts.push(file_stamp(p));
+            parts.push(weights_stamp(p)?);
         }
     }
     for r in &folder.records {
-        parts.push(file_stamp(&r.path));
+        parts.push(image_stamp(&folder.dir, &r.path));
         parts.push(r.caption.clone());
     }
     parts.extend(prompts.iter().cloned());

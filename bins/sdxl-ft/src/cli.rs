@@ -100,7 +100,7 @@ pub struct Args {
     /// Resume from a checkpoint folder written by an earlier run.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Train the bundled tiny SDXL-shaped model on bundled synthetic images.
+    /// Train the bundled tiny SDXL-shaped model (on its synthetic images unless --data-dir is given).
     #[arg(long)]
     pub demo: bool,
     /// Hide the progress bar.

@@ -40,7 +40,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
     if args.demo {
         let demo = crate::demo::write(&out.join("demo-data"), 48, args.common.seed)?;
         args.model = demo.model.display().to_string();
-        args.data_dir = Some(demo.data);
+        args.data_dir.get_or_insert(demo.data);
     }
     let device = args.common.device()?;
     let precision = args.common.precision(&device)?;

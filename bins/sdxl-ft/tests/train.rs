@@ -1,0 +1,156 @@
+//! sdxl-ft end to end on the bundled tiny pipeline: the cache is reused, resume continues
+//! exactly, and bad data or configs get one clear error naming the file and line.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{args, tensors, tmp};
+use ft_memory::train;
+use sdxl_ft::run::setup;
+
+#[test]
+fn resume_continues_exactly_and_the_cache_is_reused() -> anyhow::Result<()> {
+    let out = tmp("resume");
+    let common = [
+        "--max-steps",
+        "6",
+        "--save-every",
+        "3",
+        "--accum",
+        "2",
+        "--ema",
+        "--ema-decay",
+        "0.9",
+        "--random-flip",
+    ];
+    let full = {
+        let mut s = setup(&args(&out.join("a"), &common)?)?;
+        train::run(
+            &mut s.task,
+            &mut s.optimizer,
+            &s.checkpointer,
+            &mut s.ledger,
+            &s.loop_config,
+        )?
+    };
+    // A second run resumes from step 3 with the first run's images and cache folder: its own
+    // demo model has the same weights in another folder, so the cache is reused, not rebuilt.
+    let cache = out.join("a/cache").display().to_string();
+    let images = out.join("a/demo-data/images").display().to_string();
+    let ck = out.join("a/checkpoint-3").display().to_string();
+    let mut extra = common.to_vec();
+    extra.extend_from_slice(&[
+        "--resume",
+        &ck,
+        "--cache-dir",
+        &cache,
+        "--data-dir",
+        &images,
+    ]);
+    let mut s = setup(&args(&out.join("b"), &extra)?)?;
+    assert!(!s.task.cache.built, "the cache is reused");
+    let resumed = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
+    assert_eq!(resumed.losses, full.losses[3..].to_vec());
+    for f in [
+        "unet/diffusion_pytorch_model.safetensors",
+        "unet_ema/diffusion_pytorch_model.safetensors",
+    ] {
+        assert_eq!(
+            tensors(&out.join("a/checkpoint-6").join(f))?,
+            tensors(&out.join("b/checkpoint-6").join(f))?,
+            "{f}"
+        );
+    }
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
+
+/// Copies the demo images into a fresh folder so a test can damage them.
+fn demo_images(out: &Path) -> anyhow::Result<PathBuf> {
+    let d = out.join("images");
+    sdxl_ft::demo::write_images(&d, 8, 1)?;
+    Ok(d)
+}
+
+#[test]
+fn unreadable_images_are_skipped_and_counted_or_stop_the_run() -> anyhow::Result<()> {
+    let out = tmp("badimg");
+    let images = demo_images(&out)?;
+    std::fs::write(images.join("003.png"), b"not a png")?;
+    let data = images.display().to_string();
+    let s = setup(&args(
+        &out.join("run"),
+        &["--data-dir", &data, "--max-steps", "1"],
+    )?)?;
+    let m = &s.task.cache.manifest;
+    assert_eq!((m.entries.len(), m.skipped.len()), (7, 1));
+    assert!(m.skipped[0].0.ends_with("003.png"));
+    let e = setup(&args(
+        &out.join("strict"),
+        &["--data-dir", &data, "--strict-images"],
+    )?)
+    .err()
+    .map(|e| format!("{e:#}"))
+    .unwrap_or_default();
+    assert!(e.contains("003.png") && e.contains("strict"), "{e}");
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
+
+#[test]
+fn bad_captions_and_configs_name_the_file_and_line() -> anyhow::Result<()> {
+    let out = tmp("baddata");
+    let images = demo_images(&out)?;
+    let data = images.display().to_string();
+    let err = |extra: &[&str]| -> String {
+        args(&out.join("run"), extra)
+            .and_then(|a| setup(&a))
+            .err()
+            .map(|e| format!("{e:#}"))
+            .unwrap_or_default()
+    };
+    let meta = images.join("metadata.jsonl");
+    let good = std::fs::read_to_string(&meta)?;
+    let mut lines: Vec<&str> = good.lines().collect();
+    lines[2] = "{\"file_name\": \"002.png\", \"text\": ";
+    std::fs::write(&meta, lines.join("\n"))?;
+    let e = err(&["--data-dir", &data]);
+    assert!(e.contains("metadata.jsonl:3"), "{e}");
+    lines[2] = "{\"file_name\": \"missing.png\", \"text\": \"x\"}";
+    std::fs::write(&meta, lines.join("\n"))?;
+    let e = err(&["--data-dir", &data]);
+    assert!(
+        e.contains("metadata.jsonl:3") && e.contains("missing.png"),
+        "{e}"
+    );
+    // Without metadata.jsonl every image needs a .txt caption.
+    std::fs::remove_file(&meta)?;
+    let e = err(&["--data-dir", &data]);
+    assert!(e.contains("000.png") && e.contains("000.txt"), "{e}");
+    // A UNet whose cross-attention width does not match the text encoders.
+    let model = out.join("model");
+    sdxl_ft::demo::write_model(&model, 1)?;
+    let cfg_path = model.join("unet/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;
+    cfg["cross_attention_dim"] = 48.into();
+    std::fs::write(&cfg_path, cfg.to_string())?;
+    let e = sdxl_ft::pipeline::Pipeline::open(&model.display().to_string(), None)
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap_or_default();
+    assert!(
+        e.contains("unet/config.json") && e.contains("cross_attention_dim"),
+        "{e}"
+    );
+    assert!(err(&["--res", "30"]).contains("--res"));
+    assert!(err(&["--crop", "left"]).contains("--crop"));
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
