@@ -114,6 +114,7 @@ pub struct ParamBuilder {
     device: Device,
     trainable: bool,
     seed: u64,
+    shapes_only: bool,
 }
 
 impl ParamBuilder {
@@ -127,7 +128,16 @@ impl ParamBuilder {
             device: device.clone(),
             trainable: true,
             seed,
+            shapes_only: false,
         }
+    }
+
+    /// Records every parameter's name and shape without allocating it: each is a one-element
+    /// tensor broadcast to its shape. For counting a model that does not fit in memory (the full
+    /// SDXL UNet's memory plan); such a model can be built and counted, not run or trained.
+    pub fn shapes_only(mut self) -> Self {
+        self.shapes_only = true;
+        self
     }
 
     /// Loads every parameter from `files` instead of initialising it.
@@ -186,6 +196,11 @@ impl ParamBuilder {
                     t.dims()
                 )));
             }
+            return Ok(t);
+        }
+        if self.shapes_only {
+            let t = Tensor::zeros((), self.dtype, &self.device)?.broadcast_as(shape)?;
+            self.store.insert(full, t.clone(), self.trainable);
             return Ok(t);
         }
         let t = match &self.source {
