@@ -154,3 +154,27 @@ fn bad_captions_and_configs_name_the_file_and_line() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+#[test]
+fn shipped_configs_parse_and_validate() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let full = root.join("full_sdxl.toml").display().to_string();
+    let a: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+        ["sdxl-ft", "--config", &full, "--data-dir", "images"],
+        |a: &sdxl_ft::cli::Args| a.config.clone(),
+    )?;
+    a.validate()?;
+    assert_eq!((a.res, a.common.batch_size, a.common.accum), (128, 1, 16));
+    assert!(a.common.gradient_checkpointing && a.ema);
+    assert_eq!(a.common.precision.as_deref(), Some("bf16"));
+    assert_eq!(a.model, "stabilityai/stable-diffusion-xl-base-1.0");
+    let demo = root.join("sdxl_demo.toml").display().to_string();
+    let d: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+        ["sdxl-ft", "--config", &demo, "--max-steps", "3"],
+        |a: &sdxl_ft::cli::Args| a.config.clone(),
+    )?;
+    d.validate()?;
+    assert!(d.demo);
+    assert_eq!(d.common.max_steps, Some(3), "flags override the file");
+    Ok(())
+}
