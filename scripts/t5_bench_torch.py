@@ -6,28 +6,14 @@ Peak memory is the resident-set high-water mark above the level after a warm-up 
 VmHWM, reset through /proc/self/clear_refs), the same measure the Rust side reports as `rss`.
 """
 import argparse
-import json
-import time
+import os
+import sys
 
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_hwm():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import measure_and_print  # noqa: E402
 
 
 def main():
@@ -65,21 +51,7 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # warm-up: optimizer state exists from here on
-    base = rss_kib("VmRSS")
-    reset_ok = reset_hwm()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        step()
-    dt = (time.perf_counter() - t0) / a.steps
-    peak = rss_kib("VmHWM")
-    print(json.dumps({
-        "step_time_s": dt,
-        "rss_peak_above_base_bytes": (peak - base) * 1024 if reset_ok else None,
-        "rss_base_bytes": base * 1024,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    }))
+    measure_and_print(step, a.steps)
 
 
 if __name__ == "__main__":

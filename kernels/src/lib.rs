@@ -7,6 +7,7 @@
 //! central differences in `tests/`.
 
 pub mod attention;
+pub mod conv;
 mod cpu;
 pub mod gradcheck;
 pub mod linear;

@@ -11,6 +11,7 @@
 
 pub mod accumulate;
 pub mod alloc;
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod ema;

@@ -111,12 +111,16 @@ impl Conv2d {
         })
     }
 
+    /// Through `ft_kernels::conv` (im2col + matmul with its own backward, ~4x faster than
+    /// candle's CPU conv2d backward).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.conv2d(&self.weight, self.padding, self.stride, 1, 1)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?),
-            None => Ok(y),
-        }
+        ft_kernels::conv::conv2d(
+            x,
+            &self.weight,
+            self.bias.as_ref(),
+            self.stride,
+            self.padding,
+        )
     }
 
     pub fn tensors(&self) -> Vec<Tensor> {

@@ -37,22 +37,6 @@ fn small() -> T5Config {
     c
 }
 
-fn rss_kib(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn reset_hwm() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
 struct Row {
     name: String,
     step_s: f64,
@@ -94,16 +78,7 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
         opt.step(grads, 1e-4)?;
         Ok(())
     };
-    step()?; // warm-up: optimizer state exists from here on
-    let base_rss = rss_kib("VmRSS");
-    let reset = reset_hwm();
-    let base = ft_memory::alloc::reset_peak() as u64;
-    let t0 = Instant::now();
-    for _ in 0..STEPS {
-        step()?;
-    }
-    let dt = t0.elapsed().as_secs_f64() / STEPS as f64;
-    let peak = ft_memory::alloc::peak_bytes() as u64;
+    let m = ft_memory::bench::measure_steps(STEPS, &mut step)?;
     let (_, pbytes) = store.count(true);
     let state = opt.optimizer().state_bytes();
     Ok(Row {
@@ -111,44 +86,27 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
             "candle (this repo){}",
             if checkpointing { ", checkpointing" } else { "" }
         ),
-        step_s: dt,
-        alloc_peak: Some(peak - base),
-        rss_peak: reset.then(|| (rss_kib("VmHWM").saturating_sub(base_rss)) * 1024),
+        step_s: m.step_s,
+        alloc_peak: Some(m.alloc_peak),
+        rss_peak: m.rss_peak,
         told: Some((pbytes, pbytes, state)),
     })
 }
 
 fn torch(checkpointing: bool) -> Option<Row> {
-    let py = std::env::var("BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../scripts/t5_bench_torch.py"
     );
-    let out = std::process::Command::new(&py)
-        .args([
-            script,
-            "--steps",
-            &STEPS.to_string(),
-            "--checkpointing",
-            if checkpointing { "1" } else { "0" },
-        ])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        eprintln!(
-            "PyTorch reference not run ({py}): {}",
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-        );
-        return None;
-    }
-    let line = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()?
-        .to_string();
-    let v: serde_json::Value = serde_json::from_str(&line).ok()?;
+    let v = ft_memory::bench::python_reference(
+        script,
+        &[
+            "--steps".into(),
+            STEPS.to_string(),
+            "--checkpointing".into(),
+            if checkpointing { "1" } else { "0" }.into(),
+        ],
+    )?;
     Some(Row {
         name: format!(
             "PyTorch {} + transformers{}",

@@ -1,0 +1,72 @@
+//! conv2d (im2col + matmul, own backward): values against candle's conv2d forward and gradients
+//! against finite differences for 1x1 and 3x3 kernels, strides 1 and 2, padding 0 and 1, odd
+//! sizes, batch 2 and a strided input; f32/bf16 forwards within their tolerance of f64.
+
+mod common;
+use candle_core::{DType, Device, Result, Tensor};
+use common::*;
+use ft_kernels::conv::conv2d;
+
+const CASES: [(usize, usize, usize); 5] = [(3, 1, 1), (3, 2, 1), (1, 1, 0), (3, 1, 0), (3, 2, 0)];
+
+#[test]
+fn values_match_candle_forward() -> Result<()> {
+    let dev = Device::Cpu;
+    for (k, s, p) in CASES {
+        let x = random_tensor(&[2, 3, 7, 6], 1, &dev)?;
+        let w = random_tensor(&[5, 3, k, k], 2, &dev)?;
+        let b = random_tensor(&[5], 3, &dev)?;
+        let ours = conv2d(&x, &w, Some(&b), s, p)?;
+        let want = x
+            .conv2d(&w, p, s, 1, 1)?
+            .broadcast_add(&b.reshape((1, 5, 1, 1))?)?;
+        assert_eq!(ours.dims(), want.dims());
+        let d = (ours - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(d < 1e-12, "k {k} s {s} p {p}: {d}");
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_match_finite_differences() -> Result<()> {
+    let dev = Device::Cpu;
+    for (k, s, p) in CASES {
+        let x = random_tensor(&[2, 3, 5, 4], 4, &dev)?;
+        let w = random_tensor(&[4, 3, k, k], 5, &dev)?;
+        let b = random_tensor(&[4], 6, &dev)?;
+        check_gradients(
+            |t: &[Tensor]| conv2d(&t[0], &t[1], Some(&t[2]), s, p),
+            &[x, w, b],
+            1e-5,
+        )?
+        .assert_close(1e-6)?;
+    }
+    // A transposed (strided) input.
+    let x = random_tensor(&[2, 3, 4, 5], 7, &dev)?;
+    let w = random_tensor(&[2, 3, 3, 3], 8, &dev)?;
+    check_gradients(
+        |t: &[Tensor]| conv2d(&t[0].transpose(2, 3)?, &t[1], None, 1, 1),
+        &[x, w],
+        1e-5,
+    )?
+    .assert_close(1e-6)
+}
+
+#[test]
+fn low_precision_forwards_stay_close() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = random_tensor(&[1, 8, 6, 6], 9, &dev)?;
+    let w = random_tensor(&[8, 8, 3, 3], 10, &dev)?;
+    let exact = conv2d(&x, &w, None, 1, 1)?;
+    let scale = exact.abs()?.max_all()?.to_scalar::<f64>()?;
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+        let y = conv2d(&x.to_dtype(dt)?, &w.to_dtype(dt)?, None, 1, 1)?;
+        assert_eq!(y.dtype(), dt);
+        let d = (y.to_dtype(DType::F64)? - &exact)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        assert!(d / scale < tol, "{dt:?}: {}", d / scale);
+    }
+    Ok(())
+}

@@ -1,0 +1,45 @@
+"""What the PyTorch sides of the bench commands share: a train step timed after a warm-up, and its
+resident-set peak above the post-warm-up level (Linux: VmHWM, reset through /proc/self/clear_refs),
+the same measure the Rust side reports as `rss`."""
+import json
+import time
+
+import torch
+
+
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_hwm():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_and_print(step, steps, **extra):
+    """Runs `step` once (warm-up: optimizer state exists from then on), then `steps` times, and
+    prints one JSON line with the mean step time and the RSS peak above the post-warm-up level."""
+    step()
+    base = rss_kib("VmRSS")
+    reset_ok = reset_hwm()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dt = (time.perf_counter() - t0) / steps
+    peak = rss_kib("VmHWM")
+    print(json.dumps({
+        "step_time_s": dt,
+        "rss_peak_above_base_bytes": (peak - base) * 1024 if reset_ok else None,
+        "rss_base_bytes": base * 1024,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        **extra,
+    }))
