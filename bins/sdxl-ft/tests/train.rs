@@ -178,3 +178,43 @@ fn shipped_configs_parse_and_validate() -> anyhow::Result<()> {
     assert_eq!(d.common.max_steps, Some(3), "flags override the file");
     Ok(())
 }
+
+#[test]
+fn bf16_weights_with_fp32_masters_and_checkpointing_train() -> anyhow::Result<()> {
+    let out = tmp("bf16");
+    let mut s = setup(&args(
+        &out,
+        &[
+            "--precision",
+            "bf16",
+            "--gradient-checkpointing",
+            "--max-steps",
+            "12",
+            "--ema",
+        ],
+    )?)?;
+    assert_eq!(s.task.dtype, candle_core::DType::BF16);
+    assert!(!s.optimizer.masters().is_empty(), "fp32 master weights");
+    let before = s.task.validation_loss()?;
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
+    let after = s.task.validation_loss()?;
+    assert!(after < before, "validation loss {before:.4} -> {after:.4}");
+    let dir = summary.final_dir.unwrap_or_default();
+    let unet = ft_memory::weights::SafetensorsFiles::open(&[
+        dir.join("unet/diffusion_pytorch_model.safetensors")
+    ])?;
+    let name = unet.names().next().unwrap_or_default().to_string();
+    assert_eq!(
+        unet.meta(&name).map(|m| format!("{:?}", m.dtype)),
+        Some("BF16".to_string()),
+        "the UNet is saved in its training dtype"
+    );
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
