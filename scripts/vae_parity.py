@@ -5,7 +5,7 @@
 
 A tiny AutoencoderKL (two levels, 16 and 32 channels, norm groups 8, SDXL's scaling factor):
 weights, config, fixed images, the encoder's posterior mean and log-variance, and the decoder's
-output for fixed latents.
+output for fixed latents, whole and in tiles (`enable_tiling` with 4-latent-pixel tiles).
 """
 import os
 
@@ -25,11 +25,18 @@ def main():
     vae.save_pretrained(OUT, safe_serialization=True)
     images = torch.rand(2, 3, 16, 16) * 2 - 1
     latents = torch.randn(3, 4, 8, 8)
+    tiled_latents = torch.randn(1, 4, 10, 10)
     with torch.no_grad():
         post = vae.encode(images).latent_dist
         decoded = vae.decode(latents / vae.config.scaling_factor).sample
+        # Tiled decoding with 4-latent-pixel (8-pixel) tiles: stride 3, blend 2, edge tiles of 1.
+        vae.enable_tiling()
+        vae.tile_sample_min_size = 8
+        vae.tile_latent_min_size = 4
+        tiled = vae.decode(tiled_latents / vae.config.scaling_factor).sample
     save_file({"images": images, "mean": post.mean.contiguous(), "logvar": post.logvar.contiguous(),
-               "latents": latents, "decoded": decoded.contiguous()}, os.path.join(OUT, "outputs.safetensors"))
+               "latents": latents, "decoded": decoded.contiguous(), "tiled_latents": tiled_latents,
+               "tiled": tiled.contiguous()}, os.path.join(OUT, "outputs.safetensors"))
     print("written", OUT)
 
 

@@ -363,18 +363,89 @@ impl Vae {
         Ok(d.conv_out.forward(&d.norm.forward(&h)?.silu()?)?)
     }
 
+    /// Decodes in overlapping spatial tiles of `tile` latent pixels (diffusers' `enable_tiling`:
+    /// tiles advance by 75% of their size and the overlapping 25% of the decoded images is blended
+    /// linearly, first with the tile above, then with the tile to the left). Each decoded tile is
+    /// moved to the host at once, so the device holds one tile's activations, however large the
+    /// image. Like diffusers', the result approximates whole-image decoding (the decoder's
+    /// mid-block attention sees one tile); with `tile` at least the latent size it is exact.
+    pub fn decode_tiled(&self, latents: &Tensor, tile: usize) -> Result<Tensor> {
+        let (_, _, h, w) = latents.dims4()?;
+        if tile == 0 || (h <= tile && w <= tile) {
+            return Ok(self.decode(latents)?.to_device(&candle_core::Device::Cpu)?);
+        }
+        let factor = 1usize << (self.cfg.block_out_channels.len() - 1);
+        let stride = ((tile as f64) * 0.75) as usize;
+        let sample = tile * factor;
+        let blend = ((sample as f64) * 0.25) as usize;
+        let limit = sample - blend;
+        if stride == 0 || blend == 0 {
+            return Err(ModelError::Invalid(format!(
+                "VAE tile of {tile} latent pixels is too small to overlap"
+            )));
+        }
+        let mut rows: Vec<Vec<Tensor>> = Vec::new();
+        for i in (0..h).step_by(stride) {
+            let mut row = Vec::new();
+            for j in (0..w).step_by(stride) {
+                let z = latents
+                    .narrow(2, i, tile.min(h - i))?
+                    .narrow(3, j, tile.min(w - j))?;
+                row.push(self.decode(&z)?.to_device(&candle_core::Device::Cpu)?);
+            }
+            rows.push(row);
+        }
+        let mut out_rows = Vec::with_capacity(rows.len());
+        for i in 0..rows.len() {
+            let mut parts = Vec::with_capacity(rows[i].len());
+            for j in 0..rows[i].len() {
+                let mut t = rows[i][j].clone();
+                if i > 0 {
+                    t = blend_edge(&rows[i - 1][j], &t, blend, 2)?;
+                }
+                if j > 0 {
+                    t = blend_edge(&rows[i][j - 1], &t, blend, 3)?;
+                }
+                // Later tiles blend with this one as blended (diffusers updates it in place).
+                rows[i][j] = t.clone();
+                let (th, tw) = (t.dim(2)?, t.dim(3)?);
+                parts.push(t.narrow(2, 0, limit.min(th))?.narrow(3, 0, limit.min(tw))?);
+            }
+            out_rows.push(Tensor::cat(&parts, 3)?);
+        }
+        Ok(Tensor::cat(&out_rows, 2)?)
+    }
+
     /// Decodes `chunk` latents at a time, moving each decoded chunk to the host before the next
-    /// (evaluation never holds a whole batch of full-resolution activations).
-    pub fn decode_chunked(&self, latents: &Tensor, chunk: usize) -> Result<Tensor> {
+    /// (evaluation never holds a whole batch of full-resolution activations); each chunk in
+    /// spatial tiles of `tile` latent pixels when `tile` > 0 ([`Vae::decode_tiled`]).
+    pub fn decode_chunked(&self, latents: &Tensor, chunk: usize, tile: usize) -> Result<Tensor> {
         let n = latents.dim(0)?;
         let mut parts = Vec::new();
         let mut i = 0;
         while i < n {
             let len = chunk.max(1).min(n - i);
-            let img = self.decode(&latents.narrow(0, i, len)?)?;
-            parts.push(img.to_device(&candle_core::Device::Cpu)?);
+            parts.push(self.decode_tiled(&latents.narrow(0, i, len)?, tile)?);
             i += len;
         }
         Ok(Tensor::cat(&parts, 0)?)
     }
+}
+
+/// `b` with its first `extent` rows (dim 2) or columns (dim 3) faded in from the last ones of `a`:
+/// `a[-extent + y] * (1 - y / extent) + b[y] * (y / extent)`.
+fn blend_edge(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tensor> {
+    let e = extent.min(a.dim(dim)?).min(b.dim(dim)?);
+    if e == 0 {
+        return Ok(b.clone());
+    }
+    let w: Vec<f32> = (0..e).map(|y| y as f32 / e as f32).collect();
+    let mut shape = vec![1usize; 4];
+    shape[dim] = e;
+    let w = Tensor::from_vec(w, shape, b.device())?.to_dtype(b.dtype())?;
+    let tail = a.narrow(dim, a.dim(dim)? - e, e)?;
+    let head = b.narrow(dim, 0, e)?;
+    let mixed = (tail.broadcast_mul(&(1.0 - &w)?)? + head.broadcast_mul(&w)?)?;
+    let rest = b.narrow(dim, e, b.dim(dim)? - e)?;
+    Ok(Tensor::cat(&[&mixed, &rest], dim)?)
 }

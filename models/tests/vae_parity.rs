@@ -51,11 +51,20 @@ fn encode_and_decode_match_diffusers_and_chunking_is_exact() -> anyhow::Result<(
     let decoded = vae.decode(&get("latents")?)?;
     let e = rel(&decoded, &get("decoded")?)?;
     assert!(e < 1e-4, "decoded images differ by {e}");
-    let chunked = vae.decode_chunked(&get("latents")?, 2)?;
+    let chunked = vae.decode_chunked(&get("latents")?, 2, 0)?;
     assert!(
         rel(&chunked, &decoded)? < 1e-6,
         "chunked decode equals whole-batch decode"
     );
+
+    // Tiled decoding as diffusers' enable_tiling does it (tiles of 4 latent pixels here).
+    let tiled = vae.decode_tiled(&get("tiled_latents")?, 4)?;
+    let e = rel(&tiled, &get("tiled")?)?;
+    assert!(e < 1e-4, "tiled decode differs by {e}");
+    // A tile as large as the latents is plain decoding.
+    let whole = vae.decode_tiled(&get("latents")?, 8)?;
+    assert!(rel(&whole, &decoded)? < 1e-7);
+    assert!(vae.decode_tiled(&get("tiled_latents")?, 1).is_err());
 
     // The decoder alone (what evaluation keeps): only decoder tensors are loaded, same output.
     let store = ParamStore::new();

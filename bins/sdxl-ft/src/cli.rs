@@ -97,6 +97,10 @@ pub struct Args {
     /// Latents decoded per VAE call when writing samples.
     #[arg(long, default_value_t = 1)]
     pub vae_decode_chunk: usize,
+    /// Decode sample latents in overlapping spatial tiles of this many latent pixels (diffusers'
+    /// enable_tiling; e.g. 64 for 1024 px images); 0 decodes whole images.
+    #[arg(long, default_value_t = 0)]
+    pub vae_tile: usize,
     /// Resume from a checkpoint folder written by an earlier run.
     #[arg(long)]
     pub resume: Option<PathBuf>,
@@ -123,6 +127,9 @@ impl Args {
         }
         if self.vae_decode_chunk == 0 {
             anyhow::bail!("--vae-decode-chunk must be at least 1");
+        }
+        if self.vae_tile == 1 {
+            anyhow::bail!("--vae-tile must be 0 (off) or at least 2 latent pixels");
         }
         if !["center", "random"].contains(&self.crop.as_str()) {
             anyhow::bail!("--crop `{}`: expected center or random", self.crop);

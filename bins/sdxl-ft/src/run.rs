@@ -168,6 +168,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
             steps: args.sample_steps,
             guidance_scale: args.guidance_scale,
             vae_decode_chunk: args.vae_decode_chunk,
+            vae_tile: args.vae_tile,
             dir: out.join("samples"),
         },
         ema,

@@ -38,6 +38,8 @@ pub struct EvalSettings {
     pub steps: usize,
     pub guidance_scale: f64,
     pub vae_decode_chunk: usize,
+    /// Spatial VAE tiles in latent pixels (0: whole images).
+    pub vae_tile: usize,
     /// Samples are written under `dir/step-N/`.
     pub dir: PathBuf,
 }
@@ -280,8 +282,11 @@ impl SdxlTask {
             self.dtype
         };
         let vae = self.pipeline.vae(VaeParts::Decoder, vae_dtype, dev)?;
-        let images =
-            vae.decode_chunked(&latents.to_dtype(vae_dtype)?, self.eval.vae_decode_chunk)?;
+        let images = vae.decode_chunked(
+            &latents.to_dtype(vae_dtype)?,
+            self.eval.vae_decode_chunk,
+            self.eval.vae_tile,
+        )?;
         drop(vae);
         ledger.mark("eval/decoded", step)?;
         Ok(images.clamp(-1f32, 1f32)?)

@@ -30,6 +30,10 @@ fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> 
             "0.1",
             "--snr-gamma",
             "5",
+            "--vae-tile",
+            "4",
+            "--vae-decode-chunk",
+            "2",
         ],
     )?;
     let mut s = setup(&a)?;
