@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::{prepare, Crop, ImageFolder};
 use crate::pipeline::Pipeline;
 
-const VERSION: &str = "sdxl-ft-cache-1";
+const VERSION: &str = "sdxl-ft-cache-2";
 /// Images per latent shard file (bounds the host memory of a cache build at high resolution).
 const SHARD: usize = 256;
 
@@ -31,6 +31,8 @@ const SHARD: usize = 256;
 #[derive(Debug, Clone)]
 pub struct CacheSettings {
     pub res: usize,
+    /// Aspect-ratio buckets (height, width) to fit each image into; `None`: the `res` square.
+    pub buckets: Option<Vec<(usize, usize)>>,
     pub crop: Crop,
     pub flip: bool,
     pub seed: u64,
@@ -48,6 +50,10 @@ pub struct Entry {
     pub caption: usize,
     /// (height, width) of the file.
     pub original: [usize; 2],
+    /// (height, width) it was cut to: the square or its bucket (SDXL's target size).
+    pub size: [usize; 2],
+    /// [channels, height, width] of its latent.
+    pub latent: [usize; 3],
     /// (top, left) of the crop, and of the flipped crop when flips are cached.
     pub crop: [usize; 2],
     pub crop_flipped: Option<[usize; 2]>,
@@ -66,7 +72,7 @@ pub struct Manifest {
     /// Caption indices of the sample prompts.
     pub prompts: Vec<usize>,
     pub res: usize,
-    /// [channels, height, width] of a latent.
+    /// [channels, height, width] of a `res`-square latent (the sample images' shape).
     pub latent_shape: [usize; 3],
     pub latent_shards: Vec<String>,
 }
@@ -244,7 +250,8 @@ impl Cache {
         let mut skipped = Vec::new();
         let mut shard: Vec<(String, Tensor)> = Vec::new();
         let mut shards = Vec::new();
-        let mut latent_shape = [0usize; 3];
+        let f = pipeline.vae_factor();
+        let latent_shape = [pipeline.vae.latent_channels, s.res / f, s.res / f];
         let flush = |shard: &mut Vec<(String, Tensor)>, shards: &mut Vec<String>| -> Result<()> {
             if shard.is_empty() {
                 return Ok(());
@@ -256,7 +263,12 @@ impl Cache {
             Ok(())
         };
         for (r, &caption) in folder.records.iter().zip(&record_captions) {
-            let plain = match prepare(&r.path, s.res, s.crop, false, &mut rng) {
+            let target = match &s.buckets {
+                None => Ok((s.res, s.res)),
+                Some(b) => crate::data::image_size(&r.path)
+                    .map(|size| crate::data::nearest_bucket(size, b)),
+            };
+            let plain = match target.and_then(|t| prepare(&r.path, t, s.crop, false, &mut rng)) {
                 Ok(p) => p,
                 Err(e) if !s.strict_images => {
                     skipped.push((r.path.display().to_string(), format!("{e:#}")));
@@ -265,12 +277,14 @@ impl Cache {
                 Err(e) => return Err(e.context("--strict-images: stopping at an unreadable image")),
             };
             let i = entries.len();
+            let size = [plain.pixels.dim(1)?, plain.pixels.dim(2)?];
+            let mut latent = [0usize; 3];
             let mut views = vec![(plain.pixels, String::new())];
             let mut crop_flipped = None;
             if s.flip {
                 // The flip of the same crop: mirror the pixels, move the corner as diffusers does.
                 let flipped = views[0].0.flip(&[2])?;
-                crop_flipped = Some([plain.crop.0, s.res - plain.crop.1]);
+                crop_flipped = Some([plain.crop.0, size[1] - plain.crop.1]);
                 views.push((flipped, ".flip".into()));
             }
             for (pixels, suffix) in views {
@@ -287,7 +301,7 @@ impl Cache {
                 };
                 let mean = host(mean)?;
                 let d = mean.dims3()?;
-                latent_shape = [d.0, d.1, d.2];
+                latent = [d.0, d.1, d.2];
                 shard.push((format!("mean.{i}{suffix}"), mean));
                 shard.push((format!("std.{i}{suffix}"), host(std)?));
             }
@@ -295,6 +309,8 @@ impl Cache {
                 file: r.path.display().to_string(),
                 caption,
                 original: [plain.original.0, plain.original.1],
+                size,
+                latent,
                 crop: [plain.crop.0, plain.crop.1],
                 crop_flipped,
             });
@@ -428,14 +444,13 @@ impl Cache {
         } else {
             e.crop
         };
-        let r = self.manifest.res as f32;
         [
             e.original[0] as f32,
             e.original[1] as f32,
             crop[0] as f32,
             crop[1] as f32,
-            r,
-            r,
+            e.size[0] as f32,
+            e.size[1] as f32,
         ]
     }
 

@@ -32,6 +32,14 @@ pub struct Args {
     /// Crop: center or random (random crops are drawn once, when the latent cache is built).
     #[arg(long, default_value = "center")]
     pub crop: String,
+    /// Aspect-ratio buckets of about RES x RES pixels: each image is cut to the bucket nearest its
+    /// aspect ratio instead of the square, and batches hold one bucket each (kohya's bucketing).
+    #[arg(long)]
+    pub aspect_buckets: bool,
+    /// Bucket sides are multiples of this many pixels (default 64 from 512 px, else 8; rounded up
+    /// to what the VAE and UNet need).
+    #[arg(long)]
+    pub bucket_step: Option<usize>,
     /// Also cache horizontally flipped latents and pick one of the two at random each time.
     #[arg(long)]
     pub random_flip: bool,

@@ -1,8 +1,9 @@
 //! Captioned images in a folder, the way diffusers' `imagefolder` (metadata.jsonl with
 //! `file_name` and a caption column) and kohya (a `.txt` caption beside each image) lay them out,
-//! and the preprocessing of diffusers' SDXL script: shortest side resized to the resolution
-//! (bilinear), center or random crop, optional flip, pixels in [-1, 1], and the original size and
-//! crop corner SDXL is conditioned on.
+//! and the preprocessing of diffusers' SDXL script: resized (bilinear) so the target just fits
+//! (the `res` square, or the nearest aspect-ratio bucket of about `res^2` pixels), center or
+//! random crop, optional flip, pixels in [-1, 1], and the original size and crop corner SDXL is
+//! conditioned on.
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -132,7 +133,7 @@ pub enum Crop {
 
 /// An image ready for the VAE with SDXL's micro-conditioning values.
 pub struct Prepared {
-    /// [3, res, res], values in [-1, 1].
+    /// [3, height, width], values in [-1, 1].
     pub pixels: Tensor,
     /// (height, width) of the file.
     pub original: (usize, usize),
@@ -140,11 +141,56 @@ pub struct Prepared {
     pub crop: (usize, usize),
 }
 
-/// Loads `path` and cuts the `res` square (flipped when `flip`), as diffusers' SDXL script does;
-/// for a flipped image the crop's left coordinate becomes `res - left`, as there.
+/// (height, width) of an image file without decoding its pixels.
+pub fn image_size(path: &Path) -> Result<(usize, usize)> {
+    let (w, h) = image::ImageReader::open(path)
+        .with_context(|| path.display().to_string())?
+        .with_guessed_format()
+        .with_context(|| path.display().to_string())?
+        .into_dimensions()
+        .map_err(|e| anyhow!("{}: unreadable image: {e}", path.display()))?;
+    Ok((h as usize, w as usize))
+}
+
+/// Aspect-ratio buckets of about `res * res` pixels (kohya's bucketing): for each width from
+/// `res / 2` to `2 res` in steps of `step`, the tallest height (a multiple of `step`) whose area
+/// stays within `res^2`. The square `res x res` is always one of them. (height, width) pairs.
+pub fn buckets(res: usize, step: usize) -> Vec<(usize, usize)> {
+    let step = step.max(1);
+    let mut out = vec![(res, res)];
+    let mut w = (res / 2).div_ceil(step) * step;
+    while w <= 2 * res {
+        let h = (res * res / w) / step * step;
+        if h >= step && h >= res / 2 && h <= 2 * res && !out.contains(&(h, w)) {
+            out.push((h, w));
+        }
+        w += step;
+    }
+    out.sort();
+    out
+}
+
+/// The bucket whose aspect ratio is closest to an image of `size` (height, width).
+pub fn nearest_bucket(size: (usize, usize), buckets: &[(usize, usize)]) -> (usize, usize) {
+    let ratio = |h: usize, w: usize| (w as f64 / h.max(1) as f64).ln();
+    let r = ratio(size.0, size.1);
+    buckets
+        .iter()
+        .copied()
+        .min_by(|a, b| {
+            let da = (ratio(a.0, a.1) - r).abs();
+            let db = (ratio(b.0, b.1) - r).abs();
+            da.total_cmp(&db)
+        })
+        .unwrap_or(size)
+}
+
+/// Loads `path` and cuts a `target` (height, width) region (flipped when `flip`), as diffusers'
+/// SDXL script does for squares: resized (bilinear) so the target just fits, then cropped; for a
+/// flipped image the crop's left coordinate becomes `width - left`, as there.
 pub fn prepare(
     path: &Path,
-    res: usize,
+    target: (usize, usize),
     crop: Crop,
     flip: bool,
     rng: &mut SplitMix64,
@@ -160,10 +206,11 @@ pub fn prepare(
     if w == 0 || h == 0 {
         return Err(anyhow!("{}: empty image", path.display()));
     }
-    let scale = res as f64 / w.min(h) as f64;
+    let (th, tw) = target;
+    let scale = (th as f64 / h as f64).max(tw as f64 / w as f64);
     let (nw, nh) = (
-        ((w as f64 * scale).round() as usize).max(res),
-        ((h as f64 * scale).round() as usize).max(res),
+        ((w as f64 * scale).round() as usize).max(tw),
+        ((h as f64 * scale).round() as usize).max(th),
     );
     let resized = image::imageops::resize(
         &img,
@@ -173,28 +220,28 @@ pub fn prepare(
     );
     let (top, left) = match crop {
         Crop::Center => (
-            ((nh - res) as f64 / 2.0).round() as usize,
-            ((nw - res) as f64 / 2.0).round() as usize,
+            ((nh - th) as f64 / 2.0).round() as usize,
+            ((nw - tw) as f64 / 2.0).round() as usize,
         ),
-        Crop::Random => (rng.below(nh - res + 1), rng.below(nw - res + 1)),
+        Crop::Random => (rng.below(nh - th + 1), rng.below(nw - tw + 1)),
     };
     let mut cut =
-        image::imageops::crop_imm(&resized, left as u32, top as u32, res as u32, res as u32)
+        image::imageops::crop_imm(&resized, left as u32, top as u32, tw as u32, th as u32)
             .to_image();
     let left = if flip {
         image::imageops::flip_horizontal_in_place(&mut cut);
-        res - left
+        tw - left
     } else {
         left
     };
-    let mut v = vec![0f32; 3 * res * res];
+    let mut v = vec![0f32; 3 * th * tw];
     for (x, y, p) in cut.enumerate_pixels() {
         for c in 0..3 {
-            v[c * res * res + y as usize * res + x as usize] = p.0[c] as f32 / 127.5 - 1.0;
+            v[(c * th + y as usize) * tw + x as usize] = p.0[c] as f32 / 127.5 - 1.0;
         }
     }
     Ok(Prepared {
-        pixels: Tensor::from_vec(v, (3, res, res), &Device::Cpu)?,
+        pixels: Tensor::from_vec(v, (3, th, tw), &Device::Cpu)?,
         original: (h, w),
         crop: (top, left),
     })

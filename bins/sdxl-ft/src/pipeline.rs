@@ -122,6 +122,17 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Pixels per latent pixel (8 for SDXL's four-level VAE).
+    pub fn vae_factor(&self) -> usize {
+        1 << self.vae.block_out_channels.len().saturating_sub(1)
+    }
+
+    /// Latent pixels per bottleneck pixel of the UNet (4 for SDXL's three levels): latent sides
+    /// must be multiples of it.
+    pub fn unet_factor(&self) -> usize {
+        1 << self.unet.block_out_channels.len().saturating_sub(1)
+    }
+
     /// The weights of `folder` (`{stem}.{variant}.safetensors` first when a variant is asked for).
     pub fn weights(&self, folder: &str, stem: &str) -> Result<SafetensorsFiles> {
         if let Some(v) = &self.variant {

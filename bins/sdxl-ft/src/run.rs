@@ -85,8 +85,27 @@ pub fn setup(args: &Args) -> Result<Setup> {
         DType::F16 => DType::F32,
         d => d,
     };
+    // Latent sides must halve cleanly through the UNet's levels.
+    let multiple = pipeline.vae_factor() * pipeline.unet_factor();
+    if !args.res.is_multiple_of(multiple) {
+        return Err(anyhow!(
+            "--res {} must be a multiple of {multiple} for this model (VAE factor {} x UNet factor {})",
+            args.res,
+            pipeline.vae_factor(),
+            pipeline.unet_factor()
+        ));
+    }
+    let buckets = args.aspect_buckets.then(|| {
+        let step = args
+            .bucket_step
+            .unwrap_or(if args.res >= 512 { 64 } else { 8 })
+            .div_ceil(multiple)
+            * multiple;
+        crate::data::buckets(args.res, step)
+    });
     let settings = CacheSettings {
         res: args.res,
+        buckets,
         crop: if args.crop == "random" {
             Crop::Random
         } else {

@@ -60,8 +60,10 @@ pub struct SdxlTask {
     pub batch_size: usize,
     pub seed: u64,
     epoch: usize,
+    /// Index of the next micro-batch in `batches`.
     cursor: usize,
-    order: Vec<usize>,
+    /// This epoch's micro-batches, each of one latent shape (one aspect bucket).
+    batches: Vec<Vec<usize>>,
 }
 
 /// A micro-batch: indices into the cache.
@@ -102,21 +104,51 @@ impl SdxlTask {
             seed,
             epoch: 0,
             cursor: 0,
-            order: Vec::new(),
+            batches: Vec::new(),
         };
-        t.shuffle();
+        t.plan_epoch();
         t
     }
 
-    /// Micro-batches in one pass over the cached images (a short last one included).
+    /// Micro-batches in one pass over the cached images (short last ones per bucket included).
     pub fn batches_per_epoch(&self) -> usize {
-        self.cache.len().div_ceil(self.batch_size)
+        self.batches.len()
     }
 
-    fn shuffle(&mut self) {
-        self.order = (0..self.cache.len()).collect();
-        SplitMix64::new(self.seed ^ (self.epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .shuffle(&mut self.order);
+    /// Splits `indices` into micro-batches of one latent shape each, keeping their order.
+    fn group(&self, indices: impl IntoIterator<Item = usize>) -> Vec<Vec<usize>> {
+        let mut groups: std::collections::BTreeMap<[usize; 3], Vec<usize>> = Default::default();
+        for i in indices {
+            groups
+                .entry(self.cache.manifest.entries[i].latent)
+                .or_default()
+                .push(i);
+        }
+        groups
+            .values()
+            .flat_map(|g| g.chunks(self.batch_size.max(1)).map(|c| c.to_vec()))
+            .collect()
+    }
+
+    /// The epoch's micro-batches: a seeded shuffle of the images, cut into batches per bucket,
+    /// and (with several buckets) the batches shuffled again, as kohya's bucketing does.
+    fn plan_epoch(&mut self) {
+        let mut rng =
+            SplitMix64::new(self.seed ^ (self.epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut order: Vec<usize> = (0..self.cache.len()).collect();
+        rng.shuffle(&mut order);
+        let mut batches = self.group(order);
+        let shapes: std::collections::BTreeSet<[usize; 3]> = self
+            .cache
+            .manifest
+            .entries
+            .iter()
+            .map(|e| e.latent)
+            .collect();
+        if shapes.len() > 1 {
+            rng.shuffle(&mut batches);
+        }
+        self.batches = batches;
     }
 
     /// The loss of every sample in `batch`, each the mean squared error over its latent
@@ -131,7 +163,13 @@ impl SdxlTask {
     ) -> Result<Tensor> {
         let mut rng = SplitMix64::new(seed);
         let b = batch.len();
-        let [c, h, w] = self.cache.manifest.latent_shape;
+        let entries = &self.cache.manifest.entries;
+        let [c, h, w] = entries[batch[0]].latent;
+        if batch.iter().any(|&i| entries[i].latent != [c, h, w]) {
+            return Err(anyhow!(
+                "a micro-batch mixes latent shapes (aspect buckets)"
+            ));
+        }
         let n = c * h * w;
         let (mut means, mut stds, mut hidden, mut pooled, mut ids) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -199,11 +237,10 @@ impl SdxlTask {
     pub fn validation_loss(&self) -> Result<f64> {
         let n = self.eval.loss_images.min(self.cache.len());
         let mut total = 0f64;
-        for start in (0..n).step_by(self.batch_size.max(1)) {
-            let batch: Vec<usize> = (start..(start + self.batch_size).min(n)).collect();
+        for batch in self.group(0..n) {
             let l = self.per_sample_losses(
                 &batch,
-                self.seed ^ 0xE7A1 ^ start as u64,
+                self.seed ^ 0xE7A1 ^ batch[0] as u64,
                 false,
                 &Checkpointer::new(false),
             )?;
@@ -308,18 +345,16 @@ impl Task for SdxlTask {
     fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
         self.epoch = epoch;
         self.cursor = 0;
-        self.shuffle();
+        self.plan_epoch();
         Ok(())
     }
 
     fn next_batch(&mut self) -> TaskResult<Option<Batch>> {
-        if self.cursor >= self.order.len() {
-            return Ok(None);
+        let b = self.batches.get(self.cursor).cloned();
+        if b.is_some() {
+            self.cursor += 1;
         }
-        let end = (self.cursor + self.batch_size).min(self.order.len());
-        let b = self.order[self.cursor..end].to_vec();
-        self.cursor = end;
-        Ok(Some(b))
+        Ok(b)
     }
 
     fn counts(&self, batch: &Batch) -> (usize, usize) {
@@ -385,7 +420,7 @@ impl Task for SdxlTask {
         self.epoch = s["epoch"]
             .as_u64()
             .ok_or("trainer_state: data.epoch missing")? as usize;
-        self.shuffle();
+        self.plan_epoch();
         self.cursor = s["cursor"]
             .as_u64()
             .ok_or("trainer_state: data.cursor missing")? as usize;

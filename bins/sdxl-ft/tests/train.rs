@@ -218,3 +218,43 @@ fn bf16_weights_with_fp32_masters_and_checkpointing_train() -> anyhow::Result<()
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+#[test]
+fn aspect_buckets_cut_images_to_their_nearest_ratio_and_batch_per_bucket() -> anyhow::Result<()> {
+    use ft_memory::train::Task;
+    let buckets = sdxl_ft::data::buckets(32, 8);
+    assert!(buckets.contains(&(32, 32)) && buckets.contains(&(40, 24)));
+    assert!(buckets.iter().all(|(h, w)| h * w <= 32 * 32));
+    assert_eq!(sdxl_ft::data::nearest_bucket((64, 48), &buckets), (40, 24));
+    assert_eq!(sdxl_ft::data::nearest_bucket((50, 50), &buckets), (32, 32));
+
+    let out = tmp("buckets");
+    let mut s = setup(&args(&out, &["--aspect-buckets", "--max-steps", "4"])?)?;
+    let entries = s.task.cache.manifest.entries.clone();
+    let sizes: std::collections::BTreeSet<[usize; 2]> = entries.iter().map(|e| e.size).collect();
+    assert!(sizes.len() > 1, "several buckets: {sizes:?}");
+    for (i, e) in entries.iter().enumerate() {
+        assert_eq!(e.latent[1] * 4, e.size[0], "latent height of {}", e.file);
+        let ids = s.task.cache.time_ids(i, false);
+        assert_eq!((ids[4], ids[5]), (e.size[0] as f32, e.size[1] as f32));
+    }
+    let mut seen = 0;
+    s.task.start_epoch(0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    while let Some(b) = s.task.next_batch().map_err(|e| anyhow::anyhow!("{e}"))? {
+        assert!(b.iter().all(|&i| entries[i].size == entries[b[0]].size));
+        seen += b.len();
+    }
+    assert_eq!(seen, entries.len(), "every image once per epoch");
+    s.task.start_epoch(0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let summary = train::run(
+        &mut s.task,
+        &mut s.optimizer,
+        &s.checkpointer,
+        &mut s.ledger,
+        &s.loop_config,
+    )?;
+    assert_eq!(summary.steps, 4);
+    assert!(summary.losses.iter().all(|l| l.is_finite()));
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
