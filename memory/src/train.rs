@@ -141,6 +141,55 @@ fn mix(seed: u64, step: u64, micro: usize) -> u64 {
     r.next_u64()
 }
 
+/// A trainer ready to run: what each binary's setup builds from its arguments.
+pub struct Session<T: Task> {
+    pub task: T,
+    pub optimizer: MixedOptimizer,
+    pub ledger: Ledger,
+    pub loop_config: LoopConfig,
+    pub checkpointer: Checkpointer,
+}
+
+impl<T: Task> Session<T> {
+    /// Runs the loop until `loop_config.max_steps` (or early stopping).
+    pub fn train(&mut self) -> Result<RunSummary> {
+        run(
+            &mut self.task,
+            &mut self.optimizer,
+            &self.checkpointer,
+            &mut self.ledger,
+            &self.loop_config,
+        )
+    }
+}
+
+/// Where an epoch-based task is in its data: the epoch and the next item's index. What most
+/// tasks return from [`Task::data_state`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EpochCursor {
+    pub epoch: usize,
+    pub cursor: usize,
+}
+
+impl EpochCursor {
+    pub fn to_json(self) -> serde_json::Value {
+        serde_json::json!({"epoch": self.epoch, "cursor": self.cursor})
+    }
+
+    /// Reads what [`EpochCursor::to_json`] wrote; names the missing field.
+    pub fn from_json(v: &serde_json::Value) -> TaskResult<Self> {
+        let field = |k: &str| -> TaskResult<usize> {
+            Ok(v[k]
+                .as_u64()
+                .ok_or_else(|| format!("trainer_state: data.{k} missing"))? as usize)
+        };
+        Ok(EpochCursor {
+            epoch: field("epoch")?,
+            cursor: field("cursor")?,
+        })
+    }
+}
+
 /// Runs the loop over `task` with `opt` until `cfg.max_steps`.
 pub fn run<T: Task>(
     task: &mut T,

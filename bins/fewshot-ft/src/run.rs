@@ -4,8 +4,7 @@ use std::sync::Arc;
 
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::Ledger;
-use ft_memory::mixed::MixedOptimizer;
-use ft_memory::train::{self, BestConfig, LoopConfig, RunSummary, Units};
+use ft_memory::train::{BestConfig, LoopConfig, RunSummary, Units};
 use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 
@@ -13,14 +12,8 @@ use crate::cli::Args;
 use crate::data::{EpisodeShape, ImageConfig, Splits};
 use crate::task::{Accuracy, FewShotTask};
 
-/// Everything a run needs.
-pub struct Setup {
-    pub task: FewShotTask,
-    pub optimizer: MixedOptimizer,
-    pub ledger: Ledger,
-    pub loop_config: LoopConfig,
-    pub checkpointer: Checkpointer,
-}
+/// Everything a run needs, built from the arguments (also used by tests and benches).
+pub type Setup = ft_memory::train::Session<FewShotTask>;
 
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     args.validate()?;
@@ -133,13 +126,7 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
         ft_memory::ledger::format_bytes(bytes as i64),
         s.loop_config.max_steps
     );
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     if let Some((acc, dir)) = &summary.best {
         eprintln!(
             "best validation accuracy {acc:.2}% ({}); testing it",

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use ft_memory::ledger::Ledger;
-use ft_memory::train::{StepCtx, Task, TaskResult};
+use ft_memory::train::{EpochCursor, StepCtx, Task, TaskResult};
 use ft_memory::weights::ParamStore;
 use ft_models::fewshot::{Episode, FewShotModel};
 
@@ -163,16 +163,17 @@ impl Task for FewShotTask {
     }
 
     fn data_state(&self) -> serde_json::Value {
-        serde_json::json!({"epoch": self.epoch, "cursor": self.cursor})
+        EpochCursor {
+            epoch: self.epoch,
+            cursor: self.cursor,
+        }
+        .to_json()
     }
 
     fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
-        self.epoch = s["epoch"]
-            .as_u64()
-            .ok_or("trainer_state: data.epoch missing")? as usize;
-        self.cursor = s["cursor"]
-            .as_u64()
-            .ok_or("trainer_state: data.cursor missing")? as usize;
+        let at = EpochCursor::from_json(s)?;
+        self.epoch = at.epoch;
+        self.cursor = at.cursor;
         Ok(())
     }
 }

@@ -9,8 +9,7 @@ use candle_core::{DType, Device};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ema::Ema;
 use ft_memory::ledger::{format_bytes, Ledger};
-use ft_memory::mixed::MixedOptimizer;
-use ft_memory::train::{self, LoopConfig, RunSummary, Units};
+use ft_memory::train::{LoopConfig, RunSummary, Units};
 use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::diffusion::Prediction;
 use ft_models::unet::UNet;
@@ -21,14 +20,8 @@ use crate::data::{Crop, ImageFolder};
 use crate::pipeline::Pipeline;
 use crate::task::{EvalSettings, Objective, SdxlTask};
 
-/// Everything a run needs, built from the arguments (also used by tests and the bench).
-pub struct Setup {
-    pub task: SdxlTask,
-    pub optimizer: MixedOptimizer,
-    pub ledger: Ledger,
-    pub loop_config: LoopConfig,
-    pub checkpointer: Checkpointer,
-}
+/// Everything a run needs, built from the arguments (also used by tests and benches).
+pub type Setup = ft_memory::train::Session<SdxlTask>;
 
 /// Resolves model and data, builds the cache, loads the UNet. With `--demo`, first writes the
 /// bundled pipeline and images.
@@ -250,13 +243,7 @@ pub fn run(args: &Args) -> Result<RunSummary> {
         s.task.dtype,
         s.checkpointer.enabled()
     );
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     eprintln!("{}", s.ledger.table());
     if let Some(dir) = &summary.final_dir {
         eprintln!(

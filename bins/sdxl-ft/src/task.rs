@@ -10,7 +10,7 @@ use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ema::Ema;
 use ft_memory::ledger::{Category, Ledger};
 use ft_memory::rng::SplitMix64;
-use ft_memory::train::{StepCtx, Task, TaskResult};
+use ft_memory::train::{EpochCursor, StepCtx, Task, TaskResult};
 use ft_memory::weights::ParamStore;
 use ft_models::diffusion::NoiseSchedule;
 use ft_models::sampling::{Sampler, SamplerKind};
@@ -413,17 +413,18 @@ impl Task for SdxlTask {
     }
 
     fn data_state(&self) -> serde_json::Value {
-        serde_json::json!({"epoch": self.epoch, "cursor": self.cursor})
+        EpochCursor {
+            epoch: self.epoch,
+            cursor: self.cursor,
+        }
+        .to_json()
     }
 
     fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
-        self.epoch = s["epoch"]
-            .as_u64()
-            .ok_or("trainer_state: data.epoch missing")? as usize;
+        let at = EpochCursor::from_json(s)?;
+        self.epoch = at.epoch;
         self.plan_epoch();
-        self.cursor = s["cursor"]
-            .as_u64()
-            .ok_or("trainer_state: data.cursor missing")? as usize;
+        self.cursor = at.cursor;
         Ok(())
     }
 }

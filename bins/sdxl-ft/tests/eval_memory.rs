@@ -61,13 +61,7 @@ fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> 
     }
     drop((loss, grads));
 
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     let after = s.task.validation_loss()?;
     assert!(
         after < 0.7 * before,

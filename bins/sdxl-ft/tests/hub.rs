@@ -5,7 +5,6 @@
 mod common;
 
 use common::{args, tmp};
-use ft_memory::train;
 use sdxl_ft::pipeline::Pipeline;
 
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
@@ -51,13 +50,7 @@ fn hub_id_opens_a_cached_diffusers_snapshot_offline() -> anyhow::Result<()> {
     a.demo = false;
     a.model = "tiny-org/tiny-sdxl".into();
     let mut s = sdxl_ft::run::setup(&a)?;
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     assert_eq!(summary.steps, 2);
     let e = Pipeline::open("tiny-org/not-cached", None)
         .err()

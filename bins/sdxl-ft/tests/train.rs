@@ -6,7 +6,6 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{args, tensors, tmp};
-use ft_memory::train;
 use sdxl_ft::run::setup;
 
 #[test]
@@ -26,13 +25,7 @@ fn resume_continues_exactly_and_the_cache_is_reused() -> anyhow::Result<()> {
     ];
     let full = {
         let mut s = setup(&args(&out.join("a"), &common)?)?;
-        train::run(
-            &mut s.task,
-            &mut s.optimizer,
-            &s.checkpointer,
-            &mut s.ledger,
-            &s.loop_config,
-        )?
+        s.train()?
     };
     // A second run resumes from step 3 with the first run's images and cache folder: its own
     // demo model has the same weights in another folder, so the cache is reused, not rebuilt.
@@ -50,13 +43,7 @@ fn resume_continues_exactly_and_the_cache_is_reused() -> anyhow::Result<()> {
     ]);
     let mut s = setup(&args(&out.join("b"), &extra)?)?;
     assert!(!s.task.cache.built, "the cache is reused");
-    let resumed = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let resumed = s.train()?;
     assert_eq!(resumed.losses, full.losses[3..].to_vec());
     for f in [
         "unet/diffusion_pytorch_model.safetensors",
@@ -196,13 +183,7 @@ fn bf16_weights_with_fp32_masters_and_checkpointing_train() -> anyhow::Result<()
     assert_eq!(s.task.dtype, candle_core::DType::BF16);
     assert!(!s.optimizer.masters().is_empty(), "fp32 master weights");
     let before = s.task.validation_loss()?;
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     let after = s.task.validation_loss()?;
     assert!(after < before, "validation loss {before:.4} -> {after:.4}");
     let dir = summary.final_dir.unwrap_or_default();
@@ -246,13 +227,7 @@ fn aspect_buckets_cut_images_to_their_nearest_ratio_and_batch_per_bucket() -> an
     }
     assert_eq!(seen, entries.len(), "every image once per epoch");
     s.task.start_epoch(0).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     assert_eq!(summary.steps, 4);
     assert!(summary.losses.iter().all(|l| l.is_finite()));
     std::fs::remove_dir_all(&out)?;

@@ -6,8 +6,7 @@ use std::sync::Arc;
 use candle_core::DType;
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::Ledger;
-use ft_memory::mixed::MixedOptimizer;
-use ft_memory::train::{self, LoopConfig, RunSummary, Units};
+use ft_memory::train::{LoopConfig, RunSummary, Units};
 use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::t5::{T5Config, T5};
 
@@ -16,14 +15,8 @@ use crate::data::{Fields, RecordFile};
 use crate::task::{Order, T5Task};
 use crate::tokenize::Collator;
 
-/// Everything a run needs, built from the arguments (also used by tests and the bench).
-pub struct Setup {
-    pub task: T5Task,
-    pub optimizer: MixedOptimizer,
-    pub ledger: Ledger,
-    pub loop_config: LoopConfig,
-    pub checkpointer: Checkpointer,
-}
+/// Everything a run needs, built from the arguments (also used by tests and benches).
+pub type Setup = ft_memory::train::Session<T5Task>;
 
 /// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
@@ -148,13 +141,7 @@ pub fn run(args: &Args) -> anyhow::Result<RunSummary> {
             .map(|p| p.dtype())
             .unwrap_or(DType::F32)
     );
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     eprintln!("{}", s.ledger.table());
     if let Some(dir) = &summary.final_dir {
         eprintln!("model saved in {} (Hugging Face layout)", dir.display());

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use ft_memory::checkpoint::Checkpointer;
-use ft_memory::train;
 use ft_memory::weights::SafetensorsFiles;
 use ft_models::dropout::DropoutCtx;
 use t5_ft::cli::Args;
@@ -114,13 +113,7 @@ fn check_forward_and_grads(variant: &str) -> anyhow::Result<()> {
 fn check_losses(variant: &str, batch: usize, accum: usize, key: &str) -> anyhow::Result<()> {
     let out = tmp(&format!("loss-{variant}-{accum}"));
     let mut s = setup(&args(variant, &out, batch, accum, &[]))?;
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     let exp = expected(variant)?;
     let want: Vec<f64> = exp[key]
         .as_array()
@@ -154,13 +147,7 @@ fn tied_relu_forward_and_every_gradient_match_transformers() -> anyhow::Result<(
 fn saved_checkpoint_is_left_for_the_transformers_check() -> anyhow::Result<()> {
     let out = tmp("saved");
     let mut s = setup(&args("flan", &out, 8, 1, &[]))?;
-    let summary = train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?;
+    let summary = s.train()?;
     let dir = summary.final_dir.expect("final checkpoint");
     let examples = s.task.train.read(&(0..8).collect::<Vec<_>>())?;
     let batch = s.task.collator.collate(&examples, &Device::Cpu)?;

@@ -43,13 +43,7 @@ fn demo_args(out: &Path, extra: &[&str]) -> Args {
 
 fn train_run(args: &Args) -> anyhow::Result<train::RunSummary> {
     let mut s = setup(args)?;
-    Ok(train::run(
-        &mut s.task,
-        &mut s.optimizer,
-        &s.checkpointer,
-        &mut s.ledger,
-        &s.loop_config,
-    )?)
+    Ok(s.train()?)
 }
 
 #[test]
