@@ -200,11 +200,20 @@ impl CommonArgs {
 impl CommonArgs {
     /// The `--device` as a candle device: `cpu`, `cuda` or `cuda:N`.
     pub fn device(&self) -> Result<candle_core::Device> {
+        let cuda = |n: usize| {
+            candle_core::Device::new_cuda(n).map_err(|e| {
+                Error::Invalid(format!(
+                    "--device {}: CUDA device {n} could not be opened ({e}); without the `cuda` \
+                     feature or a GPU, use --device cpu",
+                    self.device
+                ))
+            })
+        };
         match self.device.as_str() {
             "cpu" => Ok(candle_core::Device::Cpu),
-            "cuda" => Ok(candle_core::Device::new_cuda(0)?),
+            "cuda" => cuda(0),
             s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-                Some(n) => Ok(candle_core::Device::new_cuda(n)?),
+                Some(n) => cuda(n),
                 None => Err(Error::Invalid(format!(
                     "--device `{s}`: expected cpu, cuda or cuda:N"
                 ))),
