@@ -2,8 +2,8 @@
 //! col2im, and nothing saved but the op's inputs.
 //!
 //! candle 0.11.1's CPU conv2d backward takes its direct (per-output dot product) route for the
-//! input gradient and is about 7x its own forward (a 3x3, 128-channel, 16x16 conv: 4 ms forward,
-//! 24 ms forward + backward), which made it most of a UNet step on CPU. Here the forward unfolds
+//! input gradient and costs 6-7x its own forward (`cargo run -p ft-kernels --example conv_bench`),
+//! which made it most of a UNet step on CPU. Here the forward unfolds
 //! the input into columns [B, Ho*Wo, C*k*k] and multiplies once by the [O, C*k*k] weight; the
 //! backward unfolds again (the columns are recomputed, not kept: they are k*k times the input) for
 //! the weight gradient and folds the column gradient back for the input gradient. Other devices

@@ -265,6 +265,30 @@ impl CommonArgs {
         )
     }
 
+    /// The loop settings these flags decide (steps from `--max-steps` or `--epochs` over
+    /// `micro_batches_per_epoch`, schedule, seed, output folder); evaluation and saving only at
+    /// the end, progress shown, no resume or best-checkpoint tracking: callers override those.
+    pub fn loop_config(
+        &self,
+        units: crate::train::Units,
+        micro_batches_per_epoch: usize,
+    ) -> Result<crate::train::LoopConfig> {
+        let max_steps = self.max_steps(micro_batches_per_epoch);
+        Ok(crate::train::LoopConfig {
+            units,
+            accum: self.accum,
+            max_steps,
+            schedule: self.schedule(max_steps)?,
+            seed: self.seed,
+            output_dir: self.output_dir.clone(),
+            eval_every: 0,
+            save_every: 0,
+            progress: true,
+            resume: None,
+            best: None,
+        })
+    }
+
     /// `--schedule` with `--lr` and `--warmup-steps` over `total_steps`.
     pub fn schedule(&self, total_steps: u64) -> Result<crate::schedule::LrSchedule> {
         Ok(crate::schedule::LrSchedule {

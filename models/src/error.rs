@@ -21,3 +21,15 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Reads a JSON config file into `T`; I/O and parse errors name the file.
+pub fn read_config<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Config {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}

@@ -77,14 +77,7 @@ pub struct UNetConfig {
 
 impl UNetConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        serde_json::from_str(&text).map_err(|e| ModelError::Config {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })
+        crate::error::read_config(path)
     }
 
     fn heads(&self, i: usize) -> usize {

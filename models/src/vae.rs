@@ -53,14 +53,7 @@ pub struct VaeConfig {
 
 impl VaeConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        let cfg: VaeConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let cfg = crate::error::read_config::<VaeConfig>(path)?;
         if cfg.block_out_channels.is_empty()
             || cfg
                 .block_out_channels

@@ -79,15 +79,8 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         config_json,
     );
     let steps_per_epoch = args.n_episode.div_ceil(args.common.accum) as u64;
-    let max_steps = args.common.max_steps(args.n_episode);
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let loop_config = LoopConfig {
-        units: Units::Samples,
-        accum: args.common.accum,
-        max_steps,
-        schedule: args.common.schedule(max_steps)?,
-        seed: args.common.seed,
-        output_dir: out,
         eval_every: steps_per_epoch,
         save_every: steps_per_epoch,
         progress: !args.quiet,
@@ -97,6 +90,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
             higher_is_better: true,
             patience: args.patience,
         }),
+        ..args.common.loop_config(Units::Samples, args.n_episode)?
     };
     Ok(Setup {
         task,

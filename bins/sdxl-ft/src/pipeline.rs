@@ -31,7 +31,8 @@ pub struct Pipeline {
     pub schedule: NoiseSchedule,
 }
 
-fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
+/// A JSON file as a value; errors name the file.
+pub(crate) fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
     serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))
 }

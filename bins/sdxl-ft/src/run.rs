@@ -189,19 +189,14 @@ pub fn setup(args: &Args) -> Result<Setup> {
         args.common.batch_size,
         args.common.seed,
     );
-    let max_steps = args.common.max_steps(task.batches_per_epoch());
     let loop_config = LoopConfig {
-        units: Units::Samples,
-        accum: args.common.accum,
-        max_steps,
-        schedule: args.common.schedule(max_steps)?,
-        seed: args.common.seed,
-        output_dir: out,
         eval_every: args.eval_every,
         save_every: args.save_every,
         progress: !args.quiet,
         resume: args.resume.clone(),
-        best: None,
+        ..args
+            .common
+            .loop_config(Units::Samples, task.batches_per_epoch())?
     };
     Ok(Setup {
         task,

@@ -8,13 +8,15 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::{Lowercase, Replace, Sequence as NormSeq, NFC};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSeq;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{SplitDelimiterBehavior, Tokenizer};
+
+use crate::pipeline::read_json;
 
 /// CLIP's word pattern (from the original `simple_tokenizer.py`).
 const CLIP_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
@@ -36,11 +38,6 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
             .and_then(|c| c.as_str())
             .map(str::to_string)
     })
-}
-
-fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))
 }
 
 impl ClipTokenizer {

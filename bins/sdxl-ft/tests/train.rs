@@ -45,6 +45,26 @@ fn resume_continues_exactly_and_the_cache_is_reused() -> anyhow::Result<()> {
     assert!(!s.task.cache.built, "the cache is reused");
     let resumed = s.train()?;
     assert_eq!(resumed.losses, full.losses[3..].to_vec());
+    // A changed caption changes the cache's key: it is built again, not reused.
+    let meta = out.join("a/demo-data/images/metadata.jsonl");
+    let text = std::fs::read_to_string(&meta)?;
+    let last = text.lines().last().unwrap_or_default().to_string();
+    std::fs::write(
+        &meta,
+        text.replace(&last, &last.replace("background", "backdrop")),
+    )?;
+    let c = setup(&args(
+        &out.join("c"),
+        &[
+            "--cache-dir",
+            &cache,
+            "--data-dir",
+            &images,
+            "--max-steps",
+            "1",
+        ],
+    )?)?;
+    assert!(c.task.cache.built, "a changed caption rebuilds the cache");
     for f in [
         "unet/diffusion_pytorch_model.safetensors",
         "unet_ema/diffusion_pytorch_model.safetensors",

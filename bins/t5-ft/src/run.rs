@@ -103,20 +103,15 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     task.max_new_tokens = args.max_new_tokens;
     task.eval_limit = args.eval_limit;
 
-    let max_steps = args.common.max_steps(task.batches_per_epoch());
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let loop_config = LoopConfig {
-        units: Units::Tokens,
-        accum: args.common.accum,
-        max_steps,
-        schedule: args.common.schedule(max_steps)?,
-        seed: args.common.seed,
-        output_dir: out,
         eval_every: args.eval_every,
         save_every: args.save_every,
         progress: !args.quiet,
         resume: args.resume.clone(),
-        best: None,
+        ..args
+            .common
+            .loop_config(Units::Tokens, task.batches_per_epoch())?
     };
     Ok(Setup {
         task,

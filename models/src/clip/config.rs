@@ -68,14 +68,7 @@ pub struct ClipTextConfig {
 
 impl ClipTextConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        let cfg: ClipTextConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let cfg = crate::error::read_config::<ClipTextConfig>(path)?;
         cfg.validate().map_err(|reason| ModelError::Config {
             path: path.display().to_string(),
             reason,

@@ -102,14 +102,7 @@ pub enum FfAct {
 impl T5Config {
     /// Reads and checks `config.json`, naming the file in any error.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        let cfg: T5Config = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let cfg = crate::error::read_config::<T5Config>(path)?;
         cfg.validate().map_err(|reason| ModelError::Config {
             path: path.display().to_string(),
             reason,
