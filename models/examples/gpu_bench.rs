@@ -1,0 +1,305 @@
+//! `gpu_bench` : train steps of the full-size models on a GPU, one JSON line per measurement, for
+//! `scripts/gpu-bench.sh` to set next to PyTorch's (`scripts/gpu_bench_torch.py`, run after this
+//! process has exited so the two never share the card).
+//!
+//! ```text
+//! gpu_bench sdxl <px>[,<px>...] [ck]      full SDXL UNet (configs/sdxl/unet_config.json), batch 1
+//! gpu_bench t5 <batch> <src> <tgt> [ck]   FLAN-T5-XL shape (random weights from the real config)
+//! gpu_bench attention                     attention kernels at SDXL and T5 shapes
+//! ```
+//!
+//! Model runs: bf16 weights, fp32 master weights, AdamW, one micro-batch per step. Memory comes
+//! from the device's memory pool (exact bytes of live tensors and their peak, see
+//! `ft_memory::measure`): `base` is what stays allocated between steps (weights, masters, AdamW
+//! moments), `peak` the highest allocation during the measured steps.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::checkpoint::Checkpointer;
+use ft_memory::measure;
+use ft_memory::mixed::MixedOptimizer;
+use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::precision::Precision;
+use ft_memory::rng::SplitMix64;
+use ft_memory::weights::{ParamBuilder, ParamStore};
+use ft_models::dropout::DropoutCtx;
+use ft_models::t5::{T5Batch, T5Config, T5};
+use ft_models::unet::{UNet, UNetConfig};
+use serde_json::json;
+
+const WARMUP: usize = 1;
+const STEPS: usize = 3;
+
+fn device() -> anyhow::Result<Device> {
+    let d = Device::new_cuda(0)
+        .context("gpu_bench needs a CUDA device (build with --features cuda)")?;
+    Ok(d)
+}
+
+fn sync(dev: &Device) -> anyhow::Result<()> {
+    dev.synchronize()?;
+    Ok(())
+}
+
+fn randn(rng: &mut SplitMix64, shape: &[usize], dt: DType, dev: &Device) -> anyhow::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dt)?)
+}
+
+fn optimizer(store: &ParamStore) -> anyhow::Result<MixedOptimizer> {
+    Ok(MixedOptimizer::new(
+        store.trainable()?,
+        Precision::parse("bf16")?,
+        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        None,
+    )?)
+}
+
+/// Warm-up, then the measured steps; returns (mean step seconds, base bytes, peak bytes).
+fn measure_steps(
+    dev: &Device,
+    mut step: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<(f64, u64, u64)> {
+    for _ in 0..WARMUP {
+        step()?;
+    }
+    sync(dev)?;
+    let base = measure::read(dev).live;
+    let t0 = Instant::now();
+    for _ in 0..STEPS {
+        step()?;
+    }
+    sync(dev)?;
+    let secs = t0.elapsed().as_secs_f64() / STEPS as f64;
+    let peak = measure::read(dev).peak;
+    Ok((secs, base, peak))
+}
+
+fn states(store: &ParamStore, opt: &MixedOptimizer) -> serde_json::Value {
+    let (n, weight_bytes) = store.count(true);
+    let master: u64 = opt
+        .masters()
+        .iter()
+        .map(|m| ft_memory::ledger::tensor_bytes(m.as_tensor()))
+        .sum();
+    json!({
+        "params": n,
+        "weights": weight_bytes,
+        "grads": weight_bytes,
+        "masters": master,
+        "optimizer": opt.optimizer().state_bytes(),
+    })
+}
+
+fn sdxl(pxs: &[usize], ck: bool) -> anyhow::Result<()> {
+    let dev = device()?;
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/sdxl/unet_config.json");
+    let cfg = UNetConfig::from_file(&path)?;
+    let t0 = Instant::now();
+    let store = ParamStore::new();
+    let unet = UNet::new(
+        &ParamBuilder::new(store.clone(), DType::BF16, &dev, 0),
+        &cfg,
+    )?;
+    let mut opt = optimizer(&store)?;
+    eprintln!("sdxl: model built in {:.1} s", t0.elapsed().as_secs_f64());
+    let params: Vec<Var> = opt.params().to_vec();
+    let pooled_dim = cfg
+        .projection_class_embeddings_input_dim
+        .context("SDXL config has projection_class_embeddings_input_dim")?
+        - 6 * cfg.addition_time_embed_dim.unwrap_or(256);
+    let checkpointer = Checkpointer::new(ck);
+    for &px in pxs {
+        let latent = px / 8;
+        let mut rng = SplitMix64::new(px as u64);
+        let bf = DType::BF16;
+        let x = randn(&mut rng, &[1, 4, latent, latent], bf, &dev)?;
+        let target = randn(&mut rng, &[1, 4, latent, latent], DType::F32, &dev)?;
+        let ctx = randn(&mut rng, &[1, 77, cfg.cross_attention_dim], bf, &dev)?;
+        let pooled = randn(&mut rng, &[1, pooled_dim], bf, &dev)?;
+        let p = px as f32;
+        let ids = Tensor::new(&[[p, p, 0.0, 0.0, p, p]], &dev)?.to_dtype(bf)?;
+        let mut step = || -> anyhow::Result<()> {
+            let pred = unet.forward(&x, &[500.0], &ctx, Some((&pooled, &ids)), &checkpointer)?;
+            let loss = (pred.to_dtype(DType::F32)? - &target)?.sqr()?.mean_all()?;
+            let grads = checkpointer.gradients(&loss, &params)?;
+            drop(loss);
+            opt.step(grads, 1e-5)?;
+            Ok(())
+        };
+        let (secs, base, peak) = measure_steps(&dev, &mut step)?;
+        println!(
+            "{}",
+            json!({"bench": "sdxl", "impl": "candle", "px": px, "checkpointing": ck,
+                   "step_s": secs, "base": base, "peak": peak, "states": states(&store, &opt)})
+        );
+    }
+    Ok(())
+}
+
+fn flan_t5_xl() -> anyhow::Result<T5Config> {
+    Ok(serde_json::from_str(
+        r#"{"d_ff": 5120, "d_kv": 64, "d_model": 2048, "num_heads": 32, "num_layers": 24,
+            "num_decoder_layers": 24, "feed_forward_proj": "gated-gelu",
+            "tie_word_embeddings": false, "vocab_size": 32128,
+            "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+            "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6}"#,
+    )?)
+}
+
+fn t5(batch: usize, src: usize, tgt: usize, ck: bool) -> anyhow::Result<()> {
+    let dev = device()?;
+    let cfg = flan_t5_xl()?;
+    let t0 = Instant::now();
+    let store = ParamStore::new();
+    let model = T5::new(
+        &ParamBuilder::new(store.clone(), DType::BF16, &dev, 0),
+        &cfg,
+    )?;
+    let mut opt = optimizer(&store)?;
+    eprintln!("t5: model built in {:.1} s", t0.elapsed().as_secs_f64());
+    let params: Vec<Var> = opt.params().to_vec();
+    let mut rng = SplitMix64::new(7);
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| 2 + rng.below(cfg.vocab_size - 2) as u32)
+            .collect()
+    };
+    let b = T5Batch {
+        input_ids: Tensor::from_vec(ids(batch * src), (batch, src), &dev)?,
+        attention_mask: Tensor::ones((batch, src), DType::F32, &dev)?,
+        labels: Tensor::from_vec(ids(batch * tgt), (batch, tgt), &dev)?.to_dtype(DType::I64)?,
+        label_tokens: batch * tgt,
+    };
+    let checkpointer = Checkpointer::new(ck);
+    let mut step = || -> anyhow::Result<()> {
+        let loss =
+            (model.summed_loss(&b, &DropoutCtx::eval(), &checkpointer)? / (batch * tgt) as f64)?;
+        let grads = checkpointer.gradients(&loss, &params)?;
+        drop(loss);
+        opt.step(grads, 1e-5)?;
+        Ok(())
+    };
+    let (secs, base, peak) = measure_steps(&dev, &mut step)?;
+    println!(
+        "{}",
+        json!({"bench": "t5", "impl": "candle", "batch": batch, "src": src, "tgt": tgt,
+               "checkpointing": ck, "step_s": secs, "base": base, "peak": peak,
+               "states": states(&store, &opt)})
+    );
+    Ok(())
+}
+
+/// Forward + backward of one attention call; (mean seconds, peak bytes above the inputs).
+fn time_attention(
+    dev: &Device,
+    f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    q: &Var,
+    k: &Var,
+    v: &Var,
+    g: &Tensor,
+) -> anyhow::Result<(f64, u64)> {
+    let run = || -> anyhow::Result<()> {
+        let o = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+        let loss = (o.to_dtype(DType::F32)? * g)?.sum_all()?;
+        let grads = loss.backward()?;
+        for t in [q, k, v] {
+            grads
+                .get(t.as_tensor())
+                .context("attention input has no gradient")?;
+        }
+        Ok(())
+    };
+    run()?;
+    sync(dev)?;
+    let reps = 10;
+    let base = measure::read(dev).live;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        run()?;
+    }
+    sync(dev)?;
+    let secs = t0.elapsed().as_secs_f64() / reps as f64;
+    let peak = measure::read(dev).peak;
+    Ok((secs, peak.saturating_sub(base)))
+}
+
+fn attention() -> anyhow::Result<()> {
+    use ft_kernels::attention::{sdpa, sdpa_memory_efficient};
+    let dev = device()?;
+    // (label, batch, heads, query tokens, key tokens)
+    let shapes = [
+        ("sdxl-1024px-self", 1usize, 10usize, 4096usize, 4096usize),
+        ("sdxl-1024px-cross", 1, 10, 4096, 77),
+        ("sdxl-128px-self", 1, 10, 256, 256),
+        ("t5-xl-b8-512", 8, 32, 512, 512),
+    ];
+    let mut rng = SplitMix64::new(3);
+    for (label, b, h, lq, lk) in shapes {
+        let d = 64usize;
+        let mk = |rng: &mut SplitMix64, l: usize| -> anyhow::Result<Var> {
+            Ok(Var::from_tensor(&randn(
+                rng,
+                &[b, h, l, d],
+                DType::BF16,
+                &dev,
+            )?)?)
+        };
+        let (q, k, v) = (mk(&mut rng, lq)?, mk(&mut rng, lk)?, mk(&mut rng, lk)?);
+        let g = randn(&mut rng, &[b, h, lq, d], DType::F32, &dev)?;
+        let scale = (d as f64).powf(-0.5);
+        let full = |q: &Tensor, k: &Tensor, v: &Tensor| sdpa(q, k, v, None, scale);
+        let chunked =
+            |q: &Tensor, k: &Tensor, v: &Tensor| sdpa_memory_efficient(q, k, v, None, scale, 64);
+        for (name, f) in [
+            (
+                "sdpa (scores formed)",
+                &full as &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+            ),
+            ("memory-efficient kernel", &chunked),
+        ] {
+            let r = time_attention(&dev, f, &q, &k, &v, &g);
+            let v = match r {
+                Ok((secs, peak)) => json!({"fwd_bwd_s": secs, "peak_above_inputs": peak}),
+                Err(e) => json!({"error": e.to_string()}),
+            };
+            println!(
+                "{}",
+                json!({"bench": "attention", "impl": name, "shape": label, "b": b, "h": h,
+                       "lq": lq, "lk": lk, "d": d, "result": v})
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let ck = args.iter().any(|a| a == "ck");
+    let num = |i: usize| -> anyhow::Result<usize> {
+        args.get(i)
+            .context("missing argument (see the doc comment)")?
+            .parse()
+            .with_context(|| format!("argument {i} is not a number"))
+    };
+    match args.first().map(String::as_str) {
+        Some("sdxl") => {
+            let pxs = args
+                .get(1)
+                .context("gpu_bench sdxl <px>[,<px>...] [ck]")?
+                .split(',')
+                .map(|p| p.parse::<usize>().context("px is not a number"))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            sdxl(&pxs, ck)
+        }
+        Some("t5") => t5(num(1)?, num(2)?, num(3)?, ck),
+        Some("attention") => attention(),
+        _ => bail!(
+            "usage: gpu_bench sdxl <px>[,<px>...] [ck] | t5 <batch> <src> <tgt> [ck] | attention"
+        ),
+    }
+}

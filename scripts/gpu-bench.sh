@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks in one go, for a machine with an NVIDIA GPU: the CUDA op tests
+# against the CPU reference, then the attention kernels, the full SDXL UNet and the
+# FLAN-T5-XL-shaped model next to PyTorch on the same card (PyTorch runs after the Rust process has
+# exited, so each side has the card to itself). Prints the tables of docs/benchmarks.md last.
+#
+#   bash scripts/gpu-bench.sh [out-dir]          # builds with scripts/build-cuda.sh's toolchain
+#   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench` and `cuda_tests` in dir
+#
+# Needs python3 with torch (CUDA), transformers and diffusers for the PyTorch side; set
+# TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).
+# SDXL_PX (default 128,1024), T5_SHAPE (default "8 512 128") choose the sizes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu-bench-out}
+mkdir -p "$OUT"
+PY=${BENCH_PYTHON:-python3}
+
+if [ -z "${BIN_DIR:-}" ]; then
+  if ! command -v nvcc > /dev/null; then
+    ENV=$(bash scripts/cuda-toolchain.sh "${CUDA_PIP_PREFIX:-$HOME/.cache/cuda13-pip}" | tail -1)
+    # shellcheck disable=SC1090
+    . "$ENV"
+  fi
+  export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+  cargo build --release --features cuda -p ft-models --example gpu_bench || exit 1
+  T=${CARGO_TARGET_DIR:-target}
+  BIN_DIR=$(mktemp -d)
+  cp "$T/release/examples/gpu_bench" "$BIN_DIR/"
+  cp "$(cargo test --release --features cuda -p ft-kernels --test cuda --no-run --message-format=json \
+    | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])')" \
+    "$BIN_DIR/cuda_tests"
+fi
+
+# The CUDA 13 libraries: a toolkit's, else the ones PyTorch's wheels bring.
+for d in /usr/local/cuda/lib64 $("$PY" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+step() { echo "== $*" >&2; }
+TO="timeout ${STEP_TIMEOUT:-900}"
+step "CUDA op tests against the CPU reference"
+$TO "$BIN_DIR/cuda_tests" --test-threads=1 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+
+R="$OUT/results.jsonl"
+: > "$R"
+step "attention"
+$TO "$BIN_DIR/gpu_bench" attention | tee -a "$R"
+$TO "$PY" scripts/gpu_bench_torch.py attention | tee -a "$R"
+step "SDXL UNet"
+$TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+PYTHONPATH="${TORCH_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" \
+  $TO "$PY" scripts/gpu_bench_torch.py sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+step "FLAN-T5-XL"
+# shellcheck disable=SC2086
+$TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+# shellcheck disable=SC2086
+$TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+"$PY" scripts/gpu_bench_table.py "$R" | tee "$OUT/tables.md"

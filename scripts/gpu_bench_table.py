@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Reads the JSON lines of `gpu_bench` and `gpu_bench_torch.py` (stdin or files) and prints the
+markdown tables of docs/benchmarks.md: per model run, step time and its ratio to PyTorch's
+same-settings run (`pytorch-amp`), and GPU memory by component (model states between steps, the
+gradients and activations on top at the peak); per attention shape, time and peak memory."""
+import fileinput
+import json
+
+GIB = 1024 ** 3
+
+
+def gib(b):
+    return "-" if b is None else f"{b / GIB:.2f} GiB"
+
+
+def model_rows(rows, key):
+    ref = {}
+    for r in rows:
+        if r["impl"] == "pytorch-amp" and "step_s" in r:
+            ref[key(r)] = r
+    out = ["| run | setting | step time | ratio to PyTorch amp | peak GPU memory | between steps "
+           "(weights, masters, optimizer) | peak above that (gradients, activations, temporaries) "
+           "| peak vs PyTorch amp |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        setting = key(r)
+        if "error" in r:
+            out.append(f"| {r['impl']} | {setting} | {r['error']} | | | | | |")
+            continue
+        p = ref.get(setting)
+        ratio = f"{r['step_s'] / p['step_s']:.2f}x" if p else "-"
+        mem = f"{r['peak'] / p['peak']:.2f}x" if p else "-"
+        out.append(f"| {r['impl']} | {setting} | {r['step_s']:.3f} s | {ratio} | {gib(r['peak'])} "
+                   f"| {gib(r['base'])} | {gib(r['peak'] - r['base'])} | {mem} |")
+    return out
+
+
+def states_rows(rows):
+    out = []
+    for r in rows:
+        s = r.get("states")
+        if s and r["impl"] == "candle":
+            out.append(f"candle model states ({r['bench']}, {s['params']:,} parameters): weights "
+                       f"{gib(s['weights'])}, bf16 gradients {gib(s['grads'])}, fp32 masters "
+                       f"{gib(s['masters'])}, AdamW moments {gib(s['optimizer'])}")
+            break
+    return out
+
+
+def main():
+    rows = [json.loads(line) for line in fileinput.input() if line.startswith("{")]
+    sdxl = [r for r in rows if r["bench"] == "sdxl"]
+    t5 = [r for r in rows if r["bench"] == "t5"]
+    att = [r for r in rows if r["bench"] == "attention"]
+    ck = lambda r: ", checkpointing" if r.get("checkpointing") else ""  # noqa: E731
+    if sdxl:
+        print("\nFull SDXL UNet train step, batch 1, AdamW\n")
+        print("\n".join(model_rows(sdxl, lambda r: f"{r['px']} px{ck(r)}")))
+        print("\n".join(states_rows(sdxl)))
+    if t5:
+        print("\nFLAN-T5-XL-shaped train step, AdamW\n")
+        print("\n".join(model_rows(
+            t5, lambda r: f"batch {r['batch']}, {r['src']}+{r['tgt']} tokens{ck(r)}")))
+        print("\n".join(states_rows(t5)))
+    if att:
+        print("\nAttention forward + backward, bf16, 64-dim heads\n")
+        print("| shape (B, H, Lq, Lk) | implementation | time | peak memory above inputs |")
+        print("|---|---|---|---|")
+        for r in att:
+            res = r["result"]
+            shape = f"{r['shape']} ({r['b']}, {r['h']}, {r['lq']}, {r['lk']})"
+            if "error" in res:
+                print(f"| {shape} | {r['impl']} | {res['error'][:80]} | |")
+            else:
+                print(f"| {shape} | {r['impl']} | {res['fwd_bwd_s'] * 1e3:.2f} ms | "
+                      f"{res['peak_above_inputs'] / 2**20:.1f} MiB |")
+
+
+if __name__ == "__main__":
+    main()

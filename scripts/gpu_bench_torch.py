@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""PyTorch side of `scripts/gpu-bench.sh`: the same train steps and attention calls as
+`models/examples/gpu_bench.rs`, on the GPU, one JSON line per measurement.
+
+    gpu_bench_torch.py sdxl <px>[,<px>...] [ck]      diffusers UNet2DConditionModel from
+                                                     configs/sdxl/unet_config.json, batch 1
+    gpu_bench_torch.py t5 <batch> <src> <tgt> [ck]   transformers T5ForConditionalGeneration with
+                                                     FLAN-T5-XL's config
+    gpu_bench_torch.py attention                     torch.nn.functional.scaled_dot_product_attention
+
+Model runs use the settings of the Rust side as PyTorch users run them: `amp` is fp32 weights
+with bf16 autocast (diffusers' and HF Trainer's `--mixed_precision bf16`: the fp32 weights are the
+masters), AdamW (torch's default foreach implementation); `bf16` is the model cast to bf16 with
+AdamW on bf16 state (kohya's `--full_bf16`), a lower bound without master weights. Memory is
+`torch.cuda.memory_allocated` between steps (`base`) and `max_memory_allocated` during the
+measured steps (`peak`): the same pool counters the Rust side reads.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+WARMUP = 1
+STEPS = 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def measure(step):
+    for _ in range(WARMUP):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    torch.cuda.synchronize()
+    secs = (time.perf_counter() - t0) / STEPS
+    return secs, base, torch.cuda.max_memory_allocated()
+
+
+def train_step(model, opt, loss_fn, amp):
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def sdxl(pxs, ck):
+    from diffusers import UNet2DConditionModel
+    with open(os.path.join(HERE, "..", "configs", "sdxl", "unet_config.json")) as f:
+        cfg = json.load(f)
+    pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+    for mode in ["amp", "bf16"]:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            unet = UNet2DConditionModel.from_config(cfg)
+        if mode == "bf16":
+            unet = unet.to(torch.bfloat16)
+        unet.train()
+        if ck:
+            unet.enable_gradient_checkpointing()
+        opt = torch.optim.AdamW(unet.parameters(), lr=1e-5)
+        dt = torch.float32 if mode == "amp" else torch.bfloat16
+        for px in pxs:
+            lat = px // 8
+            x = torch.randn(1, 4, lat, lat, device="cuda", dtype=dt)
+            target = torch.randn(1, 4, lat, lat, device="cuda")
+            ctx = torch.randn(1, 77, cfg["cross_attention_dim"], device="cuda", dtype=dt)
+            added = {"text_embeds": torch.randn(1, pooled, device="cuda", dtype=dt),
+                     "time_ids": torch.tensor([[px, px, 0, 0, px, px]], device="cuda", dtype=dt)}
+            t = torch.tensor([500], device="cuda")
+
+            def loss_fn():
+                pred = unet(x, t, ctx, added_cond_kwargs=added).sample
+                return torch.nn.functional.mse_loss(pred.float(), target)
+            try:
+                secs, base, peak = measure(train_step(unet, opt, loss_fn, mode == "amp"))
+                r = {"step_s": secs, "base": base, "peak": peak}
+            except torch.cuda.OutOfMemoryError as e:
+                r = {"error": "out of memory: " + str(e).splitlines()[0]}
+            print(json.dumps({"bench": "sdxl", "impl": f"pytorch-{mode}", "px": px,
+                              "checkpointing": ck, "torch": torch.__version__,
+                              "params": sum(p.numel() for p in unet.parameters()), **r}),
+                  flush=True)
+        del unet, opt
+        torch.cuda.empty_cache()
+
+
+def t5(batch, src, tgt, ck):
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24,
+                   num_decoder_layers=24, num_heads=32, feed_forward_proj="gated-gelu",
+                   tie_word_embeddings=False, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                   decoder_start_token_id=0)
+    for mode in ["amp", "bf16"]:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = T5ForConditionalGeneration(cfg)
+        # FLAN-T5 has its own lm_head (2,849,757,184 parameters for XL); some transformers
+        # versions tie it to the embedding regardless of the config, which hides 66M parameters.
+        if model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr():
+            model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
+        if mode == "bf16":
+            model = model.to(torch.bfloat16)
+        model.train()
+        if ck:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(2, 32128, (batch, src), device="cuda")
+        labels = torch.randint(2, 32128, (batch, tgt), device="cuda")
+
+        def loss_fn():
+            return model(input_ids=ids, labels=labels, use_cache=False).loss
+        try:
+            secs, base, peak = measure(train_step(model, opt, loss_fn, mode == "amp"))
+            r = {"step_s": secs, "base": base, "peak": peak}
+        except torch.cuda.OutOfMemoryError as e:
+            r = {"error": "out of memory: " + str(e).splitlines()[0]}
+        print(json.dumps({"bench": "t5", "impl": f"pytorch-{mode}", "batch": batch, "src": src,
+                          "tgt": tgt, "checkpointing": ck, "torch": torch.__version__,
+                          "params": sum(p.numel() for p in model.parameters()), **r}), flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+
+
+def attention():
+    import torch.nn.functional as F
+    shapes = [("sdxl-1024px-self", 1, 10, 4096, 4096), ("sdxl-1024px-cross", 1, 10, 4096, 77),
+              ("sdxl-128px-self", 1, 10, 256, 256), ("t5-xl-b8-512", 8, 32, 512, 512)]
+    for label, b, h, lq, lk in shapes:
+        d = 64
+        q = torch.randn(b, h, lq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, h, lk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, h, lk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(b, h, lq, d, device="cuda")
+
+        def run():
+            o = F.scaled_dot_product_attention(q, k, v)
+            (o.float() * g).sum().backward()
+            q.grad = k.grad = v.grad = None
+        run()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        reps = 10
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+        secs = (time.perf_counter() - t0) / reps
+        peak = torch.cuda.max_memory_allocated() - base
+        print(json.dumps({"bench": "attention", "impl": "torch sdpa", "shape": label, "b": b,
+                          "h": h, "lq": lq, "lk": lk, "d": d,
+                          "result": {"fwd_bwd_s": secs, "peak_above_inputs": peak}}), flush=True)
+
+
+def main():
+    a = sys.argv[1:]
+    ck = "ck" in a
+    if a[0] == "sdxl":
+        sdxl([int(p) for p in a[1].split(",")], ck)
+    elif a[0] == "t5":
+        t5(int(a[1]), int(a[2]), int(a[3]), ck)
+    elif a[0] == "attention":
+        attention()
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
