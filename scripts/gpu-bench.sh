@@ -5,7 +5,8 @@
 # exited, so each side has the card to itself). Prints the tables of docs/benchmarks.md last.
 #
 #   bash scripts/gpu-bench.sh [out-dir]          # builds with scripts/build-cuda.sh's toolchain
-#   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench` and `cuda_tests` in dir
+#   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench`, `cuda_tests` (ft-kernels)
+#                                                # and `memory_cuda_tests` (ft-memory) in dir
 #
 # Needs python3 with torch (CUDA), transformers and diffusers for the PyTorch side; set
 # TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).
@@ -27,9 +28,12 @@ if [ -z "${BIN_DIR:-}" ]; then
   T=${CARGO_TARGET_DIR:-target}
   BIN_DIR=$(mktemp -d)
   cp "$T/release/examples/gpu_bench" "$BIN_DIR/"
-  cp "$(cargo test --release --features cuda -p ft-kernels --test cuda --no-run --message-format=json \
-    | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])')" \
-    "$BIN_DIR/cuda_tests"
+  test_exe() {
+    cargo test --release --features cuda -p "$1" --test cuda --no-run --message-format=json \
+      | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
+  }
+  cp "$(test_exe ft-kernels)" "$BIN_DIR/cuda_tests"
+  cp "$(test_exe ft-memory)" "$BIN_DIR/memory_cuda_tests"
 fi
 
 # The CUDA 13 libraries: a toolkit's, else the ones PyTorch's wheels bring.
@@ -41,7 +45,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 step() { echo "== $*" >&2; }
 TO="timeout ${STEP_TIMEOUT:-900}"
 step "CUDA op tests against the CPU reference"
-$TO "$BIN_DIR/cuda_tests" --test-threads=1 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+{
+  $TO "$BIN_DIR/cuda_tests" --test-threads=1 --nocapture
+  [ -x "$BIN_DIR/memory_cuda_tests" ] && $TO "$BIN_DIR/memory_cuda_tests" --test-threads=1 --nocapture
+} 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
 
 R="$OUT/results.jsonl"
 : > "$R"

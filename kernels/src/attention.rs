@@ -24,6 +24,25 @@ pub fn sdpa(
     matmul(&softmax_last_dim(&s)?, v)
 }
 
+/// The attention the models call: on CUDA with 64-dim heads (SDXL, CLIP, T5) the
+/// memory-efficient kernels of [`crate::cuda`], where a trainable `bias` also gets its gradient;
+/// elsewhere [`sdpa`]. Both compute the same function (the CUDA test suite checks the kernels
+/// against `sdpa` on the CPU), except that a query row whose every key is masked with -inf gives
+/// zeros in the kernels and NaN in `sdpa`: masks here use large finite negatives.
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_attention_supported(q, k, v) {
+        return crate::cuda::fused_attention(q, k, v, bias, scale);
+    }
+    sdpa(q, k, v, bias, scale)
+}
+
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape};
@@ -318,7 +337,8 @@ impl CustomOp3 for ChunkedAttention {
 /// `mask` is a constant additive mask broadcastable to [B, H, Lq, Lk] (no gradient flows to it:
 /// a trainable bias, like T5's relative position bias, uses [`sdpa`]). A row whose every key is
 /// masked with -inf gives zeros (where `sdpa` would give NaN); use a large finite negative to
-/// match `sdpa` exactly. CPU only for now; the CUDA kernel comes with the GPU work.
+/// match `sdpa` exactly. On CUDA this is [`crate::cuda::fused_attention`] (64-dim heads; its
+/// key tiles are fixed at 64, so `chunk` only applies on the CPU).
 pub fn sdpa_memory_efficient(
     q: &Tensor,
     k: &Tensor,
@@ -328,8 +348,17 @@ pub fn sdpa_memory_efficient(
     chunk: usize,
 ) -> Result<Tensor> {
     if !q.device().is_cpu() {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::fused_attention_supported(q, k, v) {
+            let mask = mask.map(|m| m.detach());
+            return crate::cuda::fused_attention(q, k, v, mask.as_ref(), scale);
+        }
         candle_core::bail!(
-            "sdpa_memory_efficient: the CUDA kernel comes with the GPU work; run on the CPU"
+            "sdpa_memory_efficient runs on the CPU, or on CUDA with 64-dim heads in f32/bf16/f16 \
+             (got q {:?} {:?} on {:?})",
+            q.dims(),
+            q.dtype(),
+            q.device()
         );
     }
     let dm = dims_of(q.dims(), k.dims(), v.dims())?;

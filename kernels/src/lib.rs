@@ -9,9 +9,28 @@
 pub mod attention;
 pub mod conv;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod gradcheck;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+pub mod rounding;
 pub mod softmax;
 pub mod upsample;
+
+/// Whether `x` runs through this crate's own kernels: always on the CPU, on CUDA for the dtypes
+/// the CUDA kernels are compiled for; elsewhere the ops fall back to compositions of candle ops
+/// whose backward is correct.
+pub(crate) fn has_kernel(x: &candle_core::Tensor) -> bool {
+    match x.device() {
+        candle_core::Device::Cpu => true,
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => matches!(
+            x.dtype(),
+            candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
+        ),
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}

@@ -57,9 +57,30 @@ impl CustomOp1 for Normalize {
         Ok((cpu::rows(s, l, &|x, y| self.row(x, y))?, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            crate::cuda::norm_forward(s, l, self.eps, self.center)?,
+            l.shape().clone(),
+        ))
+    }
+
     /// dx = r * (g - mean(g) - xhat * mean(g * xhat)) for layer norm, without the `mean(g)` term
     /// for RMS norm; computed in f32 (f64 for f64 inputs).
     fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if arg.device().is_cuda() {
+            return Ok(Some(crate::cuda::norm_backward(
+                arg,
+                g,
+                self.eps,
+                self.center,
+            )?));
+        }
         let dt = arg.dtype();
         let wide = if dt == DType::F64 {
             DType::F64
@@ -81,7 +102,7 @@ impl CustomOp1 for Normalize {
 
 fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
     let op = Normalize { eps, center };
-    if x.device().is_cpu() {
+    if crate::has_kernel(x) {
         x.contiguous()?.apply_op1(op)
     } else {
         let dt = x.dtype();

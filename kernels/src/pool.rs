@@ -5,6 +5,7 @@
 //! its `avg_pool2d` is wrong for odd inputs. The forward here runs on the CPU storage; the
 //! backward computes on the host (the gradient goes to the first maximum of each window, as in
 //! PyTorch, or is spread evenly for average pooling) and is checked against finite differences.
+//! On CUDA both passes are kernels (`crate::cuda`), tested against this CPU version.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
@@ -24,6 +25,18 @@ struct Pool {
 }
 
 impl Pool {
+    #[cfg(feature = "cuda")]
+    fn spec(&self) -> crate::cuda::PoolSpec {
+        crate::cuda::PoolSpec {
+            kind: match self.kind {
+                Kind::Max => 0,
+                Kind::Avg => 1,
+            },
+            kernel: self.kernel,
+            stride: self.stride,
+        }
+    }
+
     fn out_hw(&self, h: usize, w: usize) -> Result<(usize, usize)> {
         let (kh, kw) = self.kernel;
         let (sh, sw) = self.stride;
@@ -159,7 +172,26 @@ impl CustomOp1 for Pool {
         Ok((out, Shape::from((dims.0, dims.1, oh, ow))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c, h, w) = match l.dims() {
+            [n, c, h, w] => (*n, *c, *h, *w),
+            d => candle_core::bail!("pool expects [N, C, H, W], got {d:?}"),
+        };
+        let (oh, ow) = self.out_hw(h, w)?;
+        let out = crate::cuda::pool_forward(s, l, self.spec(), (oh, ow))?;
+        Ok((out, Shape::from((n, c, oh, ow))))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if arg.device().is_cuda() {
+            return Ok(Some(crate::cuda::pool_backward(arg, g, self.spec())?));
+        }
         let dims = arg.dims4()?;
         let dx = self.backward_vec(&to_f64_vec(arg)?, &to_f64_vec(g)?, dims)?;
         Ok(Some(
@@ -169,8 +201,12 @@ impl CustomOp1 for Pool {
 }
 
 fn pool(x: &Tensor, kind: Kind, kernel: (usize, usize), stride: (usize, usize)) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        candle_core::bail!("pooling: the CUDA kernel comes with the GPU work; run on the CPU");
+    if !crate::has_kernel(x) {
+        candle_core::bail!(
+            "pooling runs on the CPU or CUDA (f32, bf16, f16); got {:?} on {:?}",
+            x.dtype(),
+            x.device()
+        );
     }
     x.contiguous()?.apply_op1(Pool {
         kind,

@@ -50,7 +50,23 @@ impl CustomOp1 for Softmax {
         Ok((cpu::rows(s, l, f)?, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            crate::cuda::softmax_forward(s, l, self.log)?,
+            l.shape().clone(),
+        ))
+    }
+
     fn bwd(&self, _arg: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if res.device().is_cuda() {
+            return Ok(Some(crate::cuda::softmax_backward(res, g, self.log)?));
+        }
         let grad = if self.log {
             let s = g.sum_keepdim(D::Minus1)?;
             (g - res.exp()?.broadcast_mul(&s)?)?
@@ -62,12 +78,12 @@ impl CustomOp1 for Softmax {
     }
 }
 
-/// Softmax over the last dimension (computed in f64 per row on CPU, any float dtype).
+/// Softmax over the last dimension: one kernel per pass (f64 per row on the CPU, f32 on CUDA).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() {
+    if crate::has_kernel(x) {
         x.contiguous()?.apply_op1(Softmax { log: false })
     } else {
-        // Composition with a correct backward until the CUDA kernel lands.
+        // A composition with a correct backward on devices without a kernel.
         let m = x.max_keepdim(D::Minus1)?.detach();
         let e = x.broadcast_sub(&m)?.exp()?;
         e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
@@ -76,7 +92,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 /// Log-softmax over the last dimension.
 pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() {
+    if crate::has_kernel(x) {
         x.contiguous()?.apply_op1(Softmax { log: true })
     } else {
         let m = x.max_keepdim(D::Minus1)?.detach();

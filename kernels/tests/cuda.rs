@@ -1,4 +1,5 @@
-//! The CUDA path of every op the models use, against the CPU reference on fresh random inputs:
+//! The CUDA path of every op the models use, against the CPU reference on fresh random inputs
+//! (the kernels of `ft_kernels::cuda` included):
 //! forward values and the gradient of a random weighting of the output, in f32 (within 1e-4
 //! relative) and bf16 forwards (within 2e-2). Built only with `--features cuda`; each test
 //! returns early, saying so, when no GPU can be opened (a CUDA build on a machine without one).
@@ -6,7 +7,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ft_kernels::gradcheck::random_tensor;
-use ft_kernels::{attention, conv, linear, norm, softmax, upsample};
+use ft_kernels::{attention, conv, linear, norm, pool, rounding, softmax, upsample};
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -78,6 +79,27 @@ fn compare(
     Ok(())
 }
 
+/// NVRTC compiles kernels.cu (needs libnvrtc, not a GPU).
+#[test]
+fn kernels_compile_with_nvrtc() {
+    match ft_kernels::cuda::ptx() {
+        Ok(ptx) => {
+            for entry in [
+                "softmax_fwd_bf16",
+                "attn_bwd_kv_f16",
+                "adamw_bf16_bf16",
+                "unscale_f32",
+            ] {
+                assert!(ptx.contains(entry), "PTX lacks {entry}");
+            }
+        }
+        Err(e) if e.to_string().contains("could not be loaded") => {
+            eprintln!("skipped: {e}")
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 #[test]
 fn every_op_matches_its_cpu_reference() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -135,5 +157,181 @@ fn every_op_matches_its_cpu_reference() -> Result<()> {
         ],
         |t| attention::sdpa(&t[0], &t[1], &t[2], Some(&t[3]), 0.25),
     )?;
+    compare("max_pool2d 3x3/2", &dev, &[r(&[2, 3, 11, 9], 24)?], |t| {
+        pool::max_pool2d(&t[0], (3, 3), (2, 2))
+    })?;
+    compare("avg_pool2d 2x2/2", &dev, &[r(&[2, 3, 10, 7], 25)?], |t| {
+        pool::avg_pool2d(&t[0], (2, 2), (2, 2))
+    })?;
+    compare("max_pool2d 2x3/1", &dev, &[r(&[1, 2, 6, 7], 26)?], |t| {
+        pool::max_pool2d(&t[0], (2, 3), (1, 1))
+    })?;
+    Ok(())
+}
+
+/// The fused attention kernels (64-dim heads) against `sdpa` on the CPU: `attend` picks the
+/// kernels on CUDA and `sdpa` on the CPU. Lengths are not multiples of the 64-row tiles; the
+/// bias cases check its gradient (a [1, H, Lq, Lk] position bias broadcast over the batch, a
+/// [B, 1, 1, Lk] padding mask with large negatives).
+#[test]
+fn fused_attention_matches_sdpa() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let r = |shape: &[usize], seed: u64| random_tensor(shape, seed, &Device::Cpu);
+    compare(
+        "fused attention, self",
+        &dev,
+        &[
+            r(&[2, 3, 130, 64], 30)?,
+            r(&[2, 3, 130, 64], 31)?,
+            r(&[2, 3, 130, 64], 32)?,
+        ],
+        |t| attention::attend(&t[0], &t[1], &t[2], None, 0.125),
+    )?;
+    compare(
+        "fused attention, cross with position bias",
+        &dev,
+        &[
+            r(&[2, 4, 70, 64], 33)?,
+            r(&[2, 4, 77, 64], 34)?,
+            r(&[2, 4, 77, 64], 35)?,
+            r(&[1, 4, 70, 77], 36)?,
+        ],
+        |t| attention::attend(&t[0], &t[1], &t[2], Some(&t[3]), 1.0),
+    )?;
+    // Padding mask: the last 9 keys of the second sequence are masked out.
+    let mask: Vec<f32> = (0..2 * 40)
+        .map(|i| if i >= 40 + 31 { -1e9 } else { 0.0 })
+        .collect();
+    let mask = Tensor::from_vec(mask, (2, 1, 1, 40), &Device::Cpu)?;
+    compare(
+        "fused attention, padding mask",
+        &dev,
+        &[
+            r(&[2, 2, 40, 64], 37)?,
+            r(&[2, 2, 40, 64], 38)?,
+            r(&[2, 2, 40, 64], 39)?,
+        ],
+        |t| {
+            let m = mask.to_device(t[0].device())?.to_dtype(t[0].dtype())?;
+            attention::attend(&t[0], &t[1], &t[2], Some(&m), 0.125)
+        },
+    )?;
+    // The memory-efficient entry point takes the same kernels on CUDA.
+    let q = r(&[1, 2, 65, 64], 40)?;
+    let k = r(&[1, 2, 33, 64], 41)?;
+    let v = r(&[1, 2, 33, 64], 42)?;
+    let cpu = attention::sdpa(&q, &k, &v, None, 0.125)?;
+    let gpu = attention::sdpa_memory_efficient(
+        &q.to_device(&dev)?,
+        &k.to_device(&dev)?,
+        &v.to_device(&dev)?,
+        None,
+        0.125,
+        64,
+    )?;
+    let e = rel(&gpu, &cpu)?;
+    assert!(e < 1e-4, "sdpa_memory_efficient on CUDA differs by {e:.2e}");
+    Ok(())
+}
+
+fn host(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1()
+}
+
+/// The fused AdamW step against torch.optim.AdamW's formula in f64, for the first step (moments
+/// ignored) and a later one, with a bf16 gradient and the bf16 model weight written in the same
+/// pass (round to nearest of the new master).
+#[test]
+fn fused_adamw_matches_the_formula() -> Result<()> {
+    use ft_kernels::cuda::{adamw_fused, AdamWStep};
+    let Some(dev) = gpu() else { return Ok(()) };
+    let n = 1000;
+    let r = |seed: u64| -> Result<Tensor> {
+        random_tensor(&[n], seed, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .to_device(&dev)
+    };
+    let master = r(50)?;
+    let m = r(51)?;
+    let v = r(52)?.abs()?;
+    let grad = r(53)?.to_dtype(DType::BF16)?;
+    let model = master.to_dtype(DType::BF16)?;
+    for (t, first) in [(1, true), (7, false)] {
+        let (p0, m0, v0, g0) = (host(&master)?, host(&m)?, host(&v)?, host(&grad)?);
+        let (lr, b1, b2, eps, wd, gm) = (1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5);
+        let s = AdamWStep {
+            lr,
+            beta1: b1,
+            beta2: b2,
+            eps,
+            weight_decay: wd,
+            step_size: lr / (1.0 - f64::powi(b1, t)),
+            bc2_sqrt: (1.0 - f64::powi(b2, t)).sqrt(),
+            grad_mul: gm,
+            first,
+            seed: 0,
+        };
+        adamw_fused(&master, &m, &v, &grad, Some(&model), &s)?;
+        let (p1, m1, v1, w1) = (host(&master)?, host(&m)?, host(&v)?, host(&model)?);
+        for i in 0..n {
+            let g = g0[i] * gm;
+            let (mp, vp) = if first { (0.0, 0.0) } else { (m0[i], v0[i]) };
+            let me = b1 * mp + (1.0 - b1) * g;
+            let ve = b2 * vp + (1.0 - b2) * g * g;
+            let pe = p0[i] * (1.0 - lr * wd) - s.step_size * me / (ve.sqrt() / s.bc2_sqrt + eps);
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1e-3);
+            assert!(close(m1[i], me), "exp_avg[{i}]: {} vs {me}", m1[i]);
+            assert!(close(v1[i], ve), "exp_avg_sq[{i}]: {} vs {ve}", v1[i]);
+            assert!(close(p1[i], pe), "master[{i}]: {} vs {pe}", p1[i]);
+            let nearest = half::bf16::from_f64(p1[i]).to_f64();
+            assert_eq!(w1[i], nearest, "bf16 weight[{i}] is not the rounded master");
+        }
+    }
+    Ok(())
+}
+
+/// Unscale + inf check + cast in one pass: values divided, fp32 out, the flag set only when a
+/// gradient holds inf or NaN.
+#[test]
+fn unscale_check_finds_overflow() -> Result<()> {
+    use ft_kernels::cuda::unscale_check;
+    let Some(dev) = gpu() else { return Ok(()) };
+    let a = Tensor::new(&[2.0f32, -4.0, 8.0], &dev)?.to_dtype(DType::F16)?;
+    let b = Tensor::new(&[[1.0f32, 3.0], [5.0, 7.0]], &dev)?.to_dtype(DType::BF16)?;
+    let mut grads = vec![Some(a.clone()), None, Some(b.clone())];
+    assert!(!unscale_check(&mut grads, 0.5)?);
+    let g0 = grads[0].as_ref().map(host).transpose()?;
+    assert_eq!(g0, Some(vec![1.0, -2.0, 4.0]));
+    assert_eq!(grads[2].as_ref().map(|g| g.dtype()), Some(DType::F32));
+    let bad = Tensor::new(&[1.0f32, f32::INFINITY], &dev)?;
+    let mut grads = vec![Some(a), Some(bad)];
+    assert!(unscale_check(&mut grads, 1.0)?);
+    let nan = Tensor::new(&[f32::NAN], &dev)?.to_dtype(DType::BF16)?;
+    assert!(unscale_check(&mut [Some(nan)], 1.0)?);
+    Ok(())
+}
+
+/// Stochastic rounding on CUDA gives the CPU version's bits for the same seed.
+#[test]
+fn stochastic_rounding_matches_the_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let x = random_tensor(&[4097], 60, &Device::Cpu)?.to_dtype(DType::F32)?;
+    let cpu = rounding::round_stochastic_bf16(&x, 1234)?;
+    let gpu = rounding::round_stochastic_bf16(&x.to_device(&dev)?, 1234)?;
+    let a: Vec<u16> = cpu
+        .to_vec1::<half::bf16>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    let b: Vec<u16> = gpu
+        .to_device(&Device::Cpu)?
+        .to_vec1::<half::bf16>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert_eq!(a, b);
     Ok(())
 }

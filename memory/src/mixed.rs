@@ -165,10 +165,8 @@ impl MixedOptimizer {
         if self.masters.is_empty() {
             self.optimizer.step(&self.model, &grads, lr)?;
         } else {
-            self.optimizer.step(&self.masters, &grads, lr)?;
-            for (m, master) in self.model.iter().zip(&self.masters) {
-                m.set(&master.as_tensor().to_dtype(m.dtype())?)?;
-            }
+            self.optimizer
+                .step_into(&self.masters, &grads, lr, &self.model)?;
         }
         Ok(StepOutcome {
             applied: true,

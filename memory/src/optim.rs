@@ -18,6 +18,23 @@ pub trait Optimizer: Send {
     fn state(&self) -> (u64, Vec<(String, Tensor)>);
     /// Restores what [`Optimizer::state`] returned.
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;
+
+    /// One update of the fp32 `params` (master weights), then each updated value written into
+    /// `model[i]`, the bf16/f16 weights the forward reads. Optimizers that can do both in one
+    /// pass over memory override this.
+    fn step_into(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        model: &[Var],
+    ) -> Result<()> {
+        self.step(params, grads, lr)?;
+        for (m, p) in model.iter().zip(params) {
+            m.set(&p.as_tensor().to_dtype(m.dtype())?)?;
+        }
+        Ok(())
+    }
 }
 
 /// AdamW hyper-parameters (PyTorch defaults).
@@ -106,9 +123,95 @@ fn load_slot(
     Ok(())
 }
 
+impl AdamW {
+    /// Whether the fused CUDA kernel can take these parameters: contiguous fp32 on CUDA.
+    #[cfg(feature = "cuda")]
+    fn fusable(params: &[Var]) -> bool {
+        params.iter().all(|p| {
+            p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
+        })
+    }
+
+    /// The whole update in one kernel per parameter (`ft_kernels::cuda::adamw_fused`): reads
+    /// the master, both moments and the gradient once, writes them and the model weight once,
+    /// where the op-by-op update makes about fifteen passes over fp32 tensors.
+    #[cfg(feature = "cuda")]
+    fn step_fused(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        self.t += 1;
+        let c = self.cfg;
+        let base = ft_kernels::cuda::AdamWStep {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            step_size: lr / (1.0 - c.beta1.powi(self.t as i32)),
+            bc2_sqrt: (1.0 - c.beta2.powi(self.t as i32)).sqrt(),
+            grad_mul: 1.0,
+            first: false,
+            seed: 0,
+        };
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let g = g.detach().contiguous()?;
+            let first = self.m[i].is_none();
+            let ok = |t: &Tensor| t.is_contiguous() && t.dtype() == DType::F32;
+            // First step, or state restored in another layout: fresh contiguous fp32 moments.
+            let like = |t: &Option<Tensor>| -> Result<Tensor> {
+                Ok(match t {
+                    Some(t) => t.to_dtype(DType::F32)?.contiguous()?.copy()?,
+                    None => p.as_tensor().zeros_like()?,
+                })
+            };
+            let (m, v) = match (&self.m[i], &self.v[i]) {
+                (Some(m), Some(v)) if ok(m) && ok(v) => (m.clone(), v.clone()),
+                (m, v) => (like(m)?, like(v)?),
+            };
+            let step = ft_kernels::cuda::AdamWStep { first, ..base };
+            let w = model.map(|ms| ms[i].as_tensor());
+            ft_kernels::cuda::adamw_fused(p.as_tensor(), &m, &v, &g, w, &step)?;
+            self.m[i] = Some(m);
+            self.v[i] = Some(v);
+        }
+        Ok(())
+    }
+}
+
 impl Optimizer for AdamW {
+    fn step_into(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        model: &[Var],
+    ) -> Result<()> {
+        check_len(params, grads, self.m.len())?;
+        #[cfg(feature = "cuda")]
+        if Self::fusable(params)
+            && model.len() == params.len()
+            && model.iter().all(|m| m.as_tensor().is_contiguous())
+        {
+            return self.step_fused(params, grads, lr, Some(model));
+        }
+        self.step(params, grads, lr)?;
+        for (m, p) in model.iter().zip(params) {
+            m.set(&p.as_tensor().to_dtype(m.dtype())?)?;
+        }
+        Ok(())
+    }
+
     fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
         check_len(params, grads, self.m.len())?;
+        #[cfg(feature = "cuda")]
+        if Self::fusable(params) {
+            return self.step_fused(params, grads, lr, None);
+        }
         self.t += 1;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(self.t as i32);

@@ -86,8 +86,17 @@ impl LossScaler {
     }
 
     /// Divides every gradient by the scale (in fp32) and reports whether any was inf/NaN.
+    /// On CUDA one kernel per gradient does the cast, the division and the check, with a single
+    /// read-back for all of them.
     pub fn unscale(&self, grads: &mut [Option<Tensor>]) -> Result<bool> {
         let inv = 1.0 / self.scale;
+        #[cfg(feature = "cuda")]
+        if grads.iter().flatten().all(|g| {
+            g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        }) && grads.iter().flatten().next().is_some()
+        {
+            return Ok(ft_kernels::cuda::unscale_check(grads, inv)?);
+        }
         let mut found_inf = false;
         for g in grads.iter_mut().flatten() {
             let u = (g.to_dtype(DType::F32)? * inv)?;

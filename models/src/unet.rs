@@ -185,7 +185,7 @@ impl Attn {
             let n = t.dim(1)?;
             t.reshape((b, n, self.heads, hd))?.transpose(1, 2)
         };
-        let a = attention::sdpa(
+        let a = attention::attend(
             &split(self.q.forward(x)?)?,
             &split(self.k.forward(ctx)?)?,
             &split(self.v.forward(ctx)?)?,

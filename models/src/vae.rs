@@ -134,7 +134,7 @@ impl PixelAttention {
             .reshape((b, c, h * w))?
             .transpose(1, 2)?; // [B, HW, C]
         let p = |l: &Linear| -> candle_core::Result<Tensor> { l.forward(&t)?.unsqueeze(1) };
-        let a = attention::sdpa(
+        let a = attention::attend(
             &p(&self.q)?,
             &p(&self.k)?,
             &p(&self.v)?,

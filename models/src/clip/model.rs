@@ -143,7 +143,7 @@ impl ClipTextModel {
                 split(layer.k.forward(&n)?)?,
                 split(layer.v.forward(&n)?)?,
             );
-            let a = attention::sdpa(&q, &k, &v, Some(&causal), (hd as f64).powf(-0.5))?;
+            let a = attention::attend(&q, &k, &v, Some(&causal), (hd as f64).powf(-0.5))?;
             let a = a.transpose(1, 2)?.reshape((b, l, d))?;
             x = (x + layer.o.forward(&a)?)?;
             let m = layer

@@ -101,7 +101,7 @@ impl Attention {
         let q = self.split(&linear::linear(x, &self.q, None)?)?;
         let k = self.split(&linear::linear(kv, &self.k, None)?)?;
         let v = self.split(&linear::linear(kv, &self.v, None)?)?;
-        let a = attention::sdpa(&q, &k, &v, Some(bias), 1.0)?;
+        let a = attention::attend(&q, &k, &v, Some(bias), 1.0)?;
         let (b, _, l, _) = a.dims4()?;
         let a = a.transpose(1, 2)?.reshape((b, l, self.heads * self.d_kv))?;
         linear::linear(&a, &self.o, None)

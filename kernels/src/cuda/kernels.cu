@@ -1,0 +1,580 @@
+// The project's own CUDA kernels, compiled at run time with NVRTC (kernels/src/cuda/mod.rs).
+// Self-contained: no CUDA headers, so the binaries need no toolkit on the user's machine.
+// Every kernel computes in f32 and reads/writes f32, bf16 or f16 through ld/st.
+// Row kernels take one block per row; element kernels a grid-stride loop.
+
+#define FT_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ bool is_nan(float v) { return v != v; }
+__device__ __forceinline__ bool is_finite(float v) { return fabsf(v) < FT_INF; }
+
+struct bf16 { unsigned short x; };
+struct f16 { unsigned short x; };
+
+__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16* p, long long i) {
+  return __uint_as_float(((unsigned)p[i].x) << 16);
+}
+__device__ __forceinline__ float ld(const f16* p, long long i) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].x));
+  return f;
+}
+__device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ unsigned short bf16_bits(float v) {
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                       // round to nearest even
+  return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ void st(bf16* p, long long i, float v) { p[i].x = bf16_bits(v); }
+__device__ __forceinline__ void st(f16* p, long long i, float v) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  p[i].x = h;
+}
+
+// Counter-based hash (splitmix64 finaliser): the same (seed, index) always gives the same bits.
+__device__ __forceinline__ unsigned rand_bits(unsigned long long seed, unsigned long long i) {
+  unsigned long long z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return (unsigned)((z ^ (z >> 31)) >> 32);
+}
+
+// fp32 -> bf16 with stochastic rounding: add 16 random bits below bf16's last place, truncate.
+// E[result] = v, so many small updates to a bf16 weight are not all lost to rounding.
+__device__ __forceinline__ unsigned short bf16_bits_stochastic(float v, unsigned r) {
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) >= 0x7f800000u) return bf16_bits(v);  // inf/NaN: no noise
+  u += (r & 0xffffu);
+  return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum/max (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ float block_sum(float v) {
+  __shared__ float sh[32];
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  v = (threadIdx.x < nw) ? sh[threadIdx.x] : 0.f;
+  if (w == 0) v = warp_sum(v);
+  if (threadIdx.x == 0) sh[0] = v;
+  __syncthreads();
+  return sh[0];
+}
+__device__ float block_max(float v) {
+  __shared__ float sh[32];
+  v = warp_max(v);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  v = (threadIdx.x < nw) ? sh[threadIdx.x] : -FT_INF;
+  if (w == 0) v = warp_max(v);
+  if (threadIdx.x == 0) sh[0] = v;
+  __syncthreads();
+  return sh[0];
+}
+
+// ---- softmax over rows -------------------------------------------------------------------
+
+template <typename T>
+__device__ void softmax_fwd(const T* x, T* y, int cols, int log_) {
+  const long long base = (long long)blockIdx.x * cols;
+  float m = -FT_INF;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, ld(x, base + c));
+  m = block_max(m);
+  float s = 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += __expf(ld(x, base + c) - m);
+  s = block_sum(s);
+  if (log_) {
+    const float lse = m + __logf(s);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) st(y, base + c, ld(x, base + c) - lse);
+  } else {
+    const float inv = 1.f / s;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+      st(y, base + c, __expf(ld(x, base + c) - m) * inv);
+  }
+}
+
+// dx = y * (g - sum(g * y)); log-softmax: dx = g - exp(y) * sum(g).
+template <typename T>
+__device__ void softmax_bwd(const T* y, const T* g, T* dx, int cols, int log_) {
+  const long long base = (long long)blockIdx.x * cols;
+  float s = 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x)
+    s += log_ ? ld(g, base + c) : ld(g, base + c) * ld(y, base + c);
+  s = block_sum(s);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float yv = ld(y, base + c), gv = ld(g, base + c);
+    st(dx, base + c, log_ ? gv - __expf(yv) * s : yv * (gv - s));
+  }
+}
+
+// ---- layer / RMS normalisation over rows (group norm is a layer norm over reshaped rows) ---
+
+template <typename T>
+__device__ void row_stats(const T* x, long long base, int cols, float eps, int center,
+                          float* mean_out, float* r_out) {
+  float mean = 0.f;
+  if (center) {
+    float s = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += ld(x, base + c);
+    mean = block_sum(s) / cols;
+  }
+  float q = 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float d = ld(x, base + c) - mean;
+    q += d * d;
+  }
+  const float var = block_sum(q) / cols;
+  *mean_out = mean;
+  *r_out = rsqrtf(var + eps);
+}
+
+template <typename T>
+__device__ void norm_fwd(const T* x, T* y, int cols, float eps, int center) {
+  const long long base = (long long)blockIdx.x * cols;
+  float mean, r;
+  row_stats(x, base, cols, eps, center, &mean, &r);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x)
+    st(y, base + c, (ld(x, base + c) - mean) * r);
+}
+
+// dx = r * (g - mean(g) - xhat * mean(g * xhat)), without mean(g) for RMS norm.
+template <typename T>
+__device__ void norm_bwd(const T* x, const T* g, T* dx, int cols, float eps, int center) {
+  const long long base = (long long)blockIdx.x * cols;
+  float mean, r;
+  row_stats(x, base, cols, eps, center, &mean, &r);
+  float sg = 0.f, sgx = 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float gv = ld(g, base + c);
+    sg += gv;
+    sgx += gv * (ld(x, base + c) - mean) * r;
+  }
+  sg = center ? block_sum(sg) / cols : 0.f;
+  sgx = block_sum(sgx) / cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xhat = (ld(x, base + c) - mean) * r;
+    st(dx, base + c, r * (ld(g, base + c) - sg - xhat * sgx));
+  }
+}
+
+// ---- nearest 2x upsampling and pooling over [N*C, H, W] planes ----------------------------
+
+template <typename T>
+__device__ void upsample2x_fwd(const T* x, T* y, long long planes, int h, int w) {
+  const long long n = planes * 4 * h * w;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long p = i / (4LL * h * w);
+    const int r = (int)(i % (4LL * h * w)), oy = r / (2 * w), ox = r % (2 * w);
+    st(y, i, ld(x, (p * h + oy / 2) * w + ox / 2));
+  }
+}
+
+template <typename T>
+__device__ void upsample2x_bwd(const T* g, T* dx, long long planes, int h, int w) {
+  const long long n = planes * h * w;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long p = i / ((long long)h * w);
+    const int r = (int)(i % ((long long)h * w)), y = r / w, x = r % w;
+    const long long o = (p * 2 * h + 2 * y) * 2 * w + 2 * x;
+    st(dx, i, ld(g, o) + ld(g, o + 1) + ld(g, o + 2 * w) + ld(g, o + 2 * w + 1));
+  }
+}
+
+// kind 0: max (first maximum wins, NaN propagates, as PyTorch), 1: average. Floor mode.
+template <typename T>
+__device__ void pool_fwd(const T* x, T* y, long long planes, int h, int w, int kh, int kw,
+                         int sh, int sw, int kind) {
+  const int oh = (h - kh) / sh + 1, ow = (w - kw) / sw + 1;
+  const long long n = planes * oh * ow;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long p = i / ((long long)oh * ow);
+    const int r = (int)(i % ((long long)oh * ow)), oy = r / ow, ox = r % ow;
+    float best = -FT_INF, sum = 0.f;
+    for (int dy = 0; dy < kh; dy++)
+      for (int dxx = 0; dxx < kw; dxx++) {
+        const float v = ld(x, (p * h + oy * sh + dy) * w + ox * sw + dxx);
+        sum += v;
+        if (v > best || (is_nan(v) && !is_nan(best))) best = v;
+      }
+    st(y, i, kind == 0 ? best : sum / (kh * kw));
+  }
+}
+
+// One thread per input element gathers from every window that covers it: no atomics.
+template <typename T>
+__device__ void pool_bwd(const T* x, const T* g, T* dx, long long planes, int h, int w, int kh,
+                         int kw, int sh, int sw, int kind) {
+  const int oh = (h - kh) / sh + 1, ow = (w - kw) / sw + 1;
+  const long long n = planes * h * w;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long p = i / ((long long)h * w);
+    const int r = (int)(i % ((long long)h * w)), iy = r / w, ix = r % w;
+    float acc = 0.f;
+    const int oy0 = iy < kh ? 0 : (iy - kh) / sh + 1, oy1 = min(iy / sh, oh - 1);
+    const int ox0 = ix < kw ? 0 : (ix - kw) / sw + 1, ox1 = min(ix / sw, ow - 1);
+    for (int oy = oy0; oy <= oy1; oy++)
+      for (int ox = ox0; ox <= ox1; ox++) {
+        if (iy - oy * sh >= kh || ix - ox * sw >= kw) continue;
+        const float go = ld(g, (p * oh + oy) * ow + ox);
+        if (kind == 1) {
+          acc += go / (kh * kw);
+        } else {
+          // Is this element the window's first maximum?
+          float best = -FT_INF;
+          int at = -1;
+          for (int dy = 0; dy < kh; dy++)
+            for (int dxx = 0; dxx < kw; dxx++) {
+              const int yy = oy * sh + dy, xx = ox * sw + dxx;
+              const float v = ld(x, (p * h + yy) * w + xx);
+              if (at < 0 || v > best || (is_nan(v) && !is_nan(best))) {
+                best = v;
+                at = yy * w + xx;
+              }
+            }
+          if (at == r) acc += go;
+        }
+      }
+    st(dx, i, acc);
+  }
+}
+
+// ---- fused casts and the optimizer step ----------------------------------------------------
+
+// The model weight written by the optimizer: round to nearest, or stochastically for bf16 when
+// seed != 0.
+__device__ __forceinline__ void st_model(float* p, long long i, float v, unsigned long long) {
+  p[i] = v;
+}
+__device__ __forceinline__ void st_model(f16* p, long long i, float v, unsigned long long) {
+  st(p, i, v);
+}
+__device__ __forceinline__ void st_model(bf16* p, long long i, float v, unsigned long long seed) {
+  p[i].x = seed ? bf16_bits_stochastic(v, rand_bits(seed, i)) : bf16_bits(v);
+}
+
+// AdamW (torch.optim.AdamW's update) on fp32 masters, moments updated in place, and the model's
+// low-precision weight written in the same pass (round to nearest, or stochastic when seed != 0).
+// `grad_mul` unscales the gradient (1 / loss scale, or a clipping factor).
+template <typename G, typename P>
+__device__ void adamw(float* master, float* m, float* v, const G* grad, P* model, long long n,
+                      float lr, float b1, float b2, float eps, float wd, float step_size,
+                      float bc2_sqrt, float grad_mul, int first, unsigned long long seed) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const float g = ld(grad, i) * grad_mul;
+    const float mi = first ? (1.f - b1) * g : b1 * m[i] + (1.f - b1) * g;
+    const float vi = first ? (1.f - b2) * g * g : b2 * v[i] + (1.f - b2) * g * g;
+    const float p = master[i] * (1.f - lr * wd) - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = p;
+    if (model) st_model(model, i, p, seed);
+  }
+}
+
+// Gradient unscale, inf/NaN check and cast to fp32 in one pass; `found` is set to 1 when any
+// element is not finite.
+template <typename G>
+__device__ void unscale(const G* g, float* out, long long n, float inv_scale, int* found) {
+  int bad = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const float v = ld(g, i) * inv_scale;
+    bad |= !is_finite(v);
+    out[i] = v;
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicExch(found, 1);
+}
+
+__device__ void round_stochastic(const float* x, bf16* y, long long n, unsigned long long seed) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x)
+    y[i].x = bf16_bits_stochastic(x[i], rand_bits(seed, i));
+}
+
+// ---- memory-efficient attention (head dim D, one thread per query or key row) -------------
+//
+// q [BH, Lq, D], k/v [BH, Lk, D] contiguous; bias (optional) indexed by broadcast strides over
+// [B, H, Lq, Lk] (sb, sh, sq, sk; 0 where it broadcasts). Forward: online softmax over key tiles
+// held in shared memory; saves lse = m + log(sum) per row. Never forms the Lq x Lk matrix.
+
+#define TILE 64
+
+template <int D, typename T>
+__device__ void attn_fwd(const T* q, const T* k, const T* v, const float* bias, T* o, float* lse,
+                         int heads, int lq, int lk, int kvs, float scale, long long sb, long long sh,
+                         long long sq, long long sk) {
+  __shared__ float ks[TILE][D + 1];
+  __shared__ float vs[TILE][D + 1];
+  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = row < lq;
+  float qr[D], acc[D];
+  const long long qbase = ((long long)bh * lq + (live ? row : 0)) * D;
+  for (int d = 0; d < D; d++) {
+    qr[d] = live ? ld(q, qbase + d) * scale : 0.f;
+    acc[d] = 0.f;
+  }
+  const float* brow = bias ? bias + b * sb + h * sh + (long long)(live ? row : 0) * sq : nullptr;
+  float m = -FT_INF, l = 0.f;
+  for (int t0 = 0; t0 < lk; t0 += TILE) {
+    const int n = min(TILE, lk - t0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int j = e / D, d = e % D;
+      const long long at = ((long long)bh * lk + t0 + j) * kvs + d;
+      ks[j][d] = ld(k, at);
+      vs[j][d] = ld(v, at);
+    }
+    __syncthreads();
+    if (!live) continue;
+    for (int j = 0; j < n; j++) {
+      float s = 0.f;
+#pragma unroll
+      for (int d = 0; d < D; d++) s += qr[d] * ks[j][d];
+      if (brow) s += brow[(t0 + j) * sk];
+      if (s == -FT_INF) continue;
+      const float mn = fmaxf(m, s);
+      const float c = __expf(m - mn), p = __expf(s - mn);
+      l = l * c + p;
+#pragma unroll
+      for (int d = 0; d < D; d++) acc[d] = acc[d] * c + p * vs[j][d];
+      m = mn;
+    }
+  }
+  if (!live) return;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int d = 0; d < D; d++) st(o, qbase + d, acc[d] * inv);
+  lse[(long long)bh * lq + row] = l > 0.f ? m + __logf(l) : -FT_INF;
+}
+
+// delta[row] = sum_d dO[row, d] * O[row, d], the softmax backward's row term.
+template <int D, typename T>
+__device__ void attn_delta(const T* o, const T* go, float* delta, long long rows) {
+  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  float s = 0.f;
+  for (int d = 0; d < D; d++) s += ld(o, row * D + d) * ld(go, row * D + d);
+  delta[row] = s;
+}
+
+// dQ (and the bias gradient, atomically added into an f32 buffer shaped like the bias): one
+// thread per query row, recomputing p = exp(s - lse) tile by tile.
+template <int D, typename T>
+__device__ void attn_bwd_q(const T* q, const T* k, const T* v, const float* bias, const T* go,
+                           const float* lse, const float* delta, T* dq, float* dbias, int heads,
+                           int lq, int lk, int kvs, float scale, long long sb, long long sh, long long sq,
+                           long long sk) {
+  __shared__ float ks[TILE][D + 1];
+  __shared__ float vs[TILE][D + 1];
+  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = row < lq;
+  const long long base = ((long long)bh * lq + (live ? row : 0)) * D;
+  float qr[D], gr[D], acc[D];
+  for (int d = 0; d < D; d++) {
+    qr[d] = live ? ld(q, base + d) * scale : 0.f;
+    gr[d] = live ? ld(go, base + d) : 0.f;
+    acc[d] = 0.f;
+  }
+  const long long boff = b * sb + h * sh + (long long)(live ? row : 0) * sq;
+  const float L = live ? lse[(long long)bh * lq + row] : 0.f;
+  const float dl = live ? delta[(long long)bh * lq + row] : 0.f;
+  for (int t0 = 0; t0 < lk; t0 += TILE) {
+    const int n = min(TILE, lk - t0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int j = e / D, d = e % D;
+      const long long at = ((long long)bh * lk + t0 + j) * kvs + d;
+      ks[j][d] = ld(k, at);
+      vs[j][d] = ld(v, at);
+    }
+    __syncthreads();
+    if (!live || L == -FT_INF) continue;
+    for (int j = 0; j < n; j++) {
+      float s = 0.f, dp = 0.f;
+#pragma unroll
+      for (int d = 0; d < D; d++) {
+        s += qr[d] * ks[j][d];
+        dp += gr[d] * vs[j][d];
+      }
+      if (bias) s += bias[boff + (t0 + j) * sk];
+      const float p = __expf(s - L);
+      const float ds = p * (dp - dl);
+      if (dbias) atomicAdd(dbias + boff + (t0 + j) * sk, ds);
+#pragma unroll
+      for (int d = 0; d < D; d++) acc[d] += ds * ks[j][d];
+    }
+  }
+  if (!live) return;
+  for (int d = 0; d < D; d++) st(dq, base + d, acc[d] * scale);
+}
+
+// dK, dV: one thread per key row, query tiles (q, dO, lse, delta) in shared memory.
+template <int D, typename T>
+__device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bias, const T* go,
+                            const float* lse, const float* delta, T* dk, T* dv, int heads,
+                            int lq, int lk, int kvs, float scale, long long sb, long long sh,
+                            long long sq, long long sk) {
+  __shared__ float qs[TILE][D + 1];
+  __shared__ float gs[TILE][D + 1];
+  __shared__ float ls[TILE], ds_[TILE];
+  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = col < lk;
+  const long long base = ((long long)bh * lk + (live ? col : 0)) * kvs;
+  float kr[D], vr[D], dkr[D], dvr[D];
+  for (int d = 0; d < D; d++) {
+    kr[d] = live ? ld(k, base + d) : 0.f;
+    vr[d] = live ? ld(v, base + d) : 0.f;
+    dkr[d] = 0.f;
+    dvr[d] = 0.f;
+  }
+  const long long boff = b * sb + h * sh + (long long)(live ? col : 0) * sk;
+  for (int t0 = 0; t0 < lq; t0 += TILE) {
+    const int n = min(TILE, lq - t0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int i = e / D, d = e % D;
+      const long long at = ((long long)bh * lq + t0 + i) * D + d;
+      qs[i][d] = ld(q, at) * scale;
+      gs[i][d] = ld(go, at);
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      ls[i] = lse[(long long)bh * lq + t0 + i];
+      ds_[i] = delta[(long long)bh * lq + t0 + i];
+    }
+    __syncthreads();
+    if (!live) continue;
+    for (int i = 0; i < n; i++) {
+      if (ls[i] == -FT_INF) continue;
+      float s = 0.f, dp = 0.f;
+#pragma unroll
+      for (int d = 0; d < D; d++) {
+        s += qs[i][d] * kr[d];
+        dp += gs[i][d] * vr[d];
+      }
+      if (bias) s += bias[boff + (long long)(t0 + i) * sq];
+      const float p = __expf(s - ls[i]);
+      const float ds = p * (dp - ds_[i]);
+#pragma unroll
+      for (int d = 0; d < D; d++) {
+        dvr[d] += p * gs[i][d];
+        dkr[d] += ds * qs[i][d];
+      }
+    }
+  }
+  if (!live) return;
+  for (int d = 0; d < D; d++) {
+    st(dk, base + d, dkr[d]);
+    st(dv, base + d, dvr[d]);
+  }
+}
+
+// ---- extern "C" entry points, one per dtype ------------------------------------------------
+
+#define ROWS(T, S)                                                                              \
+  extern "C" __global__ void softmax_fwd_##S(const T* x, T* y, int cols, int log_) {            \
+    softmax_fwd(x, y, cols, log_);                                                              \
+  }                                                                                             \
+  extern "C" __global__ void softmax_bwd_##S(const T* y, const T* g, T* dx, int cols, int l) {  \
+    softmax_bwd(y, g, dx, cols, l);                                                             \
+  }                                                                                             \
+  extern "C" __global__ void norm_fwd_##S(const T* x, T* y, int cols, float eps, int c) {       \
+    norm_fwd(x, y, cols, eps, c);                                                               \
+  }                                                                                             \
+  extern "C" __global__ void norm_bwd_##S(const T* x, const T* g, T* dx, int cols, float eps,   \
+                                          int c) {                                              \
+    norm_bwd(x, g, dx, cols, eps, c);                                                           \
+  }                                                                                             \
+  extern "C" __global__ void upsample2x_fwd_##S(const T* x, T* y, long long p, int h, int w) {  \
+    upsample2x_fwd(x, y, p, h, w);                                                              \
+  }                                                                                             \
+  extern "C" __global__ void upsample2x_bwd_##S(const T* g, T* dx, long long p, int h, int w) { \
+    upsample2x_bwd(g, dx, p, h, w);                                                             \
+  }                                                                                             \
+  extern "C" __global__ void pool_fwd_##S(const T* x, T* y, long long p, int h, int w, int kh,  \
+                                          int kw, int sh, int sw, int kind) {                   \
+    pool_fwd(x, y, p, h, w, kh, kw, sh, sw, kind);                                              \
+  }                                                                                             \
+  extern "C" __global__ void pool_bwd_##S(const T* x, const T* g, T* dx, long long p, int h,    \
+                                          int w, int kh, int kw, int sh, int sw, int kind) {    \
+    pool_bwd(x, g, dx, p, h, w, kh, kw, sh, sw, kind);                                          \
+  }                                                                                             \
+  extern "C" __global__ void unscale_##S(const T* g, float* out, long long n, float inv,        \
+                                         int* found) {                                          \
+    unscale(g, out, n, inv, found);                                                             \
+  }                                                                                             \
+  extern "C" __global__ void attn_fwd_##S(const T* q, const T* k, const T* v, const float* bias,\
+                                          T* o, float* lse, int heads, int lq, int lk, int kvs, \
+                                          float scale, long long sb, long long sh,              \
+                                          long long sq, long long sk) {                         \
+    attn_fwd<64>(q, k, v, bias, o, lse, heads, lq, lk, kvs, scale, sb, sh, sq, sk);                  \
+  }                                                                                             \
+  extern "C" __global__ void attn_delta_##S(const T* o, const T* go, float* delta,              \
+                                            long long rows) {                                   \
+    attn_delta<64>(o, go, delta, rows);                                                         \
+  }                                                                                             \
+  extern "C" __global__ void attn_bwd_q_##S(const T* q, const T* k, const T* v,                 \
+                                            const float* bias, const T* go, const float* lse,   \
+                                            const float* delta, T* dq, float* dbias, int heads, \
+                                            int lq, int lk, int kvs, float scale, long long sb,          \
+                                            long long sh, long long sq, long long sk) {         \
+    attn_bwd_q<64>(q, k, v, bias, go, lse, delta, dq, dbias, heads, lq, lk, kvs, scale, sb, sh, sq,  \
+                   sk);                                                                         \
+  }                                                                                             \
+  extern "C" __global__ void attn_bwd_kv_##S(const T* q, const T* k, const T* v,                \
+                                             const float* bias, const T* go, const float* lse,  \
+                                             const float* delta, T* dk, T* dv, int heads,       \
+                                             int lq, int lk, int kvs, float scale, long long sb,         \
+                                             long long sh, long long sq, long long sk) {        \
+    attn_bwd_kv<64>(q, k, v, bias, go, lse, delta, dk, dv, heads, lq, lk, kvs, scale, sb, sh, sq,    \
+                    sk);                                                                        \
+  }
+
+ROWS(float, f32)
+ROWS(bf16, bf16)
+ROWS(f16, f16)
+
+#define ADAMW(G, SG, P, SP)                                                                     \
+  extern "C" __global__ void adamw_##SG##_##SP(float* master, float* m, float* v, const G* g,   \
+                                               P* model, long long n, float lr, float b1,       \
+                                               float b2, float eps, float wd, float step_size,  \
+                                               float bc2_sqrt, float grad_mul, int first,       \
+                                               unsigned long long seed) {                       \
+    adamw(master, m, v, g, model, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt, grad_mul, first, \
+          seed);                                                                                \
+  }
+ADAMW(float, f32, float, f32)
+ADAMW(bf16, bf16, float, f32)
+ADAMW(f16, f16, float, f32)
+ADAMW(float, f32, bf16, bf16)
+ADAMW(bf16, bf16, bf16, bf16)
+ADAMW(f16, f16, bf16, bf16)
+ADAMW(float, f32, f16, f16)
+ADAMW(bf16, bf16, f16, f16)
+ADAMW(f16, f16, f16, f16)
+
+extern "C" __global__ void round_stochastic_bf16(const float* x, bf16* y, long long n,
+                                                 unsigned long long seed) {
+  round_stochastic(x, y, n, seed);
+}

@@ -1,0 +1,199 @@
+//! The CUDA side of the op layer: `kernels.cu`, compiled once per process with NVRTC (so a user
+//! needs the driver and libnvrtc, not a toolkit), launched on candle's stream.
+//!
+//! Kernels take raw device pointers into contiguous tensors. Everything runs on the one stream
+//! candle gives each device, so a kernel is ordered after the work that produced its inputs and
+//! before any free of them (candle frees stream-ordered), with no extra synchronisation.
+
+mod attention;
+mod optim;
+mod rows;
+
+pub use attention::{fused_attention, fused_attention_supported};
+pub use optim::{adamw_fused, round_stochastic_bf16, unscale_check, AdamWStep};
+pub(crate) use rows::{norm_backward, norm_forward, softmax_backward, softmax_forward};
+pub(crate) use rows::{
+    pool_backward, pool_forward, upsample2x_backward, upsample2x_forward, PoolSpec,
+};
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+
+const SOURCE: &str = include_str!("kernels.cu");
+const MODULE: &str = "ft_kernels";
+
+/// The PTX of `kernels.cu`, compiled on first use. The source is compiled without an `-arch`
+/// so that the driver JIT-compiles it for whatever GPU it meets.
+pub fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        let opts = CompileOptions {
+            name: Some("ft_kernels.cu".into()),
+            ..Default::default()
+        };
+        // cudarc panics when libnvrtc cannot be loaded: report that as an error instead.
+        match std::panic::catch_unwind(|| compile_ptx_with_opts(SOURCE, opts)) {
+            Ok(Ok(p)) => Ok(p.to_src()),
+            Ok(Err(e)) => Err(format!("{e:?}")),
+            Err(_) => Err("libnvrtc could not be loaded".into()),
+        }
+    })
+    .as_deref()
+    .map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "NVRTC could not compile the ft-kernels CUDA source (is libnvrtc on the library \
+             path?): {e}"
+        ))
+    })
+}
+
+/// One kernel argument; the variant must match the C parameter's type exactly (a pointer or
+/// `long long` is 8 bytes, `int`/`float` 4).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    U64(u64),
+}
+
+/// Launches `name` on `dev`'s stream with a (x, y) grid of `block`-thread blocks.
+pub(crate) fn launch(
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32),
+    block: u32,
+    args: &[Arg],
+) -> Result<()> {
+    let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
+    let mut b = f.builder();
+    for a in args {
+        match a {
+            Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
+            Arg::I32(v) => b.arg(v),
+            Arg::I64(v) => b.arg(v),
+            Arg::F32(v) => b.arg(v),
+        };
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: every entry point of kernels.cu is launched through a typed wrapper of this
+    // module whose `args` follow the C signature, with pointers to live, contiguous buffers of
+    // the element counts the kernel indexes.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Grid size for the grid-stride element kernels: enough blocks of 256 to cover `n` once,
+/// capped where every SM already has plenty of blocks.
+pub(crate) fn elem_grid(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 65_535 * 4) as u32
+}
+
+/// The dtype suffix of an entry point (`softmax_fwd_bf16`).
+pub(crate) fn suffix(dt: DType) -> Result<&'static str> {
+    Ok(match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => bail!("no CUDA kernel for {dt:?} (f32, bf16 or f16)"),
+    })
+}
+
+/// The device address of the first element of a contiguous storage view.
+pub(crate) fn dptr(s: &CudaStorage, l: &Layout) -> Result<u64> {
+    let Some((start, _)) = l.contiguous_offsets() else {
+        bail!("CUDA kernel input must be contiguous");
+    };
+    let stream = s.device.cuda_stream();
+    let (base, size) = match &s.slice {
+        CudaStorageSlice::F32(x) => (x.device_ptr(&stream).0, 4),
+        CudaStorageSlice::BF16(x) => (x.device_ptr(&stream).0, 2),
+        CudaStorageSlice::F16(x) => (x.device_ptr(&stream).0, 2),
+        CudaStorageSlice::I32(x) => (x.device_ptr(&stream).0, 4),
+        _ => bail!("no CUDA kernel for {:?}", s.dtype()),
+    };
+    Ok(base + (start * size) as u64)
+}
+
+/// Runs `f` on the CUDA storage of `t`.
+pub(crate) fn with_storage<R>(
+    t: &Tensor,
+    f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        Storage::Cuda(c) => f(c, l),
+        _ => bail!("expected a tensor on a CUDA device, got {:?}", t.device()),
+    }
+}
+
+/// The device address of a contiguous CUDA tensor; it stays valid while `t` lives.
+pub(crate) fn tensor_ptr(t: &Tensor) -> Result<u64> {
+    with_storage(t, dptr)
+}
+
+/// The CUDA device a tensor lives on.
+pub(crate) fn device_of(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        candle_core::Device::Cuda(d) => Ok(d.clone()),
+        d => bail!("expected a tensor on a CUDA device, got {d:?}"),
+    }
+}
+
+/// A new buffer of `n` elements of `dtype`, zeroed (for outputs a kernel accumulates into).
+pub(crate) fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    let n = n.max(1);
+    let slice = match dtype {
+        DType::F32 => CudaStorageSlice::F32(dev.alloc_zeros(n)?),
+        DType::BF16 => CudaStorageSlice::BF16(dev.alloc_zeros(n)?),
+        DType::F16 => CudaStorageSlice::F16(dev.alloc_zeros(n)?),
+        DType::I32 => CudaStorageSlice::I32(dev.alloc_zeros(n)?),
+        dt => bail!("no CUDA kernel output of {dt:?}"),
+    };
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// A new buffer of `n` elements of `dtype` whose contents are undefined: only for outputs the
+/// next kernel writes in full.
+pub(crate) fn output(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    let n = n.max(1);
+    // SAFETY: the callers launch a kernel that writes every one of the `n` elements before the
+    // buffer is read.
+    let slice = unsafe {
+        match dtype {
+            DType::F32 => CudaStorageSlice::F32(dev.alloc(n)?),
+            DType::BF16 => CudaStorageSlice::BF16(dev.alloc(n)?),
+            DType::F16 => CudaStorageSlice::F16(dev.alloc(n)?),
+            dt => bail!("no CUDA kernel output of {dt:?}"),
+        }
+    };
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// The address of a freshly allocated (so contiguous, offset 0) buffer.
+pub(crate) fn out_ptr(s: &CudaStorage) -> Result<u64> {
+    dptr(s, &Layout::contiguous(1))
+}
+
+/// Wraps a kernel's output as a tensor outside the autograd graph (the ops of this crate attach
+/// their own backward).
+pub(crate) fn into_tensor(s: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
+}
