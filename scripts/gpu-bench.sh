@@ -10,7 +10,8 @@
 #
 # Needs python3 with torch (CUDA), transformers and diffusers for the PyTorch side; set
 # TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).
-# SDXL_PX (default 128,1024), T5_SHAPE (default "8 512 128") choose the sizes.
+# SDXL_PX (default 128,1024), T5_SHAPE (default "8 512 128") choose the sizes; BASELINE=0 skips
+# the second candle run on candle's own ops (FT_CUDA_KERNELS=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-bench-out}
@@ -57,11 +58,15 @@ $TO "$BIN_DIR/gpu_bench" attention | tee -a "$R"
 $TO "$PY" scripts/gpu_bench_torch.py attention | tee -a "$R"
 step "SDXL UNet"
 $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+# The same run on candle's ops instead of the project's kernels (FT_CUDA_KERNELS=0): the baseline.
+[ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
 PYTHONPATH="${TORCH_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" \
   $TO "$PY" scripts/gpu_bench_torch.py sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
 step "FLAN-T5-XL"
 # shellcheck disable=SC2086
 $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+# shellcheck disable=SC2086
+[ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
 # shellcheck disable=SC2086
 $TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
 "$PY" scripts/gpu_bench_table.py "$R" | tee "$OUT/tables.md"

@@ -26,10 +26,13 @@ pub(crate) fn has_kernel(x: &candle_core::Tensor) -> bool {
     match x.device() {
         candle_core::Device::Cpu => true,
         #[cfg(feature = "cuda")]
-        candle_core::Device::Cuda(_) => matches!(
-            x.dtype(),
-            candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
-        ),
+        candle_core::Device::Cuda(_) => {
+            cuda::enabled()
+                && matches!(
+                    x.dtype(),
+                    candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
+                )
+        }
         #[allow(unreachable_patterns)]
         _ => false,
     }

@@ -127,9 +127,10 @@ impl AdamW {
     /// Whether the fused CUDA kernel can take these parameters: contiguous fp32 on CUDA.
     #[cfg(feature = "cuda")]
     fn fusable(params: &[Var]) -> bool {
-        params.iter().all(|p| {
-            p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
-        })
+        ft_kernels::cuda::enabled()
+            && params.iter().all(|p| {
+                p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
+            })
     }
 
     /// The whole update in one kernel per parameter (`ft_kernels::cuda::adamw_fused`): reads

@@ -91,9 +91,11 @@ impl LossScaler {
     pub fn unscale(&self, grads: &mut [Option<Tensor>]) -> Result<bool> {
         let inv = 1.0 / self.scale;
         #[cfg(feature = "cuda")]
-        if grads.iter().flatten().all(|g| {
-            g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        }) && grads.iter().flatten().next().is_some()
+        if ft_kernels::cuda::enabled()
+            && grads.iter().flatten().all(|g| {
+                g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            })
+            && grads.iter().flatten().next().is_some()
         {
             return Ok(ft_kernels::cuda::unscale_check(grads, inv)?);
         }

@@ -29,6 +29,16 @@ use ft_models::t5::{T5Batch, T5Config, T5};
 use ft_models::unet::{UNet, UNetConfig};
 use serde_json::json;
 
+/// The run's label: `candle`, or `candle-ops` with `FT_CUDA_KERNELS=0` (candle's own ops in
+/// place of this project's kernels).
+fn label() -> &'static str {
+    #[cfg(feature = "cuda")]
+    if !ft_kernels::cuda::enabled() {
+        return "candle-ops";
+    }
+    "candle"
+}
+
 const WARMUP: usize = 1;
 const STEPS: usize = 3;
 
@@ -134,7 +144,7 @@ fn sdxl(pxs: &[usize], ck: bool) -> anyhow::Result<()> {
         let (secs, base, peak) = measure_steps(&dev, &mut step)?;
         println!(
             "{}",
-            json!({"bench": "sdxl", "impl": "candle", "px": px, "checkpointing": ck,
+            json!({"bench": "sdxl", "impl": label(), "px": px, "checkpointing": ck,
                    "step_s": secs, "base": base, "peak": peak, "states": states(&store, &opt)})
         );
     }
@@ -187,7 +197,7 @@ fn t5(batch: usize, src: usize, tgt: usize, ck: bool) -> anyhow::Result<()> {
     let (secs, base, peak) = measure_steps(&dev, &mut step)?;
     println!(
         "{}",
-        json!({"bench": "t5", "impl": "candle", "batch": batch, "src": src, "tgt": tgt,
+        json!({"bench": "t5", "impl": label(), "batch": batch, "src": src, "tgt": tgt,
                "checkpointing": ck, "step_s": secs, "base": base, "peak": peak,
                "states": states(&store, &opt)})
     );

@@ -41,6 +41,7 @@ pub fn fused_attention_supported(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         _ => false,
     };
     ok_dims
+        && super::enabled()
         && q.device().is_cuda()
         && matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && q.dtype() == k.dtype()

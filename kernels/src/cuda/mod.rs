@@ -25,6 +25,22 @@ use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
+/// Whether the own kernels are used on CUDA: yes unless `FT_CUDA_KERNELS` is `0`, `off` or
+/// `false`, which falls back to compositions of candle ops (same results, more memory traffic):
+/// an escape hatch, and the baseline `scripts/gpu-bench.sh` measures the kernels against.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("FT_CUDA_KERNELS")
+                .unwrap_or_default()
+                .to_ascii_lowercase()
+                .as_str(),
+            "0" | "off" | "false"
+        )
+    })
+}
+
 const SOURCE: &str = include_str!("kernels.cu");
 const MODULE: &str = "ft_kernels";
 
