@@ -1,5 +1,7 @@
 // The project's own CUDA kernels, compiled at run time with NVRTC (kernels/src/cuda/mod.rs).
-// Self-contained: no CUDA headers, so the binaries need no toolkit on the user's machine.
+// Self-contained: no CUDA headers, so the binaries need no toolkit on the user's machine. The
+// same file also compiles as C++ on the host under kernels/tests/emulated/emu.h, which runs each
+// block's threads as OS threads, so CI checks the kernels' logic without a GPU.
 // Every kernel computes in f32 and reads/writes f32, bf16 or f16 through ld/st.
 // Row kernels take one block per row; element kernels a grid-stride loop.
 
@@ -14,11 +16,20 @@ __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; 
 __device__ __forceinline__ float ld(const bf16* p, long long i) {
   return __uint_as_float(((unsigned)p[i].x) << 16);
 }
-__device__ __forceinline__ float ld(const f16* p, long long i) {
+#ifndef FT_HOST_EMULATION
+// The host emulation (kernels/tests/emulated) brings its own software conversions.
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
   float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].x));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
+__device__ __forceinline__ unsigned short f32_to_f16(float v) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+#endif
+__device__ __forceinline__ float ld(const f16* p, long long i) { return f16_to_f32(p[i].x); }
 __device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ unsigned short bf16_bits(float v) {
   unsigned u = __float_as_uint(v);
@@ -27,11 +38,7 @@ __device__ __forceinline__ unsigned short bf16_bits(float v) {
   return (unsigned short)(u >> 16);
 }
 __device__ __forceinline__ void st(bf16* p, long long i, float v) { p[i].x = bf16_bits(v); }
-__device__ __forceinline__ void st(f16* p, long long i, float v) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  p[i].x = h;
-}
+__device__ __forceinline__ void st(f16* p, long long i, float v) { p[i].x = f32_to_f16(v); }
 
 // Counter-based hash (splitmix64 finaliser): the same (seed, index) always gives the same bits.
 __device__ __forceinline__ unsigned rand_bits(unsigned long long seed, unsigned long long i) {
@@ -273,16 +280,18 @@ __device__ __forceinline__ void st_model(bf16* p, long long i, float v, unsigned
 
 // AdamW (torch.optim.AdamW's update) on fp32 masters, moments updated in place, and the model's
 // low-precision weight written in the same pass (round to nearest, or stochastic when seed != 0).
-// `grad_mul` unscales the gradient (1 / loss scale, or a clipping factor).
+// `grad_mul` unscales the gradient (1 / loss scale, or a clipping factor). `c1`, `c2` are
+// 1 - b1 and 1 - b2 computed in double on the host (1 - 0.999f in float is off by 1.3e-5).
 template <typename G, typename P>
 __device__ void adamw(float* master, float* m, float* v, const G* grad, P* model, long long n,
-                      float lr, float b1, float b2, float eps, float wd, float step_size,
-                      float bc2_sqrt, float grad_mul, int first, unsigned long long seed) {
+                      float lr, float b1, float b2, float c1, float c2, float eps, float wd,
+                      float step_size, float bc2_sqrt, float grad_mul, int first,
+                      unsigned long long seed) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
     const float g = ld(grad, i) * grad_mul;
-    const float mi = first ? (1.f - b1) * g : b1 * m[i] + (1.f - b1) * g;
-    const float vi = first ? (1.f - b2) * g * g : b2 * v[i] + (1.f - b2) * g * g;
+    const float mi = first ? c1 * g : b1 * m[i] + c1 * g;
+    const float vi = first ? c2 * g * g : b2 * v[i] + c2 * g * g;
     const float p = master[i] * (1.f - lr * wd) - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
     m[i] = mi;
     v[i] = vi;
@@ -558,11 +567,12 @@ ROWS(f16, f16)
 #define ADAMW(G, SG, P, SP)                                                                     \
   extern "C" __global__ void adamw_##SG##_##SP(float* master, float* m, float* v, const G* g,   \
                                                P* model, long long n, float lr, float b1,       \
-                                               float b2, float eps, float wd, float step_size,  \
-                                               float bc2_sqrt, float grad_mul, int first,       \
+                                               float b2, float c1, float c2, float eps,         \
+                                               float wd, float step_size, float bc2_sqrt,       \
+                                               float grad_mul, int first,                       \
                                                unsigned long long seed) {                       \
-    adamw(master, m, v, g, model, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt, grad_mul, first, \
-          seed);                                                                                \
+    adamw(master, m, v, g, model, n, lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt,          \
+          grad_mul, first, seed);                                                               \
   }
 ADAMW(float, f32, float, f32)
 ADAMW(bf16, bf16, float, f32)

@@ -96,6 +96,8 @@ pub fn adamw_fused(
             Arg::F32(s.lr as f32),
             Arg::F32(s.beta1 as f32),
             Arg::F32(s.beta2 as f32),
+            Arg::F32((1.0 - s.beta1) as f32),
+            Arg::F32((1.0 - s.beta2) as f32),
             Arg::F32(s.eps as f32),
             Arg::F32(s.weight_decay as f32),
             Arg::F32(s.step_size as f32),

@@ -1,0 +1,134 @@
+// Host emulation of the CUDA features kernels.cu uses, so that the kernels' logic (indexing,
+// reductions, online softmax, barriers) is tested on any machine with a C++20 compiler.
+//
+// A launch runs the grid's blocks one after another; the threads of a block run as OS threads,
+// so `__syncthreads`, warp shuffles and shared memory behave as on a GPU (shared memory is a
+// function-local `static`: one copy, reused by each block in turn). Timing says nothing here.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define FT_HOST_EMULATION 1
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct Dim {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+struct Block {
+  explicit Block(unsigned n)
+      : all((std::ptrdiff_t)n), warps() {
+    for (unsigned w = 0; w < (n + 31) / 32; w++) {
+      unsigned members = std::min(32u, n - 32 * w);
+      warps.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)members));
+    }
+  }
+  std::barrier<> all;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  float slots[1024];
+  std::atomic<int> any{0};
+};
+
+inline thread_local Dim threadIdx, blockIdx;
+inline Dim blockDim, gridDim;
+inline thread_local Block* cur_block = nullptr;
+inline std::mutex atomics;
+
+inline void __syncthreads() { cur_block->all.arrive_and_wait(); }
+
+inline int __syncthreads_or(int p) {
+  if (p) cur_block->any.store(1);
+  __syncthreads();
+  int r = cur_block->any.load();
+  __syncthreads();
+  if (threadIdx.x == 0) cur_block->any.store(0);
+  __syncthreads();
+  return r;
+}
+
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+  const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
+  auto& bar = *cur_block->warps[t / 32];
+  cur_block->slots[t] = v;
+  bar.arrive_and_wait();
+  float r = cur_block->slots[base + (lane ^ (unsigned)lane_mask)];
+  bar.arrive_and_wait();
+  return r;
+}
+
+inline float atomicAdd(float* p, float v) {
+  std::lock_guard<std::mutex> g(atomics);
+  float old = *p;
+  *p = old + v;
+  return old;
+}
+
+inline int atomicExch(int* p, int v) {
+  std::lock_guard<std::mutex> g(atomics);
+  int old = *p;
+  *p = v;
+  return old;
+}
+
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+
+inline float f16_to_f32(unsigned short h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return (float)v;
+}
+inline unsigned short f32_to_f16(float f) {
+  _Float16 v = (_Float16)f;
+  unsigned short h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+
+// Runs `kernel` (a callable running one thread's work) over the grid.
+inline void launch(Dim grid, Dim block, const std::function<void()>& kernel) {
+  gridDim = grid;
+  blockDim = block;
+  for (unsigned by = 0; by < grid.y; by++)
+    for (unsigned bx = 0; bx < grid.x; bx++) {
+      Block b(block.x);
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < block.x; t++)
+        threads.emplace_back([&, t] {
+          threadIdx = Dim{t, 0, 0};
+          blockIdx = Dim{bx, by, 0};
+          cur_block = &b;
+          kernel();
+        });
+      for (auto& th : threads) th.join();
+    }
+}

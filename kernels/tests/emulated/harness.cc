@@ -1,0 +1,429 @@
+// Runs the kernels of kernels/src/cuda/kernels.cu under the host emulation (emu.h) and compares
+// each with a plain double-precision reference written here. Launch geometry follows the Rust
+// launchers in kernels/src/cuda. Exit status 0 when every check passes; driven by
+// kernels/tests/emulated.rs.
+#include <cstdio>
+#include <string>
+
+#include "emu.h"
+#include "../../src/cuda/kernels.cu"
+
+static int failures = 0;
+
+static std::vector<float> rnd(size_t n, unsigned long long seed) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; i++) {
+    unsigned long long z = seed * 0x9E3779B97F4A7C15ull + (i + 1) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
+    v[i] = (float)((double)(z >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+  }
+  return v;
+}
+
+// Values rounded through T, as the kernel will see them.
+template <typename T>
+static std::vector<T> to(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); i++) st(out.data(), (long long)i, v[i]);
+  return out;
+}
+template <typename T>
+static std::vector<float> back(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); i++) out[i] = ld(v.data(), (long long)i);
+  return out;
+}
+
+static void check(const std::string& name, const std::vector<float>& got,
+                  const std::vector<double>& want, double tol) {
+  double err = 0, scale = 1e-12;
+  for (size_t i = 0; i < want.size(); i++) {
+    err = std::max(err, std::fabs((double)got[i] - want[i]));
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  const bool bad = got.size() != want.size() || !(err / scale <= tol);
+  std::printf("%-48s rel err %.2e %s\n", name.c_str(), err / scale, bad ? "FAIL" : "ok");
+  failures += bad;
+}
+
+static unsigned row_block(int cols) {
+  unsigned b = (unsigned)((cols + 31) / 32 * 32);
+  return std::min(512u, std::max(32u, b));
+}
+
+// ---- softmax ------------------------------------------------------------------------------
+
+template <typename T>
+static void softmax_case(const std::string& ty, int rows, int cols, int log_, double tol,
+                         void (*fwd)(const T*, T*, int, int),
+                         void (*bwd)(const T*, const T*, T*, int, int)) {
+  auto x = to<T>(rnd((size_t)rows * cols, 1 + cols));
+  auto g = to<T>(rnd((size_t)rows * cols, 2 + cols));
+  auto xf = back(x), gf = back(g);
+  std::vector<T> y(x.size()), dx(x.size());
+  launch({(unsigned)rows}, {row_block(cols)}, [&] { fwd(x.data(), y.data(), cols, log_); });
+  std::vector<double> want(x.size()), dwant(x.size());
+  for (int r = 0; r < rows; r++) {
+    double m = -INFINITY, s = 0;
+    for (int c = 0; c < cols; c++) m = std::max(m, (double)xf[r * cols + c]);
+    for (int c = 0; c < cols; c++) s += std::exp(xf[r * cols + c] - m);
+    double sg = 0;
+    for (int c = 0; c < cols; c++) {
+      const int i = r * cols + c;
+      want[i] = log_ ? xf[i] - m - std::log(s) : std::exp(xf[i] - m) / s;
+      sg += log_ ? gf[i] : gf[i] * want[i];
+    }
+    for (int c = 0; c < cols; c++) {
+      const int i = r * cols + c;
+      dwant[i] = log_ ? gf[i] - std::exp(want[i]) * sg : want[i] * (gf[i] - sg);
+    }
+  }
+  const std::string n = ty + (log_ ? " log_softmax " : " softmax ") + std::to_string(cols);
+  check(n + " fwd", back(y), want, tol);
+  // The backward reads the forward's stored (rounded) output, as in training.
+  launch({(unsigned)rows}, {row_block(cols)}, [&] { bwd(y.data(), g.data(), dx.data(), cols, log_); });
+  check(n + " bwd", back(dx), dwant, tol * 4);
+}
+
+// ---- layer / RMS norm ---------------------------------------------------------------------
+
+template <typename T>
+static void norm_case(const std::string& ty, int rows, int cols, int center, double tol,
+                      void (*fwd)(const T*, T*, int, float, int),
+                      void (*bwd)(const T*, const T*, T*, int, float, int)) {
+  const float eps = 1e-5f;
+  auto x = to<T>(rnd((size_t)rows * cols, 3 + cols));
+  auto g = to<T>(rnd((size_t)rows * cols, 4 + cols));
+  auto xf = back(x), gf = back(g);
+  std::vector<T> y(x.size()), dx(x.size());
+  launch({(unsigned)rows}, {row_block(cols)}, [&] { fwd(x.data(), y.data(), cols, eps, center); });
+  launch({(unsigned)rows}, {row_block(cols)},
+         [&] { bwd(x.data(), g.data(), dx.data(), cols, eps, center); });
+  std::vector<double> want(x.size()), dwant(x.size());
+  for (int r = 0; r < rows; r++) {
+    const float* xr = &xf[(size_t)r * cols];
+    const float* gr = &gf[(size_t)r * cols];
+    double mean = 0, var = 0;
+    if (center) {
+      for (int c = 0; c < cols; c++) mean += xr[c];
+      mean /= cols;
+    }
+    for (int c = 0; c < cols; c++) var += (xr[c] - mean) * (xr[c] - mean);
+    var /= cols;
+    const double rs = 1.0 / std::sqrt(var + eps);
+    double mg = 0, mgx = 0;
+    for (int c = 0; c < cols; c++) {
+      mg += gr[c];
+      mgx += gr[c] * (xr[c] - mean) * rs;
+    }
+    mg = center ? mg / cols : 0;
+    mgx /= cols;
+    for (int c = 0; c < cols; c++) {
+      const double xh = (xr[c] - mean) * rs;
+      want[(size_t)r * cols + c] = xh;
+      dwant[(size_t)r * cols + c] = rs * (gr[c] - mg - xh * mgx);
+    }
+  }
+  const std::string n = ty + (center ? " layer_norm " : " rms_norm ") + std::to_string(cols);
+  check(n + " fwd", back(y), want, tol);
+  check(n + " bwd", back(dx), dwant, tol * 4);
+}
+
+// ---- upsample and pooling -----------------------------------------------------------------
+
+static unsigned grid_for(long long n) { return (unsigned)std::min<long long>((n + 255) / 256, 3); }
+
+static void upsample_case() {
+  const int planes = 3, h = 5, w = 7;
+  auto x = rnd((size_t)planes * h * w, 5);
+  auto g = rnd((size_t)planes * 4 * h * w, 6);
+  std::vector<float> y(g.size()), dx(x.size());
+  launch({grid_for(y.size())}, {256}, [&] { upsample2x_fwd_f32(x.data(), y.data(), planes, h, w); });
+  launch({grid_for(x.size())}, {256}, [&] { upsample2x_bwd_f32(g.data(), dx.data(), planes, h, w); });
+  std::vector<double> want(y.size()), dwant(x.size(), 0.0);
+  for (int p = 0; p < planes; p++)
+    for (int oy = 0; oy < 2 * h; oy++)
+      for (int ox = 0; ox < 2 * w; ox++) {
+        const size_t o = ((size_t)p * 2 * h + oy) * 2 * w + ox, i = ((size_t)p * h + oy / 2) * w + ox / 2;
+        want[o] = x[i];
+        dwant[i] += g[o];
+      }
+  check("f32 upsample2x fwd", y, want, 0);
+  check("f32 upsample2x bwd", dx, dwant, 1e-6);
+}
+
+static void pool_case(int kh, int kw, int sh, int sw, int kind, int h, int w) {
+  const int planes = 4, oh = (h - kh) / sh + 1, ow = (w - kw) / sw + 1;
+  auto x = rnd((size_t)planes * h * w, 7 + h);
+  auto g = rnd((size_t)planes * oh * ow, 8 + w);
+  std::vector<float> y(g.size()), dx(x.size());
+  launch({grid_for(y.size())}, {256},
+         [&] { pool_fwd_f32(x.data(), y.data(), planes, h, w, kh, kw, sh, sw, kind); });
+  launch({grid_for(x.size())}, {256},
+         [&] { pool_bwd_f32(x.data(), g.data(), dx.data(), planes, h, w, kh, kw, sh, sw, kind); });
+  std::vector<double> want(y.size()), dwant(x.size(), 0.0);
+  for (int p = 0; p < planes; p++)
+    for (int oy = 0; oy < oh; oy++)
+      for (int ox = 0; ox < ow; ox++) {
+        double best = -INFINITY, sum = 0;
+        size_t at = 0;
+        for (int dy = 0; dy < kh; dy++)
+          for (int dxx = 0; dxx < kw; dxx++) {
+            const size_t i = ((size_t)p * h + oy * sh + dy) * w + ox * sw + dxx;
+            sum += x[i];
+            if (x[i] > best) {
+              best = x[i];
+              at = i;
+            }
+          }
+        const size_t o = ((size_t)p * oh + oy) * ow + ox;
+        want[o] = kind == 0 ? best : sum / (kh * kw);
+        if (kind == 0) {
+          dwant[at] += g[o];
+        } else {
+          for (int dy = 0; dy < kh; dy++)
+            for (int dxx = 0; dxx < kw; dxx++)
+              dwant[((size_t)p * h + oy * sh + dy) * w + ox * sw + dxx] += g[o] / (kh * kw);
+        }
+      }
+  const std::string n = std::string(kind == 0 ? "f32 max_pool " : "f32 avg_pool ") +
+                        std::to_string(kh) + "x" + std::to_string(kw) + "/" + std::to_string(sh);
+  check(n + " fwd", y, want, 1e-6);
+  check(n + " bwd", dx, dwant, 1e-6);
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+struct AttnCase {
+  int b, h, lq, lk;
+  float scale;
+  int bias_kind;  // 0 none, 1 [1, H, Lq, Lk] position bias, 2 [B, 1, 1, Lk] mask (-1e9 / -inf)
+  bool inf_mask;
+};
+
+template <typename T>
+static void attention_case(const std::string& ty, const AttnCase& c, double tol,
+                           void (*fwd)(const T*, const T*, const T*, const float*, T*, float*, int,
+                                       int, int, int, float, long long, long long, long long,
+                                       long long),
+                           void (*delta)(const T*, const T*, float*, long long),
+                           void (*bq)(const T*, const T*, const T*, const float*, const T*,
+                                      const float*, const float*, T*, float*, int, int, int, int,
+                                      float, long long, long long, long long, long long),
+                           void (*bkv)(const T*, const T*, const T*, const float*, const T*,
+                                       const float*, const float*, T*, T*, int, int, int, int,
+                                       float, long long, long long, long long, long long)) {
+  const int D = 64, BH = c.b * c.h, kvs = 2 * D;
+  auto q = to<T>(rnd((size_t)BH * c.lq * D, 11));
+  auto kv = to<T>(rnd((size_t)BH * c.lk * kvs, 12));
+  auto go = to<T>(rnd((size_t)BH * c.lq * D, 13));
+  auto qf = back(q), kvf = back(kv), gof = back(go);
+  // Bias and its broadcast strides over [B, H, Lq, Lk].
+  std::vector<float> bias;
+  long long sb = 0, sh = 0, sq = 0, sk = 0;
+  if (c.bias_kind == 1) {
+    bias = rnd((size_t)c.h * c.lq * c.lk, 14);
+    sh = (long long)c.lq * c.lk, sq = c.lk, sk = 1;
+  } else if (c.bias_kind == 2) {
+    bias.assign((size_t)c.b * c.lk, 0.f);
+    const float neg = c.inf_mask ? -INFINITY : -1e9f;
+    for (int j = c.lk - 9; j < c.lk; j++) bias[(size_t)(c.b - 1) * c.lk + j] = neg;
+    if (c.inf_mask)  // every key of batch 0 masked: its rows must give zeros
+      for (int j = 0; j < c.lk; j++) bias[j] = neg;
+    sb = c.lk, sk = 1;
+  }
+  const float* bp = bias.empty() ? nullptr : bias.data();
+  auto bias_at = [&](int b, int h, int i, int j) -> double {
+    return bp ? bias[b * sb + h * sh + i * sq + j * sk] : 0.0;
+  };
+
+  std::vector<T> o((size_t)BH * c.lq * D), dq(o.size()), dkv(kv.size());
+  std::vector<float> lse((size_t)BH * c.lq), dl(lse.size());
+  std::vector<float> dbias(bias.size(), 0.f);
+  const Dim gq{(unsigned)((c.lq + 63) / 64), (unsigned)BH}, gk{(unsigned)((c.lk + 63) / 64), (unsigned)BH};
+  const T* k = kv.data();
+  const T* v = kv.data() + D;
+  launch(gq, {64}, [&] {
+    fwd(q.data(), k, v, bp, o.data(), lse.data(), c.h, c.lq, c.lk, kvs, c.scale, sb, sh, sq, sk);
+  });
+  const long long rows = (long long)BH * c.lq;
+  launch({(unsigned)((rows + 127) / 128)}, {128}, [&] { delta(o.data(), go.data(), dl.data(), rows); });
+  launch(gq, {64}, [&] {
+    bq(q.data(), k, v, bp, go.data(), lse.data(), dl.data(), dq.data(), bp ? dbias.data() : nullptr,
+       c.h, c.lq, c.lk, kvs, c.scale, sb, sh, sq, sk);
+  });
+  launch(gk, {64}, [&] {
+    bkv(q.data(), k, v, bp, go.data(), lse.data(), dl.data(), dkv.data(), dkv.data() + D, c.h, c.lq,
+        c.lk, kvs, c.scale, sb, sh, sq, sk);
+  });
+
+  // Reference: full matrices in double.
+  std::vector<double> wo(o.size(), 0.0), wdq(o.size(), 0.0), wdkv(kv.size(), 0.0),
+      wdb(bias.size(), 0.0);
+  std::vector<double> p(c.lk), dp(c.lk);
+  for (int bh = 0; bh < BH; bh++) {
+    const int b = bh / c.h, h = bh % c.h;
+    auto K = [&](int j, int d) { return (double)kvf[((size_t)bh * c.lk + j) * kvs + d]; };
+    auto V = [&](int j, int d) { return (double)kvf[((size_t)bh * c.lk + j) * kvs + D + d]; };
+    for (int i = 0; i < c.lq; i++) {
+      const float* qi = &qf[((size_t)bh * c.lq + i) * D];
+      const float* gi = &gof[((size_t)bh * c.lq + i) * D];
+      double m = -INFINITY;
+      for (int j = 0; j < c.lk; j++) {
+        double s = 0;
+        for (int d = 0; d < D; d++) s += qi[d] * K(j, d);
+        p[j] = s * c.scale + bias_at(b, h, i, j);
+        m = std::max(m, p[j]);
+      }
+      if (m == -INFINITY) continue;  // fully masked row: zeros everywhere
+      double l = 0;
+      for (int j = 0; j < c.lk; j++) l += (p[j] = std::exp(p[j] - m));
+      double rowdot = 0;
+      for (int j = 0; j < c.lk; j++) {
+        p[j] /= l;
+        double t = 0;
+        for (int d = 0; d < D; d++) t += gi[d] * V(j, d);
+        dp[j] = t;
+        rowdot += p[j] * t;
+      }
+      double* oi = &wo[((size_t)bh * c.lq + i) * D];
+      for (int j = 0; j < c.lk; j++) {
+        const double ds = p[j] * (dp[j] - rowdot);
+        for (int d = 0; d < D; d++) {
+          oi[d] += p[j] * V(j, d);
+          wdq[((size_t)bh * c.lq + i) * D + d] += c.scale * ds * K(j, d);
+          wdkv[((size_t)bh * c.lk + j) * kvs + d] += c.scale * ds * qi[d];
+          wdkv[((size_t)bh * c.lk + j) * kvs + D + d] += p[j] * gi[d];
+        }
+        if (bp) wdb[b * sb + h * sh + i * sq + j * sk] += ds;
+      }
+    }
+  }
+  std::string n = ty + " attention " + std::to_string(c.lq) + "x" + std::to_string(c.lk) +
+                  (c.bias_kind == 1 ? " bias" : c.bias_kind == 2 ? (c.inf_mask ? " -inf mask" : " mask") : "");
+  check(n + " out", back(o), wo, tol);
+  check(n + " dq", back(dq), wdq, tol * 2);
+  check(n + " dk,dv", back(dkv), wdkv, tol * 2);
+  if (bp) check(n + " dbias", dbias, wdb, tol * 2);
+}
+
+// ---- optimizer and casts ------------------------------------------------------------------
+
+static void adamw_case() {
+  const int n = 777;
+  auto master = rnd(n, 20), m = rnd(n, 21), v = rnd(n, 22), g32 = rnd(n, 23);
+  for (auto& x : v) x = std::fabs(x);
+  auto g = to<bf16>(g32);
+  auto gf = back(g);
+  std::vector<bf16> model(n);
+  for (int first = 1; first >= 0; first--) {
+    const double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01, gm = 0.5;
+    const int t = first ? 1 : 5;
+    const double step = lr / (1 - std::pow(b1, t)), bc2 = std::sqrt(1 - std::pow(b2, t));
+    std::vector<double> wm(n), wv(n), wp(n), wmodel(n);
+    for (int i = 0; i < n; i++) {
+      const double gi = gf[i] * gm;
+      const double mp = first ? 0 : m[i], vp = first ? 0 : v[i];
+      wm[i] = b1 * mp + (1 - b1) * gi;
+      wv[i] = b2 * vp + (1 - b2) * gi * gi;
+      wp[i] = master[i] * (1 - lr * wd) - step * wm[i] / (std::sqrt(wv[i]) / bc2 + eps);
+    }
+    launch({2}, {256}, [&] {
+      adamw_bf16_bf16(master.data(), m.data(), v.data(), g.data(), model.data(), n, lr, b1, b2,
+                      1 - b1, 1 - b2, eps, wd, step, bc2, gm, first, 0);
+    });
+    for (int i = 0; i < n; i++) wmodel[i] = back(to<bf16>({master[i]}))[0];
+    const std::string s = first ? "adamw first step" : "adamw later step";
+    check(s + " exp_avg", m, wm, 1e-6);
+    check(s + " exp_avg_sq", v, wv, 1e-6);
+    check(s + " master", master, wp, 1e-6);
+    check(s + " bf16 weight = rounded master", back(model), wmodel, 0);
+  }
+}
+
+// Stochastic rounding (standalone and inside AdamW): each result is one of the two bf16
+// neighbours of the fp32 value, exact values stay exact, and the mean is unbiased.
+static void stochastic_case() {
+  const int n = 4096;
+  const float v = 1.0f + std::ldexp(1.0f, -9);  // a quarter of the way from 1 to 1 + 2^-7
+  std::vector<float> x(n, v);
+  x[0] = 1.5f;
+  std::vector<bf16> y(n);
+  launch({3}, {256}, [&] { round_stochastic_bf16(x.data(), y.data(), n, 77); });
+  auto yf = back(y);
+  double mean = 0;
+  bool neighbours = yf[0] == 1.5f;
+  for (int i = 1; i < n; i++) {
+    neighbours &= yf[i] == 1.0f || yf[i] == 1.0f + std::ldexp(1.0f, -7);
+    mean += yf[i];
+  }
+  mean /= n - 1;
+  const bool ok = neighbours && std::fabs(mean - v) < 4e-4;
+  std::printf("%-48s mean %.6f vs %.6f %s\n", "stochastic rounding", mean, v, ok ? "ok" : "FAIL");
+  failures += !ok;
+  // AdamW with a seed: lr 0 leaves the master as is, so the weight is a neighbour of it.
+  std::vector<float> master(n, v), m(n, 0.f), s2(n, 0.f);
+  std::vector<bf16> g(n), w(n);
+  launch({3}, {256}, [&] {
+    adamw_bf16_bf16(master.data(), m.data(), s2.data(), g.data(), w.data(), n, 0.f, 0.9f, 0.999f,
+                    0.1f, 0.001f, 1e-8f, 0.f, 0.f, 1.f, 1.f, 1, 5);
+  });
+  auto wf = back(w);
+  int up = 0;
+  bool nb = true;
+  for (int i = 0; i < n; i++) {
+    nb &= wf[i] == 1.0f || wf[i] == 1.0f + std::ldexp(1.0f, -7);
+    up += wf[i] != 1.0f;
+  }
+  const bool ok2 = nb && up > n / 8 && up < n * 3 / 8;
+  std::printf("%-48s %d of %d up %s\n", "adamw stochastic bf16 write", up, n, ok2 ? "ok" : "FAIL");
+  failures += !ok2;
+}
+
+static void unscale_case() {
+  std::vector<f16> g = to<f16>({2.f, -4.f, 8.f, 0.5f});
+  std::vector<float> out(4);
+  int found = 0;
+  launch({1}, {64}, [&] { unscale_f16(g.data(), out.data(), 4, 0.5f, &found); });
+  check("unscale f16 values", out, {1, -2, 4, 0.25}, 0);
+  if (found) {
+    std::printf("unscale flagged finite gradients FAIL\n");
+    failures++;
+  }
+  std::vector<float> bad = {1.f, INFINITY, 3.f};
+  launch({1}, {64}, [&] { unscale_f32(bad.data(), out.data(), 3, 1.f, &found); });
+  std::printf("%-48s %s\n", "unscale finds inf", found ? "ok" : "FAIL");
+  failures += !found;
+}
+
+int main() {
+  for (int log_ = 0; log_ <= 1; log_++) {
+    softmax_case<float>("f32", 5, 8, log_, 1e-5, softmax_fwd_f32, softmax_bwd_f32);
+    softmax_case<float>("f32", 5, 37, log_, 1e-5, softmax_fwd_f32, softmax_bwd_f32);
+    softmax_case<float>("f32", 3, 700, log_, 1e-5, softmax_fwd_f32, softmax_bwd_f32);
+    softmax_case<bf16>("bf16", 4, 300, log_, 1e-2, softmax_fwd_bf16, softmax_bwd_bf16);
+  }
+  for (int center = 0; center <= 1; center++) {
+    norm_case<float>("f32", 6, 48, center, 1e-5, norm_fwd_f32, norm_bwd_f32);
+    norm_case<float>("f32", 2, 1500, center, 1e-5, norm_fwd_f32, norm_bwd_f32);
+    norm_case<f16>("f16", 3, 96, center, 2e-3, norm_fwd_f16, norm_bwd_f16);
+  }
+  upsample_case();
+  pool_case(3, 3, 2, 2, 0, 11, 9);
+  pool_case(2, 2, 2, 2, 1, 10, 7);
+  pool_case(2, 3, 1, 1, 0, 6, 7);
+  const AttnCase cases[] = {{2, 3, 130, 130, 0.125f, 0, false},
+                            {2, 2, 70, 77, 1.0f, 1, false},
+                            {2, 2, 40, 40, 0.125f, 2, false},
+                            {2, 1, 33, 65, 0.125f, 2, true}};
+  for (const auto& c : cases)
+    attention_case<float>("f32", c, 1e-5, attn_fwd_f32, attn_delta_f32, attn_bwd_q_f32,
+                          attn_bwd_kv_f32);
+  attention_case<bf16>("bf16", cases[1], 1e-2, attn_fwd_bf16, attn_delta_bf16, attn_bwd_q_bf16,
+                       attn_bwd_kv_bf16);
+  adamw_case();
+  stochastic_case();
+  unscale_case();
+  std::printf("%d failure(s)\n", failures);
+  return failures ? 1 : 0;
+}
