@@ -314,6 +314,22 @@ fn unscale_check_finds_overflow() -> Result<()> {
     Ok(())
 }
 
+/// The global-norm reduction: every gradient's squares in one f64 total.
+#[test]
+fn sum_squares_matches_the_host() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let a = random_tensor(&[100_003], 70, &Device::Cpu)?.to_dtype(DType::F32)?;
+    let b = random_tensor(&[17, 5], 71, &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let want: f64 = [&a, &b]
+        .iter()
+        .map(|t| host(t).map(|v| v.iter().map(|x| x * x).sum::<f64>()))
+        .sum::<Result<f64>>()?;
+    let grads = [Some(a.to_device(&dev)?), None, Some(b.to_device(&dev)?)];
+    let got = ft_kernels::cuda::sum_squares(&grads)?;
+    assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    Ok(())
+}
+
 /// Stochastic rounding on CUDA gives the CPU version's bits for the same seed.
 #[test]
 fn stochastic_rounding_matches_the_cpu() -> Result<()> {

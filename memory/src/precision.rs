@@ -133,6 +133,16 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
 
 /// Global L2 norm of all gradients, computed in fp32 per tensor and summed in f64.
 pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
+    // On CUDA: one kernel per gradient and a single read-back for all of them.
+    #[cfg(feature = "cuda")]
+    if ft_kernels::cuda::enabled()
+        && grads.iter().flatten().next().is_some()
+        && grads.iter().flatten().all(|g| {
+            g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        })
+    {
+        return Ok(ft_kernels::cuda::sum_squares(grads)?.sqrt());
+    }
     let mut sq = 0f64;
     for g in grads.iter().flatten() {
         sq += g

@@ -314,6 +314,20 @@ __device__ void unscale(const G* g, float* out, long long n, float inv_scale, in
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicExch(found, 1);
 }
 
+// Sum of squares for the global gradient norm: f32 per thread and block, then one double atomic
+// per block into `acc`, so all of a model's gradients need a single read-back.
+template <typename G>
+__device__ void sum_squares(const G* g, long long n, double* acc) {
+  float s = 0.f;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const float v = ld(g, i);
+    s += v * v;
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) atomicAdd(acc, (double)s);
+}
+
 __device__ void round_stochastic(const float* x, bf16* y, long long n, unsigned long long seed) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x)
@@ -528,6 +542,9 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bia
   extern "C" __global__ void pool_bwd_##S(const T* x, const T* g, T* dx, long long p, int h,    \
                                           int w, int kh, int kw, int sh, int sw, int kind) {    \
     pool_bwd(x, g, dx, p, h, w, kh, kw, sh, sw, kind);                                          \
+  }                                                                                             \
+  extern "C" __global__ void sum_squares_##S(const T* g, long long n, double* acc) {            \
+    sum_squares(g, n, acc);                                                                     \
   }                                                                                             \
   extern "C" __global__ void unscale_##S(const T* g, float* out, long long n, float inv,        \
                                          int* found) {                                          \

@@ -10,7 +10,7 @@ mod optim;
 mod rows;
 
 pub use attention::{fused_attention, fused_attention_supported};
-pub use optim::{adamw_fused, round_stochastic_bf16, unscale_check, AdamWStep};
+pub use optim::{adamw_fused, round_stochastic_bf16, sum_squares, unscale_check, AdamWStep};
 pub(crate) use rows::{norm_backward, norm_forward, softmax_backward, softmax_forward};
 pub(crate) use rows::{
     pool_backward, pool_forward, upsample2x_backward, upsample2x_forward, PoolSpec,
@@ -137,6 +137,7 @@ pub(crate) fn dptr(s: &CudaStorage, l: &Layout) -> Result<u64> {
         CudaStorageSlice::BF16(x) => (x.device_ptr(&stream).0, 2),
         CudaStorageSlice::F16(x) => (x.device_ptr(&stream).0, 2),
         CudaStorageSlice::I32(x) => (x.device_ptr(&stream).0, 4),
+        CudaStorageSlice::F64(x) => (x.device_ptr(&stream).0, 8),
         _ => bail!("no CUDA kernel for {:?}", s.dtype()),
     };
     Ok(base + (start * size) as u64)
@@ -175,6 +176,7 @@ pub(crate) fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStor
         DType::BF16 => CudaStorageSlice::BF16(dev.alloc_zeros(n)?),
         DType::F16 => CudaStorageSlice::F16(dev.alloc_zeros(n)?),
         DType::I32 => CudaStorageSlice::I32(dev.alloc_zeros(n)?),
+        DType::F64 => CudaStorageSlice::F64(dev.alloc_zeros(n)?),
         dt => bail!("no CUDA kernel output of {dt:?}"),
     };
     Ok(CudaStorage {

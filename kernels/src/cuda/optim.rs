@@ -142,6 +142,35 @@ pub fn unscale_check(grads: &mut [Option<Tensor>], inv_scale: f64) -> Result<boo
     Ok(flag.first().copied().unwrap_or(0) != 0)
 }
 
+/// The sum of squares of every element of every gradient (f32/bf16/f16 on one CUDA device),
+/// accumulated in f64 across blocks, with one read-back for all of them: the global norm for
+/// gradient clipping is its square root.
+pub fn sum_squares(grads: &[Option<Tensor>]) -> Result<f64> {
+    let Some(first) = grads.iter().flatten().next() else {
+        return Ok(0.0);
+    };
+    let dev = device_of(first)?;
+    let acc = zeros(&dev, DType::F64, 1)?;
+    let acc_ptr = out_ptr(&acc)?;
+    for g in grads.iter().flatten() {
+        let src = g.contiguous()?;
+        let n = src.elem_count();
+        launch(
+            &dev,
+            &format!("sum_squares_{}", suffix(src.dtype())?),
+            (elem_grid(n).min(1024), 1),
+            256,
+            &[
+                Arg::Ptr(tensor_ptr(&src)?),
+                Arg::I64(n as i64),
+                Arg::Ptr(acc_ptr),
+            ],
+        )?;
+    }
+    let total = into_tensor(acc, 1).to_vec1::<f64>()?;
+    Ok(total.first().copied().unwrap_or(0.0))
+}
+
 /// fp32 -> bf16 with stochastic rounding on CUDA (see [`crate::rounding`] for the rule).
 pub fn round_stochastic_bf16(x: &Tensor, seed: u64) -> Result<Tensor> {
     if x.dtype() != DType::F32 {

@@ -75,6 +75,13 @@ inline float atomicAdd(float* p, float v) {
   return old;
 }
 
+inline double atomicAdd(double* p, double v) {
+  std::lock_guard<std::mutex> g(atomics);
+  double old = *p;
+  *p = old + v;
+  return old;
+}
+
 inline int atomicExch(int* p, int v) {
   std::lock_guard<std::mutex> g(atomics);
   int old = *p;

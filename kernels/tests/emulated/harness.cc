@@ -380,6 +380,18 @@ static void stochastic_case() {
   failures += !ok2;
 }
 
+static void sum_squares_case() {
+  auto a = rnd(1000, 30), b = rnd(77, 31);
+  auto bb = to<bf16>(b);
+  auto bf = back(bb);
+  double acc = 0, want = 0;
+  launch({3}, {256}, [&] { sum_squares_f32(a.data(), (long long)a.size(), &acc); });
+  launch({1}, {256}, [&] { sum_squares_bf16(bb.data(), (long long)bb.size(), &acc); });
+  for (float v : a) want += (double)v * v;
+  for (float v : bf) want += (double)v * v;
+  check("sum of squares (global norm)", {(float)acc}, {want}, 1e-6);
+}
+
 static void unscale_case() {
   std::vector<f16> g = to<f16>({2.f, -4.f, 8.f, 0.5f});
   std::vector<float> out(4);
@@ -423,6 +435,7 @@ int main() {
                        attn_bwd_kv_bf16);
   adamw_case();
   stochastic_case();
+  sum_squares_case();
   unscale_case();
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
