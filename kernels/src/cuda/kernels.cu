@@ -336,18 +336,56 @@ __device__ void round_stochastic(const float* x, bf16* y, long long n, unsigned 
 
 // ---- memory-efficient attention (head dim D, one thread per query or key row) -------------
 //
-// q [BH, Lq, D], k/v [BH, Lk, D] contiguous; bias (optional) indexed by broadcast strides over
-// [B, H, Lq, Lk] (sb, sh, sq, sk; 0 where it broadcasts). Forward: online softmax over key tiles
-// held in shared memory; saves lse = m + log(sum) per row. Never forms the Lq x Lk matrix.
+// q [BH, Lq, D]; k, v rows of `kvs` elements (K and V packed side by side: kvs = 2 D); bias
+// (optional, f32) indexed by broadcast strides over [B, H, Lq, Lk] (sb, sh, sq, sk; 0 where it
+// broadcasts). Forward: online softmax over key tiles held in shared memory; saves
+// lse = m + log(sum) per row. Never forms the Lq x Lk matrix. Tiles are read as float4
+// broadcasts (every thread of a warp reads the same row), a quarter of the shared-memory loads.
 
 #define TILE 64
 
+// Dot product of a register row with a shared-memory row.
+template <int D>
+__device__ __forceinline__ float dot_row(const float* r, const float* sm) {
+  float s = 0.f;
+#pragma unroll
+  for (int d = 0; d < D; d += 4) {
+    const float4 t = *reinterpret_cast<const float4*>(sm + d);
+    s += r[d] * t.x + r[d + 1] * t.y + r[d + 2] * t.z + r[d + 3] * t.w;
+  }
+  return s;
+}
+
+// acc += a * sm (a register row and a shared-memory row).
+template <int D>
+__device__ __forceinline__ void axpy_row(float* acc, float a, const float* sm) {
+#pragma unroll
+  for (int d = 0; d < D; d += 4) {
+    const float4 t = *reinterpret_cast<const float4*>(sm + d);
+    acc[d] += a * t.x;
+    acc[d + 1] += a * t.y;
+    acc[d + 2] += a * t.z;
+    acc[d + 3] += a * t.w;
+  }
+}
+
+// Loads rows [r0, r0 + n) of a [rows, stride]-strided tensor (D used columns) into `sm`,
+// multiplied by `mul`.
+template <int D, typename T>
+__device__ __forceinline__ void load_tile(float (*sm)[D], const T* src, long long r0, int n,
+                                          int stride, float mul) {
+  for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+    const int j = e / D, d = e % D;
+    sm[j][d] = ld(src, (r0 + j) * stride + d) * mul;
+  }
+}
+
 template <int D, typename T>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, const float* bias, T* o, float* lse,
-                         int heads, int lq, int lk, int kvs, float scale, long long sb, long long sh,
-                         long long sq, long long sk) {
-  __shared__ float ks[TILE][D + 1];
-  __shared__ float vs[TILE][D + 1];
+                         int heads, int lq, int lk, int kvs, float scale, long long sb,
+                         long long sh, long long sq, long long sk) {
+  __shared__ __align__(16) float ks[TILE][D];
+  __shared__ __align__(16) float vs[TILE][D];
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = row < lq;
@@ -362,26 +400,25 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, const float* bias, 
   for (int t0 = 0; t0 < lk; t0 += TILE) {
     const int n = min(TILE, lk - t0);
     __syncthreads();
-    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
-      const int j = e / D, d = e % D;
-      const long long at = ((long long)bh * lk + t0 + j) * kvs + d;
-      ks[j][d] = ld(k, at);
-      vs[j][d] = ld(v, at);
-    }
+    load_tile<D>(ks, k, (long long)bh * lk + t0, n, kvs, 1.f);
+    load_tile<D>(vs, v, (long long)bh * lk + t0, n, kvs, 1.f);
     __syncthreads();
     if (!live) continue;
     for (int j = 0; j < n; j++) {
-      float s = 0.f;
-#pragma unroll
-      for (int d = 0; d < D; d++) s += qr[d] * ks[j][d];
+      float s = dot_row<D>(qr, ks[j]);
       if (brow) s += brow[(t0 + j) * sk];
       if (s == -FT_INF) continue;
-      const float mn = fmaxf(m, s);
-      const float c = __expf(m - mn), p = __expf(s - mn);
-      l = l * c + p;
+      // Rescale the running sums only when the maximum moves (rare after the first keys).
+      if (s > m) {
+        const float c = __expf(m - s);
+        l *= c;
 #pragma unroll
-      for (int d = 0; d < D; d++) acc[d] = acc[d] * c + p * vs[j][d];
-      m = mn;
+        for (int d = 0; d < D; d++) acc[d] *= c;
+        m = s;
+      }
+      const float p = __expf(s - m);
+      l += p;
+      axpy_row<D>(acc, p, vs[j]);
     }
   }
   if (!live) return;
@@ -405,10 +442,10 @@ __device__ void attn_delta(const T* o, const T* go, float* delta, long long rows
 template <int D, typename T>
 __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const float* bias, const T* go,
                            const float* lse, const float* delta, T* dq, float* dbias, int heads,
-                           int lq, int lk, int kvs, float scale, long long sb, long long sh, long long sq,
-                           long long sk) {
-  __shared__ float ks[TILE][D + 1];
-  __shared__ float vs[TILE][D + 1];
+                           int lq, int lk, int kvs, float scale, long long sb, long long sh,
+                           long long sq, long long sk) {
+  __shared__ __align__(16) float ks[TILE][D];
+  __shared__ __align__(16) float vs[TILE][D];
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = row < lq;
@@ -425,41 +462,31 @@ __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const float* bias
   for (int t0 = 0; t0 < lk; t0 += TILE) {
     const int n = min(TILE, lk - t0);
     __syncthreads();
-    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
-      const int j = e / D, d = e % D;
-      const long long at = ((long long)bh * lk + t0 + j) * kvs + d;
-      ks[j][d] = ld(k, at);
-      vs[j][d] = ld(v, at);
-    }
+    load_tile<D>(ks, k, (long long)bh * lk + t0, n, kvs, 1.f);
+    load_tile<D>(vs, v, (long long)bh * lk + t0, n, kvs, 1.f);
     __syncthreads();
     if (!live || L == -FT_INF) continue;
     for (int j = 0; j < n; j++) {
-      float s = 0.f, dp = 0.f;
-#pragma unroll
-      for (int d = 0; d < D; d++) {
-        s += qr[d] * ks[j][d];
-        dp += gr[d] * vs[j][d];
-      }
+      float s = dot_row<D>(qr, ks[j]);
       if (bias) s += bias[boff + (t0 + j) * sk];
       const float p = __expf(s - L);
-      const float ds = p * (dp - dl);
+      const float ds = p * (dot_row<D>(gr, vs[j]) - dl);
       if (dbias) atomicAdd(dbias + boff + (t0 + j) * sk, ds);
-#pragma unroll
-      for (int d = 0; d < D; d++) acc[d] += ds * ks[j][d];
+      axpy_row<D>(acc, ds, ks[j]);
     }
   }
   if (!live) return;
   for (int d = 0; d < D; d++) st(dq, base + d, acc[d] * scale);
 }
 
-// dK, dV: one thread per key row, query tiles (q, dO, lse, delta) in shared memory.
+// dK, dV: one thread per key row, query tiles (q * scale, dO, lse, delta) in shared memory.
 template <int D, typename T>
 __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bias, const T* go,
                             const float* lse, const float* delta, T* dk, T* dv, int heads,
                             int lq, int lk, int kvs, float scale, long long sb, long long sh,
                             long long sq, long long sk) {
-  __shared__ float qs[TILE][D + 1];
-  __shared__ float gs[TILE][D + 1];
+  __shared__ __align__(16) float qs[TILE][D];
+  __shared__ __align__(16) float gs[TILE][D];
   __shared__ float ls[TILE], ds_[TILE];
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
@@ -476,12 +503,8 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bia
   for (int t0 = 0; t0 < lq; t0 += TILE) {
     const int n = min(TILE, lq - t0);
     __syncthreads();
-    for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
-      const int i = e / D, d = e % D;
-      const long long at = ((long long)bh * lq + t0 + i) * D + d;
-      qs[i][d] = ld(q, at) * scale;
-      gs[i][d] = ld(go, at);
-    }
+    load_tile<D>(qs, q, (long long)bh * lq + t0, n, D, scale);
+    load_tile<D>(gs, go, (long long)bh * lq + t0, n, D, 1.f);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       ls[i] = lse[(long long)bh * lq + t0 + i];
       ds_[i] = delta[(long long)bh * lq + t0 + i];
@@ -490,20 +513,12 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bia
     if (!live) continue;
     for (int i = 0; i < n; i++) {
       if (ls[i] == -FT_INF) continue;
-      float s = 0.f, dp = 0.f;
-#pragma unroll
-      for (int d = 0; d < D; d++) {
-        s += qs[i][d] * kr[d];
-        dp += gs[i][d] * vr[d];
-      }
+      float s = dot_row<D>(kr, qs[i]);
       if (bias) s += bias[boff + (long long)(t0 + i) * sq];
       const float p = __expf(s - ls[i]);
-      const float ds = p * (dp - ds_[i]);
-#pragma unroll
-      for (int d = 0; d < D; d++) {
-        dvr[d] += p * gs[i][d];
-        dkr[d] += ds * qs[i][d];
-      }
+      const float ds = p * (dot_row<D>(vr, gs[i]) - ds_[i]);
+      axpy_row<D>(dvr, p, gs[i]);
+      axpy_row<D>(dkr, ds, qs[i]);
     }
   }
   if (!live) return;

@@ -23,6 +23,11 @@
 #define __forceinline__ inline
 #define __shared__ static
 
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+#define __align__(n) __attribute__((aligned(n)))
+
 struct Dim {
   unsigned x = 1, y = 1, z = 1;
 };
