@@ -279,3 +279,26 @@ fn initialised_parameters_are_seeded_and_tied_names_share_one_tensor() -> anyhow
     assert!((0.01..0.03).contains(&std), "std {std}");
     Ok(())
 }
+
+/// Large tensors are initialised in parallel chunks: still a function of the seed, with the
+/// requested statistics, and no chunk repeating another.
+#[test]
+fn large_initialisation_is_seeded_with_independent_chunks() -> anyhow::Result<()> {
+    let _g = SERIAL.lock();
+    let mk = |seed| -> anyhow::Result<Vec<f32>> {
+        let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &Device::Cpu, seed);
+        Ok(pb
+            .get(&[1 << 21], "big", Init::Normal { std: 0.5 })?
+            .to_vec1::<f32>()?)
+    };
+    let a = mk(3)?;
+    assert_eq!(a, mk(3)?);
+    assert_ne!(a, mk(4)?);
+    let n = a.len() as f64;
+    let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let std = (a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+    assert!(mean.abs() < 2e-3 && (std - 0.5).abs() < 2e-3, "mean {mean} std {std}");
+    // Chunks of 65,536 come from distinct streams.
+    assert_ne!(a[..1 << 16], a[1 << 16..2 << 16]);
+    Ok(())
+}
