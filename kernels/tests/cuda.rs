@@ -79,24 +79,30 @@ fn compare(
     Ok(())
 }
 
-/// NVRTC compiles kernels.cu (needs libnvrtc, not a GPU).
+/// NVRTC compiles kernels.cu for both targets (needs libnvrtc, not a GPU): the sm_80 build
+/// holds the tensor-core attention, the default one compiles its body out.
 #[test]
 fn kernels_compile_with_nvrtc() {
-    match ft_kernels::cuda::ptx() {
-        Ok(ptx) => {
-            for entry in [
-                "softmax_fwd_bf16",
-                "attn_bwd_kv_f16",
-                "adamw_bf16_bf16",
-                "unscale_f32",
-            ] {
-                assert!(ptx.contains(entry), "PTX lacks {entry}");
+    for sm80 in [false, true] {
+        match ft_kernels::cuda::ptx(sm80) {
+            Ok(ptx) => {
+                for entry in [
+                    "softmax_fwd_bf16",
+                    "attn_bwd_kv_f16",
+                    "adamw_bf16_bf16",
+                    "unscale_f32",
+                    "attn_fwd_tc_bf16",
+                ] {
+                    assert!(ptx.contains(entry), "PTX lacks {entry}");
+                }
+                assert_eq!(ptx.contains("mma.sync"), sm80, "sm80 build: {sm80}");
             }
+            Err(e) if e.to_string().contains("could not be loaded") => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
         }
-        Err(e) if e.to_string().contains("could not be loaded") => {
-            eprintln!("skipped: {e}")
-        }
-        Err(e) => panic!("{e}"),
     }
 }
 

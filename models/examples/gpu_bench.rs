@@ -5,7 +5,8 @@
 //! ```text
 //! gpu_bench sdxl <px>[,<px>...] [ck]      full SDXL UNet (configs/sdxl/unet_config.json), batch 1
 //! gpu_bench t5 <batch> <src> <tgt> [ck]   FLAN-T5-XL shape (random weights from the real config)
-//! gpu_bench attention                     attention kernels at SDXL and T5 shapes
+//! gpu_bench attention [kernel-only]       attention kernels at SDXL and T5 shapes (kernel-only:
+//!                                         skip the score-forming sdpa rows)
 //! ```
 //!
 //! Model runs: bf16 weights, fp32 master weights, AdamW, one micro-batch per step. Memory comes
@@ -238,7 +239,17 @@ fn time_attention(
     Ok((secs, peak.saturating_sub(base)))
 }
 
-fn attention() -> anyhow::Result<()> {
+/// The memory-efficient kernel's label: its bf16 forward runs on tensor cores unless
+/// `FT_ATTENTION_TC=0`.
+fn kernel_label() -> &'static str {
+    #[cfg(feature = "cuda")]
+    if !ft_kernels::cuda::tensor_cores_enabled() {
+        return "memory-efficient kernel (CUDA cores)";
+    }
+    "memory-efficient kernel (tensor-core forward)"
+}
+
+fn attention(kernel_only: bool) -> anyhow::Result<()> {
     use ft_kernels::attention::{sdpa, sdpa_memory_efficient};
     let dev = device()?;
     // (label, batch, heads, query tokens, key tokens)
@@ -270,8 +281,11 @@ fn attention() -> anyhow::Result<()> {
                 "sdpa (scores formed)",
                 &full as &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
             ),
-            ("memory-efficient kernel", &chunked),
+            (kernel_label(), &chunked),
         ] {
+            if kernel_only && name.starts_with("sdpa") {
+                continue;
+            }
             let r = time_attention(&dev, f, &q, &k, &v, &g);
             let v = match r {
                 Ok((secs, peak)) => json!({"fwd_bwd_s": secs, "peak_above_inputs": peak}),
@@ -307,7 +321,7 @@ fn main() -> anyhow::Result<()> {
             sdxl(&pxs, ck)
         }
         Some("t5") => t5(num(1)?, num(2)?, num(3)?, ck),
-        Some("attention") => attention(),
+        Some("attention") => attention(args.get(1).is_some_and(|a| a == "kernel-only")),
         _ => bail!(
             "usage: gpu_bench sdxl <px>[,<px>...] [ck] | t5 <batch> <src> <tgt> [ck] | attention"
         ),

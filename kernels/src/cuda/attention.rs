@@ -206,13 +206,17 @@ impl FusedAttention {
             Arg::Ptr(out_ptr(&lse)?),
         ];
         args.extend(g.shape_args(self.scale));
-        launch(
-            dev,
-            &format!("attn_fwd_{}", suffix(g.dtype)?),
-            g.grid(g.lq),
-            ROWS_PER_BLOCK as u32,
-            &args,
-        )?;
+        // bf16 on sm_80+: the tensor-core forward (4 warps per 64 query rows), same outputs.
+        let (name, block) =
+            if g.dtype == DType::BF16 && super::tensor_cores_enabled() && super::has_mma(dev) {
+                ("attn_fwd_tc_bf16".to_string(), 128)
+            } else {
+                (
+                    format!("attn_fwd_{}", suffix(g.dtype)?),
+                    ROWS_PER_BLOCK as u32,
+                )
+            };
+        launch(dev, &name, g.grid(g.lq), block, &args)?;
         let mut slot = self
             .lse
             .lock()

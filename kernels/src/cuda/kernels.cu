@@ -620,3 +620,166 @@ extern "C" __global__ void round_stochastic_bf16(const float* x, bf16* y, long l
                                                  unsigned long long seed) {
   round_stochastic(x, y, n, seed);
 }
+
+// ---- tensor-core attention forward (bf16, 64-dim heads, sm_80+) ---------------------------
+//
+// FlashAttention-2's forward with mma.sync.m16n8k16 (bf16 in, f32 accumulate): a block of 4
+// warps takes 64 query rows, 16 per warp; per tile of 64 keys a warp computes its 16 x 64 scores
+// S = Q K^T in registers, updates the online softmax, and accumulates O += P V with P rounded
+// to bf16 (as FlashAttention does). Same outputs and lse as attn_fwd; the backward kernels
+// above consume them unchanged. Fragment layouts: PTX ISA "Matrix Fragments for mma.m16n8k16"
+// (g = lane / 4, t = lane % 4; A: rows g, g+8, cols 2t, 2t+1 and +8; B: rows 2t, 2t+1 and +8,
+// col g; C: rows g, g+8, cols 2t, 2t+1).
+
+#if defined(FT_HOST_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define FT_HAS_MMA 1
+#endif
+
+#if !defined(FT_HOST_EMULATION)
+// d += a * b for one 16x8x16 bf16 tile (the host emulation brings its own).
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+#endif
+
+#define TC_ROWS 64  // query rows per block (4 warps x 16)
+#define TC_KEYS 64  // keys per tile
+#define TC_LD 72    // shared row stride in bf16 elements: 64 + 8 keeps fragment loads conflict-free
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  return (unsigned)bf16_bits(lo) | ((unsigned)bf16_bits(hi) << 16);
+}
+// Two consecutive bf16 (even element index, so 4-byte aligned) as one register.
+__device__ __forceinline__ unsigned ld_pair(const unsigned short* p) {
+  return *reinterpret_cast<const unsigned*>(p);
+}
+
+extern "C" __global__ void attn_fwd_tc_bf16(const bf16* q, const bf16* k, const bf16* v,
+                                            const float* bias, bf16* o, float* lse, int heads,
+                                            int lq, int lk, int kvs, float scale, long long sb,
+                                            long long sh, long long sq, long long sk) {
+#ifdef FT_HAS_MMA
+  __shared__ __align__(16) unsigned short Qs[TC_ROWS * TC_LD];
+  __shared__ __align__(16) unsigned short Ks[TC_KEYS * TC_LD];
+  __shared__ __align__(16) unsigned short Vt[64 * TC_LD];  // V transposed: [dim][key]
+  const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = blockIdx.x * TC_ROWS;
+  for (int e = threadIdx.x; e < TC_ROWS * 64; e += blockDim.x) {
+    const int r = e / 64, d = e % 64;
+    Qs[r * TC_LD + d] = (q0 + r < lq) ? q[((long long)bh * lq + q0 + r) * 64 + d].x : 0;
+  }
+  const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;  // this thread's two query rows
+  const float* b0p = (bias && r0 < lq) ? bias + b * sb + h * sh + (long long)r0 * sq : nullptr;
+  const float* b1p = (bias && r1 < lq) ? bias + b * sb + h * sh + (long long)r1 * sq : nullptr;
+  float m0 = -FT_INF, m1 = -FT_INF, l0 = 0.f, l1 = 0.f;
+  float acc[8][4];
+  for (int n = 0; n < 8; n++)
+    for (int i = 0; i < 4; i++) acc[n][i] = 0.f;
+  __syncthreads();
+  unsigned qa[4][4];  // A fragments of this warp's 16 query rows, one per 16-dim step
+  const unsigned short* qw = Qs + warp * 16 * TC_LD;
+  for (int kk = 0; kk < 4; kk++) {
+    qa[kk][0] = ld_pair(qw + g * TC_LD + kk * 16 + 2 * t);
+    qa[kk][1] = ld_pair(qw + (g + 8) * TC_LD + kk * 16 + 2 * t);
+    qa[kk][2] = ld_pair(qw + g * TC_LD + kk * 16 + 2 * t + 8);
+    qa[kk][3] = ld_pair(qw + (g + 8) * TC_LD + kk * 16 + 2 * t + 8);
+  }
+  for (int t0 = 0; t0 < lk; t0 += TC_KEYS) {
+    const int n = min(TC_KEYS, lk - t0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < TC_KEYS * 64; e += blockDim.x) {
+      const int j = e / 64, d = e % 64;
+      const long long at = ((long long)bh * lk + t0 + j) * kvs + d;
+      Ks[j * TC_LD + d] = j < n ? k[at].x : 0;
+      Vt[d * TC_LD + j] = j < n ? v[at].x : 0;
+    }
+    __syncthreads();
+    float s[8][4];
+    for (int nt = 0; nt < 8; nt++) {
+      for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
+      for (int kk = 0; kk < 4; kk++) {
+        const unsigned short* kr = Ks + (nt * 8 + g) * TC_LD + kk * 16 + 2 * t;
+        const unsigned bb[2] = {ld_pair(kr), ld_pair(kr + 8)};
+        mma_bf16_16816(s[nt], qa[kk], bb);
+      }
+    }
+    float mx0 = -FT_INF, mx1 = -FT_INF;
+    for (int nt = 0; nt < 8; nt++)
+      for (int c = 0; c < 2; c++) {
+        const int j = nt * 8 + 2 * t + c;
+        float v0 = s[nt][c] * scale, v1 = s[nt][2 + c] * scale;
+        if (j >= n) {
+          v0 = -FT_INF;
+          v1 = -FT_INF;
+        } else {
+          if (b0p) v0 += b0p[(t0 + j) * sk];
+          if (b1p) v1 += b1p[(t0 + j) * sk];
+        }
+        s[nt][c] = v0;
+        s[nt][2 + c] = v1;
+        mx0 = fmaxf(mx0, v0);
+        mx1 = fmaxf(mx1, v1);
+      }
+    for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o_));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o_));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    // Exponent bases: 0 while a row has seen only -inf scores (so exp gives 0, not NaN).
+    const float e0 = mn0 == -FT_INF ? 0.f : mn0, e1 = mn1 == -FT_INF ? 0.f : mn1;
+    const float c0 = __expf(m0 - e0), c1 = __expf(m1 - e1);
+    l0 *= c0;
+    l1 *= c1;
+    for (int dn = 0; dn < 8; dn++) {
+      acc[dn][0] *= c0;
+      acc[dn][1] *= c0;
+      acc[dn][2] *= c1;
+      acc[dn][3] *= c1;
+    }
+    m0 = mn0;
+    m1 = mn1;
+    unsigned pa[4][4];  // P as A fragments: key tile nt feeds step nt / 2
+    for (int nt = 0; nt < 8; nt++) {
+      const float p00 = __expf(s[nt][0] - e0), p01 = __expf(s[nt][1] - e0);
+      const float p10 = __expf(s[nt][2] - e1), p11 = __expf(s[nt][3] - e1);
+      l0 += p00 + p01;
+      l1 += p10 + p11;
+      pa[nt / 2][(nt & 1) * 2] = pack_bf16(p00, p01);
+      pa[nt / 2][(nt & 1) * 2 + 1] = pack_bf16(p10, p11);
+    }
+    for (int dn = 0; dn < 8; dn++)
+      for (int kk = 0; kk < 4; kk++) {
+        const unsigned short* vr = Vt + (dn * 8 + g) * TC_LD + kk * 16 + 2 * t;
+        const unsigned bb[2] = {ld_pair(vr), ld_pair(vr + 8)};
+        mma_bf16_16816(acc[dn], pa[kk], bb);
+      }
+  }
+  for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o_);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o_);
+  }
+  const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  for (int dn = 0; dn < 8; dn++) {
+    const int d = dn * 8 + 2 * t;
+    if (r0 < lq) {
+      st(o, ((long long)bh * lq + r0) * 64 + d, acc[dn][0] * i0);
+      st(o, ((long long)bh * lq + r0) * 64 + d + 1, acc[dn][1] * i0);
+    }
+    if (r1 < lq) {
+      st(o, ((long long)bh * lq + r1) * 64 + d, acc[dn][2] * i1);
+      st(o, ((long long)bh * lq + r1) * 64 + d + 1, acc[dn][3] * i1);
+    }
+  }
+  if (t == 0) {
+    if (r0 < lq) lse[(long long)bh * lq + r0] = l0 > 0.f ? m0 + __logf(l0) : -FT_INF;
+    if (r1 < lq) lse[(long long)bh * lq + r1] = l1 > 0.f ? m1 + __logf(l1) : -FT_INF;
+  }
+#endif
+}

@@ -41,16 +41,48 @@ pub fn enabled() -> bool {
     })
 }
 
-const SOURCE: &str = include_str!("kernels.cu");
-const MODULE: &str = "ft_kernels";
+/// Whether bf16 attention uses the tensor-core forward on GPUs that have `mma.sync` (compute
+/// capability 8.0 and later): yes unless `FT_ATTENTION_TC` is `0`, `off` or `false`.
+pub fn tensor_cores_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("FT_ATTENTION_TC")
+                .unwrap_or_default()
+                .to_ascii_lowercase()
+                .as_str(),
+            "0" | "off" | "false"
+        )
+    })
+}
 
-/// The PTX of `kernels.cu`, compiled on first use. The source is compiled without an `-arch`
-/// so that the driver JIT-compiles it for whatever GPU it meets.
-pub fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
+/// Whether `dev` takes the sm_80 build of the kernels (with the tensor-core ones).
+pub(crate) fn has_mma(dev: &CudaDevice) -> bool {
+    dev.cuda_stream()
+        .context()
+        .compute_capability()
+        .map(|(major, _)| major >= 8)
+        .unwrap_or(false)
+}
+
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// The PTX of `kernels.cu`, compiled on first use: for `compute_80` when `sm80` (the
+/// tensor-core kernels need `mma.sync`; the driver JIT-compiles the PTX for any later GPU),
+/// else for NVRTC's default architecture, where the tensor-core kernels compile to empty
+/// bodies that are never launched.
+pub fn ptx(sm80: bool) -> Result<&'static str> {
+    static BASE: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    static SM80: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    let (cell, arch) = if sm80 {
+        (&SM80, Some("compute_80"))
+    } else {
+        (&BASE, None)
+    };
+    cell.get_or_init(|| {
         let opts = CompileOptions {
             name: Some("ft_kernels.cu".into()),
+            arch,
             ..Default::default()
         };
         // cudarc panics when libnvrtc cannot be loaded: report that as an error instead.
@@ -88,7 +120,13 @@ pub(crate) fn launch(
     block: u32,
     args: &[Arg],
 ) -> Result<()> {
-    let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
+    let sm80 = has_mma(dev);
+    let module = if sm80 {
+        "ft_kernels_sm80"
+    } else {
+        "ft_kernels"
+    };
+    let f = dev.get_or_load_custom_func(name, module, ptx(sm80)?)?;
     let mut b = f.builder();
     for a in args {
         match a {

@@ -43,6 +43,7 @@ struct Block {
   std::barrier<> all;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   float slots[1024];
+  unsigned mma_a[1024][4], mma_b[1024][2];
   std::atomic<int> any{0};
 };
 
@@ -124,6 +125,42 @@ inline unsigned short f32_to_f16(float f) {
   unsigned short h;
   std::memcpy(&h, &v, 2);
   return h;
+}
+
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 for one warp, d += a * b: each lane posts its
+// fragment registers, every lane rebuilds the 16x16 A and 16x8 B tiles from the PTX ISA's
+// fragment layout and computes its own four accumulator elements.
+inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+  const unsigned tid = threadIdx.x, base = tid & ~31u, lane = tid & 31u;
+  Block& blk = *cur_block;
+  auto& bar = *blk.warps[tid / 32];
+  for (int i = 0; i < 4; i++) blk.mma_a[tid][i] = a[i];
+  for (int i = 0; i < 2; i++) blk.mma_b[tid][i] = b[i];
+  bar.arrive_and_wait();
+  auto bf = [](unsigned bits) { return __uint_as_float(bits << 16); };
+  float A[16][16], B[16][8];
+  for (unsigned L = 0; L < 32; L++) {
+    const unsigned g = L >> 2, t = L & 3;
+    const unsigned* ra = blk.mma_a[base + L];
+    const unsigned* rb = blk.mma_b[base + L];
+    const unsigned rows[4] = {g, g + 8, g, g + 8}, cols[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+    for (int r = 0; r < 4; r++) {
+      A[rows[r]][cols[r]] = bf(ra[r] & 0xffffu);
+      A[rows[r]][cols[r] + 1] = bf(ra[r] >> 16);
+    }
+    for (int r = 0; r < 2; r++) {
+      B[2 * t + 8 * r][g] = bf(rb[r] & 0xffffu);
+      B[2 * t + 8 * r + 1][g] = bf(rb[r] >> 16);
+    }
+  }
+  bar.arrive_and_wait();
+  const unsigned g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; i++) {
+    const unsigned row = i < 2 ? g : g + 8, col = 2 * t + (i & 1);
+    float acc = 0.f;
+    for (int kk = 0; kk < 16; kk++) acc += A[row][kk] * B[kk][col];
+    d[i] += acc;
+  }
 }
 
 // Runs `kernel` (a callable running one thread's work) over the grid.

@@ -212,7 +212,8 @@ static void attention_case(const std::string& ty, const AttnCase& c, double tol,
                                       float, long long, long long, long long, long long),
                            void (*bkv)(const T*, const T*, const T*, const float*, const T*,
                                        const float*, const float*, T*, T*, int, int, int, int,
-                                       float, long long, long long, long long, long long)) {
+                                       float, long long, long long, long long, long long),
+                           unsigned fwd_block = 64) {
   const int D = 64, BH = c.b * c.h, kvs = 2 * D;
   auto q = to<T>(rnd((size_t)BH * c.lq * D, 11));
   auto kv = to<T>(rnd((size_t)BH * c.lk * kvs, 12));
@@ -243,7 +244,7 @@ static void attention_case(const std::string& ty, const AttnCase& c, double tol,
   const Dim gq{(unsigned)((c.lq + 63) / 64), (unsigned)BH}, gk{(unsigned)((c.lk + 63) / 64), (unsigned)BH};
   const T* k = kv.data();
   const T* v = kv.data() + D;
-  launch(gq, {64}, [&] {
+  launch(gq, {fwd_block}, [&] {
     fwd(q.data(), k, v, bp, o.data(), lse.data(), c.h, c.lq, c.lk, kvs, c.scale, sb, sh, sq, sk);
   });
   const long long rows = (long long)BH * c.lq;
@@ -433,6 +434,10 @@ int main() {
                           attn_bwd_kv_f32);
   attention_case<bf16>("bf16", cases[1], 1e-2, attn_fwd_bf16, attn_delta_bf16, attn_bwd_q_bf16,
                        attn_bwd_kv_bf16);
+  // The tensor-core forward (4 warps per 64 rows) feeding the same backward kernels.
+  for (const auto& c : cases)
+    attention_case<bf16>("bf16 tensor-core", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
+                         attn_bwd_q_bf16, attn_bwd_kv_bf16, 128);
   adamw_case();
   stochastic_case();
   sum_squares_case();
