@@ -222,6 +222,41 @@ fn fused_attention_matches_sdpa() -> Result<()> {
             attention::attend(&t[0], &t[1], &t[2], Some(&m), 0.125)
         },
     )?;
+    // bf16 gradients (the tensor-core backward on sm_80+) against the f32 CPU gradients.
+    let inputs = [
+        r(&[2, 3, 100, 64], 43)?,
+        r(&[2, 3, 90, 64], 44)?,
+        r(&[2, 3, 90, 64], 45)?,
+        r(&[1, 3, 100, 90], 46)?,
+    ];
+    let grads_on = |d: &Device, dt: DType| -> Result<Vec<Tensor>> {
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_dtype(dt)?.to_device(d)?))
+            .collect::<Result<_>>()?;
+        let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = attention::attend(&t[0], &t[1], &t[2], Some(&t[3]), 0.125)?;
+        let w = random_tensor(y.dims(), 47, &Device::Cpu)?
+            .to_dtype(dt)?
+            .to_device(d)?;
+        let g = (y * w)?.sum_all()?.backward()?;
+        vars.iter()
+            .map(|v| {
+                g.get(v.as_tensor())
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::Msg("missing gradient".into()))
+            })
+            .collect()
+    };
+    let cpu = grads_on(&Device::Cpu, DType::F32)?;
+    let gpu = grads_on(&dev, DType::BF16)?;
+    for (i, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
+        let e = rel(a, b)?;
+        assert!(
+            e < 3e-2,
+            "bf16 attention gradient of input {i} differs by {e:.2e}"
+        );
+    }
     // The memory-efficient entry point takes the same kernels on CUDA.
     let q = r(&[1, 2, 65, 64], 40)?;
     let k = r(&[1, 2, 33, 64], 41)?;

@@ -255,6 +255,13 @@ impl FusedAttention {
             })?;
         let rows = g.b * g.h * g.lq;
         let sfx = suffix(dt)?;
+        // bf16 on sm_80+: the tensor-core backward kernels (same arguments, 4 warps per block).
+        let tc = dt == DType::BF16 && super::tensor_cores_enabled() && super::has_mma(&dev);
+        let (variant, block) = if tc {
+            ("tc_bf16", 128)
+        } else {
+            (sfx, ROWS_PER_BLOCK as u32)
+        };
 
         let delta = output(&dev, DType::F32, rows)?;
         launch(
@@ -294,9 +301,9 @@ impl FusedAttention {
         args.extend(g.shape_args(self.scale));
         launch(
             &dev,
-            &format!("attn_bwd_q_{sfx}"),
+            &format!("attn_bwd_q_{variant}"),
             g.grid(g.lq),
-            ROWS_PER_BLOCK as u32,
+            block,
             &args,
         )?;
 
@@ -308,9 +315,9 @@ impl FusedAttention {
         args.extend(g.shape_args(self.scale));
         launch(
             &dev,
-            &format!("attn_bwd_kv_{sfx}"),
+            &format!("attn_bwd_kv_{variant}"),
             g.grid(g.lk),
-            ROWS_PER_BLOCK as u32,
+            block,
             &args,
         )?;
 

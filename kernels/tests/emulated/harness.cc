@@ -213,7 +213,7 @@ static void attention_case(const std::string& ty, const AttnCase& c, double tol,
                            void (*bkv)(const T*, const T*, const T*, const float*, const T*,
                                        const float*, const float*, T*, T*, int, int, int, int,
                                        float, long long, long long, long long, long long),
-                           unsigned fwd_block = 64) {
+                           unsigned fwd_block = 64, unsigned bwd_block = 64) {
   const int D = 64, BH = c.b * c.h, kvs = 2 * D;
   auto q = to<T>(rnd((size_t)BH * c.lq * D, 11));
   auto kv = to<T>(rnd((size_t)BH * c.lk * kvs, 12));
@@ -249,11 +249,11 @@ static void attention_case(const std::string& ty, const AttnCase& c, double tol,
   });
   const long long rows = (long long)BH * c.lq;
   launch({(unsigned)((rows + 127) / 128)}, {128}, [&] { delta(o.data(), go.data(), dl.data(), rows); });
-  launch(gq, {64}, [&] {
+  launch(gq, {bwd_block}, [&] {
     bq(q.data(), k, v, bp, go.data(), lse.data(), dl.data(), dq.data(), bp ? dbias.data() : nullptr,
        c.h, c.lq, c.lk, kvs, c.scale, sb, sh, sq, sk);
   });
-  launch(gk, {64}, [&] {
+  launch(gk, {bwd_block}, [&] {
     bkv(q.data(), k, v, bp, go.data(), lse.data(), dl.data(), dkv.data(), dkv.data() + D, c.h, c.lq,
         c.lk, kvs, c.scale, sb, sh, sq, sk);
   });
@@ -434,10 +434,14 @@ int main() {
                           attn_bwd_kv_f32);
   attention_case<bf16>("bf16", cases[1], 1e-2, attn_fwd_bf16, attn_delta_bf16, attn_bwd_q_bf16,
                        attn_bwd_kv_bf16);
-  // The tensor-core forward (4 warps per 64 rows) feeding the same backward kernels.
+  // The tensor-core kernels (4 warps per 64 rows): the forward with the CUDA-core backward,
+  // then all of them together.
   for (const auto& c : cases)
-    attention_case<bf16>("bf16 tensor-core", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
+    attention_case<bf16>("bf16 tc forward", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
                          attn_bwd_q_bf16, attn_bwd_kv_bf16, 128);
+  for (const auto& c : cases)
+    attention_case<bf16>("bf16 tc fwd+bwd", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
+                         attn_bwd_q_tc_bf16, attn_bwd_kv_tc_bf16, 128, 128);
   adamw_case();
   stochastic_case();
   sum_squares_case();
