@@ -34,6 +34,17 @@ def model_rows(rows, key):
     return out
 
 
+def phase_rows(rows, key):
+    out = []
+    for r in rows:
+        ph = r.get("phases")
+        if ph:
+            out.append(f"{r['impl']} {key(r)}: forward {ph['forward_s']:.3f} s, backward "
+                       f"(recompute included) {ph['backward_s']:.3f} s, optimizer "
+                       f"{ph['optimizer_s']:.3f} s")
+    return out
+
+
 def states_rows(rows):
     out = []
     for r in rows:
@@ -55,12 +66,12 @@ def main():
     if sdxl:
         print("\nFull SDXL UNet train step, batch 1, AdamW\n")
         print("\n".join(model_rows(sdxl, lambda r: f"{r['px']} px{ck(r)}")))
-        print("\n".join(states_rows(sdxl)))
+        print("\n".join(states_rows(sdxl) + phase_rows(sdxl, lambda r: f"{r['px']} px")))
     if t5:
         print("\nFLAN-T5-XL-shaped train step, AdamW\n")
         print("\n".join(model_rows(
             t5, lambda r: f"batch {r['batch']}, {r['src']}+{r['tgt']} tokens{ck(r)}")))
-        print("\n".join(states_rows(t5)))
+        print("\n".join(states_rows(t5) + phase_rows(t5, lambda r: f"batch {r['batch']}")))
     if att:
         print("\nAttention forward + backward, bf16, 64-dim heads\n")
         print("| shape (B, H, Lq, Lk) | implementation | time | peak memory above inputs |")

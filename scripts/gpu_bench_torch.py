@@ -41,14 +41,32 @@ def measure(step):
     return secs, base, torch.cuda.max_memory_allocated()
 
 
+PHASES = []
+
+
 def train_step(model, opt, loss_fn, amp):
+    """One step as forward, backward and optimizer, each ended by a sync and timed into
+    PHASES (as the Rust side's `Phases`)."""
     def step():
+        t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             loss = loss_fn()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         loss.backward()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        PHASES.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     return step
+
+
+def phases():
+    last = PHASES[-STEPS:]
+    mean = lambda i: sum(r[i] for r in last) / max(len(last), 1)  # noqa: E731
+    return {"forward_s": mean(0), "backward_s": mean(1), "optimizer_s": mean(2)}
 
 
 def sdxl(pxs, ck):
@@ -81,7 +99,7 @@ def sdxl(pxs, ck):
                 return torch.nn.functional.mse_loss(pred.float(), target)
             try:
                 secs, base, peak = measure(train_step(unet, opt, loss_fn, mode == "amp"))
-                r = {"step_s": secs, "base": base, "peak": peak}
+                r = {"step_s": secs, "base": base, "peak": peak, "phases": phases()}
             except torch.cuda.OutOfMemoryError as e:
                 r = {"error": "out of memory: " + str(e).splitlines()[0]}
             print(json.dumps({"bench": "sdxl", "impl": f"pytorch-{mode}", "px": px,
@@ -120,7 +138,7 @@ def t5(batch, src, tgt, ck):
             return model(input_ids=ids, labels=labels, use_cache=False).loss
         try:
             secs, base, peak = measure(train_step(model, opt, loss_fn, mode == "amp"))
-            r = {"step_s": secs, "base": base, "peak": peak}
+            r = {"step_s": secs, "base": base, "peak": peak, "phases": phases()}
         except torch.cuda.OutOfMemoryError as e:
             r = {"error": "out of memory: " + str(e).splitlines()[0]}
         print(json.dumps({"bench": "t5", "impl": f"pytorch-{mode}", "batch": batch, "src": src,

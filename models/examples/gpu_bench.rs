@@ -54,6 +54,48 @@ fn sync(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Per-step time of forward, backward (with the recomputation under checkpointing) and the
+/// optimizer step, each ended by a device sync: where a step's time goes.
+#[derive(Default)]
+struct Phases {
+    rows: std::cell::RefCell<Vec<[f64; 3]>>,
+}
+
+impl Phases {
+    /// Runs one step as its three phases, recording each one's time.
+    fn step<L, G>(
+        &self,
+        dev: &Device,
+        forward: impl FnOnce() -> anyhow::Result<L>,
+        backward: impl FnOnce(L) -> anyhow::Result<G>,
+        update: impl FnOnce(G) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let t = Instant::now();
+        let loss = forward()?;
+        sync(dev)?;
+        let f = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let grads = backward(loss)?;
+        sync(dev)?;
+        let b = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        update(grads)?;
+        sync(dev)?;
+        self.rows
+            .borrow_mut()
+            .push([f, b, t.elapsed().as_secs_f64()]);
+        Ok(())
+    }
+
+    /// Mean seconds of each phase over the last `STEPS` steps.
+    fn json(&self) -> serde_json::Value {
+        let rows = self.rows.borrow();
+        let last = &rows[rows.len().saturating_sub(STEPS)..];
+        let mean = |i: usize| last.iter().map(|r| r[i]).sum::<f64>() / last.len().max(1) as f64;
+        json!({"forward_s": mean(0), "backward_s": mean(1), "optimizer_s": mean(2)})
+    }
+}
+
 fn randn(rng: &mut SplitMix64, shape: &[usize], dt: DType, dev: &Device) -> anyhow::Result<Tensor> {
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
@@ -134,19 +176,28 @@ fn sdxl(pxs: &[usize], ck: bool) -> anyhow::Result<()> {
         let pooled = randn(&mut rng, &[1, pooled_dim], bf, &dev)?;
         let p = px as f32;
         let ids = Tensor::new(&[[p, p, 0.0, 0.0, p, p]], &dev)?.to_dtype(bf)?;
+        let phases = Phases::default();
         let mut step = || -> anyhow::Result<()> {
-            let pred = unet.forward(&x, &[500.0], &ctx, Some((&pooled, &ids)), &checkpointer)?;
-            let loss = (pred.to_dtype(DType::F32)? - &target)?.sqr()?.mean_all()?;
-            let grads = checkpointer.gradients(&loss, &params)?;
-            drop(loss);
-            opt.step(grads, 1e-5)?;
-            Ok(())
+            phases.step(
+                &dev,
+                || {
+                    let pred =
+                        unet.forward(&x, &[500.0], &ctx, Some((&pooled, &ids)), &checkpointer)?;
+                    Ok((pred.to_dtype(DType::F32)? - &target)?.sqr()?.mean_all()?)
+                },
+                |loss| Ok(checkpointer.gradients(&loss, &params)?),
+                |grads| {
+                    opt.step(grads, 1e-5)?;
+                    Ok(())
+                },
+            )
         };
         let (secs, base, peak) = measure_steps(&dev, &mut step)?;
         println!(
             "{}",
             json!({"bench": "sdxl", "impl": label(), "px": px, "checkpointing": ck,
-                   "step_s": secs, "base": base, "peak": peak, "states": states(&store, &opt)})
+                   "step_s": secs, "base": base, "peak": peak, "states": states(&store, &opt),
+                   "phases": phases.json()})
         );
     }
     Ok(())
@@ -187,20 +238,27 @@ fn t5(batch: usize, src: usize, tgt: usize, ck: bool) -> anyhow::Result<()> {
         label_tokens: batch * tgt,
     };
     let checkpointer = Checkpointer::new(ck);
+    let phases = Phases::default();
     let mut step = || -> anyhow::Result<()> {
-        let loss =
-            (model.summed_loss(&b, &DropoutCtx::eval(), &checkpointer)? / (batch * tgt) as f64)?;
-        let grads = checkpointer.gradients(&loss, &params)?;
-        drop(loss);
-        opt.step(grads, 1e-5)?;
-        Ok(())
+        phases.step(
+            &dev,
+            || {
+                let sum = model.summed_loss(&b, &DropoutCtx::eval(), &checkpointer)?;
+                Ok((sum / (batch * tgt) as f64)?)
+            },
+            |loss| Ok(checkpointer.gradients(&loss, &params)?),
+            |grads| {
+                opt.step(grads, 1e-5)?;
+                Ok(())
+            },
+        )
     };
     let (secs, base, peak) = measure_steps(&dev, &mut step)?;
     println!(
         "{}",
         json!({"bench": "t5", "impl": label(), "batch": batch, "src": src, "tgt": tgt,
                "checkpointing": ck, "step_s": secs, "base": base, "peak": peak,
-               "states": states(&store, &opt)})
+               "states": states(&store, &opt), "phases": phases.json()})
     );
     Ok(())
 }
