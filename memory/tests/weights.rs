@@ -297,7 +297,10 @@ fn large_initialisation_is_seeded_with_independent_chunks() -> anyhow::Result<()
     let n = a.len() as f64;
     let mean = a.iter().map(|&x| x as f64).sum::<f64>() / n;
     let std = (a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
-    assert!(mean.abs() < 2e-3 && (std - 0.5).abs() < 2e-3, "mean {mean} std {std}");
+    assert!(
+        mean.abs() < 2e-3 && (std - 0.5).abs() < 2e-3,
+        "mean {mean} std {std}"
+    );
     // Chunks of 65,536 come from distinct streams.
     assert_ne!(a[..1 << 16], a[1 << 16..2 << 16]);
     Ok(())
