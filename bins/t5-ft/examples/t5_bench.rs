@@ -1,4 +1,4 @@
-//! `cargo run -p t5-ft --example bench` : train-step time and peak memory of a t5-small-sized
+//! `cargo run -p t5-ft --example t5_bench` : train-step time and peak memory of a t5-small-sized
 //! model on CPU with and without checkpointing, next to PyTorch + transformers in the same run
 //! (when `python3` with torch and transformers is found; set `BENCH_PYTHON` to choose one), a
 //! FLAN-T5-XL memory plan from its real config, and data-pipeline throughput.

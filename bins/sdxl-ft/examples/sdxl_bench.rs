@@ -1,4 +1,4 @@
-//! `cargo run -p sdxl-ft --example bench` : train-step time and peak memory of a mid-size
+//! `cargo run -p sdxl-ft --example sdxl_bench` : train-step time and peak memory of a mid-size
 //! SDXL-shaped UNet on CPU at 128 and 256 px, with and without checkpointing, next to PyTorch +
 //! diffusers in the same run (when `python3` with torch and diffusers is found; set `BENCH_PYTHON`
 //! to choose one), then the memory plan of the full SDXL UNet from its real config.
