@@ -11,7 +11,9 @@
 # Needs python3 with torch (CUDA), transformers and diffusers for the PyTorch side; set
 # TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).
 # SDXL_PX (default 128,1024), T5_SHAPE (default "8 512 128") choose the sizes; BASELINE=0 skips
-# the second candle run on candle's own ops (FT_CUDA_KERNELS=0).
+# the second candle run on candle's own ops (FT_CUDA_KERNELS=0). ONLY (default "tests attention sdxl
+# t5") picks the parts, so a run can be split over calls that each have a time limit; results are
+# appended to out/results.jsonl and the tables are printed from all of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-bench-out}
@@ -43,31 +45,41 @@ for d in /usr/local/cuda/lib64 $("$PY" -c 'import nvidia, os; print(os.path.join
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
+ONLY=" ${ONLY:-tests attention sdxl t5} "
+want() { [[ "$ONLY" == *" $1 "* ]]; }
 step() { echo "== $*" >&2; }
 TO="timeout ${STEP_TIMEOUT:-900}"
-step "CUDA op tests against the CPU reference"
-{
-  $TO "$BIN_DIR/cuda_tests" --test-threads=1 --nocapture
-  [ -x "$BIN_DIR/memory_cuda_tests" ] && $TO "$BIN_DIR/memory_cuda_tests" --test-threads=1 --nocapture
-} 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
+if want tests; then
+  step "CUDA op tests against the CPU reference"
+  {
+    $TO "$BIN_DIR/cuda_tests" --test-threads=1 --nocapture
+    [ -x "$BIN_DIR/memory_cuda_tests" ] && $TO "$BIN_DIR/memory_cuda_tests" --test-threads=1 --nocapture
+  } 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
+fi
 
 R="$OUT/results.jsonl"
-: > "$R"
-step "attention"
-$TO "$BIN_DIR/gpu_bench" attention | tee -a "$R"
-FT_ATTENTION_TC=0 $TO "$BIN_DIR/gpu_bench" attention kernel-only | tee -a "$R"
-$TO "$PY" scripts/gpu_bench_torch.py attention | tee -a "$R"
-step "SDXL UNet"
-$TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
-# The same run on candle's ops instead of the project's kernels (FT_CUDA_KERNELS=0): the baseline.
-[ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
-PYTHONPATH="${TORCH_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" \
-  $TO "$PY" scripts/gpu_bench_torch.py sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
-step "FLAN-T5-XL"
-# shellcheck disable=SC2086
-$TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
-# shellcheck disable=SC2086
-[ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
-# shellcheck disable=SC2086
-$TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+touch "$R"
+if want attention; then
+  step "attention"
+  $TO "$BIN_DIR/gpu_bench" attention | tee -a "$R"
+  FT_ATTENTION_TC=0 $TO "$BIN_DIR/gpu_bench" attention kernel-only | tee -a "$R"
+  $TO "$PY" scripts/gpu_bench_torch.py attention | tee -a "$R"
+fi
+if want sdxl; then
+  step "SDXL UNet"
+  $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+  # The same run on candle's ops instead of the project's kernels (FT_CUDA_KERNELS=0): the baseline.
+  [ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+  PYTHONPATH="${TORCH_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" \
+    $TO "$PY" scripts/gpu_bench_torch.py sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+fi
+if want t5; then
+  step "FLAN-T5-XL"
+  # shellcheck disable=SC2086
+  $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+  # shellcheck disable=SC2086
+  [ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+  # shellcheck disable=SC2086
+  $TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+fi
 "$PY" scripts/gpu_bench_table.py "$R" | tee "$OUT/tables.md"
