@@ -12,6 +12,10 @@ use ft_kernels::{attention, conv, linear, norm, pool, rounding, softmax, upsampl
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
+        // `scripts/gpu-bench.sh` sets FT_REQUIRE_GPU=1: there a missing device is a failure.
+        Err(e) if std::env::var("FT_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("FT_REQUIRE_GPU=1 but no CUDA device: {e}")
+        }
         Err(e) => {
             eprintln!("skipped: no CUDA device ({e})");
             None
@@ -79,23 +83,25 @@ fn compare(
     Ok(())
 }
 
-/// NVRTC compiles kernels.cu for both targets (needs libnvrtc, not a GPU): the sm_80 build
-/// holds the tensor-core attention, the default one compiles its body out.
+/// NVRTC compiles kernels.cu for the targets `kernel_arch` picks (needs libnvrtc, not a GPU):
+/// the sm_80 build holds the tensor-core attention, an older GPU's build compiles its body out.
 #[test]
 fn kernels_compile_with_nvrtc() {
-    for sm80 in [false, true] {
-        match ft_kernels::cuda::ptx(sm80) {
+    for arch in ["compute_75", "compute_80"] {
+        match ft_kernels::cuda::ptx(arch) {
             Ok(ptx) => {
                 for entry in [
                     "softmax_fwd_bf16",
                     "attn_bwd_kv_f16",
                     "adamw_bf16_bf16",
                     "unscale_f32",
+                    "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
                 ] {
-                    assert!(ptx.contains(entry), "PTX lacks {entry}");
+                    assert!(ptx.contains(entry), "{arch}: PTX lacks {entry}");
                 }
-                assert_eq!(ptx.contains("mma.sync"), sm80, "sm80 build: {sm80}");
+                let tc = arch != "compute_75";
+                assert_eq!(ptx.contains("mma.sync"), tc, "{arch}: tensor cores {tc}");
             }
             Err(e) if e.to_string().contains("could not be loaded") => {
                 eprintln!("skipped: {e}");
@@ -390,5 +396,24 @@ fn stochastic_rounding_matches_the_cpu() -> Result<()> {
         .map(|v| v.to_bits())
         .collect();
     assert_eq!(a, b);
+    Ok(())
+}
+
+/// Empty tensors (no rows, or no batch-heads) launch no kernel and come back empty, with a
+/// gradient, where a forced one-block launch would index past the empty buffers.
+#[test]
+fn empty_tensors_launch_nothing() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let x = Var::from_tensor(&Tensor::zeros((0, 8), DType::F32, &dev)?)?;
+    let y = softmax::softmax_last_dim(x.as_tensor())?;
+    assert_eq!(y.dims(), &[0, 8]);
+    let g = y.sum_all()?.backward()?;
+    assert_eq!(g.get(x.as_tensor()).map(|g| g.elem_count()), Some(0));
+    let n = norm::rms_norm(x.as_tensor(), None, 1e-6)?;
+    assert_eq!(n.dims(), &[0, 8]);
+    let q = Tensor::zeros((0, 2, 16, 64), DType::BF16, &dev)?;
+    let o = attention::attend(&q, &q, &q, None, 0.125)?;
+    assert_eq!(o.dims(), &[0, 2, 16, 64]);
+    dev.synchronize()?;
     Ok(())
 }

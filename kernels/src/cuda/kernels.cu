@@ -314,6 +314,21 @@ __device__ void unscale(const G* g, float* out, long long n, float inv_scale, in
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicExch(found, 1);
 }
 
+// atomicAdd on a double exists from sm_60; below that (an NVRTC default of compute_52) the
+// same through a compare-and-swap loop, so the source compiles for any target.
+__device__ __forceinline__ void atomic_add_f64(double* p, double v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 600
+  unsigned long long* a = reinterpret_cast<unsigned long long*>(p);
+  unsigned long long old = *a, seen;
+  do {
+    seen = old;
+    old = atomicCAS(a, seen, __double_as_longlong(__longlong_as_double(seen) + v));
+  } while (seen != old);
+#else
+  atomicAdd(p, v);
+#endif
+}
+
 // Sum of squares for the global gradient norm: f32 per thread and block, then one double atomic
 // per block into `acc`, so all of a model's gradients need a single read-back.
 template <typename G>
@@ -325,7 +340,7 @@ __device__ void sum_squares(const G* g, long long n, double* acc) {
     s += v * v;
   }
   s = block_sum(s);
-  if (threadIdx.x == 0) atomicAdd(acc, (double)s);
+  if (threadIdx.x == 0) atomic_add_f64(acc, (double)s);
 }
 
 __device__ void round_stochastic(const float* x, bf16* y, long long n, unsigned long long seed) {

@@ -16,7 +16,8 @@ pub(crate) use rows::{
     pool_backward, pool_forward, upsample2x_backward, upsample2x_forward, PoolSpec,
 };
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
@@ -58,45 +59,55 @@ pub fn tensor_cores_enabled() -> bool {
 
 /// Whether `dev` takes the sm_80 build of the kernels (with the tensor-core ones).
 pub(crate) fn has_mma(dev: &CudaDevice) -> bool {
-    dev.cuda_stream()
-        .context()
-        .compute_capability()
-        .map(|(major, _)| major >= 8)
-        .unwrap_or(false)
+    compute_capability(dev).is_some_and(|(major, _)| major >= 8)
+}
+
+fn compute_capability(dev: &CudaDevice) -> Option<(i32, i32)> {
+    dev.cuda_stream().context().compute_capability().ok()
+}
+
+/// The virtual architecture the kernels are compiled for on `dev`: `compute_80` on every
+/// sm_80+ GPU (the tensor-core kernels need `mma.sync`; the driver JIT-compiles that PTX for
+/// later GPUs), else the GPU's own (`compute_75` on a T4). Never NVRTC's default, which is
+/// `compute_52` for NVRTC 12, where the double-precision `atomicAdd` does not exist and which
+/// an older GPU could not run anyway.
+pub fn kernel_arch(dev: &CudaDevice) -> String {
+    match compute_capability(dev) {
+        Some((major, _)) if major >= 8 => "compute_80".into(),
+        Some((major, minor)) => format!("compute_{major}{minor}"),
+        None => "compute_75".into(),
+    }
 }
 
 const SOURCE: &str = include_str!("kernels.cu");
 
-/// The PTX of `kernels.cu`, compiled on first use: for `compute_80` when `sm80` (the
-/// tensor-core kernels need `mma.sync`; the driver JIT-compiles the PTX for any later GPU),
-/// else for NVRTC's default architecture, where the tensor-core kernels compile to empty
-/// bodies that are never launched.
-pub fn ptx(sm80: bool) -> Result<&'static str> {
-    static BASE: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    static SM80: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let (cell, arch) = if sm80 {
-        (&SM80, Some("compute_80"))
-    } else {
-        (&BASE, None)
-    };
-    cell.get_or_init(|| {
+/// The PTX of `kernels.cu` for `arch` (`compute_80`, `compute_75`, ...), compiled by NVRTC on
+/// first use and kept for the process (one entry per architecture seen, so a handful at most).
+/// Below `compute_80` the tensor-core kernels compile to empty bodies that are never launched.
+pub fn ptx(arch: &str) -> Result<&'static str> {
+    type Cache = Mutex<HashMap<String, std::result::Result<&'static str, String>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("the NVRTC cache lock was poisoned".into()))?;
+    let entry = cache.entry(arch.to_string()).or_insert_with(|| {
         let opts = CompileOptions {
             name: Some("ft_kernels.cu".into()),
-            arch,
+            arch: Some(Box::leak(arch.to_string().into_boxed_str())),
             ..Default::default()
         };
         // cudarc panics when libnvrtc cannot be loaded: report that as an error instead.
         match std::panic::catch_unwind(|| compile_ptx_with_opts(SOURCE, opts)) {
-            Ok(Ok(p)) => Ok(p.to_src()),
+            Ok(Ok(p)) => Ok(&*Box::leak(p.to_src().into_boxed_str())),
             Ok(Err(e)) => Err(format!("{e:?}")),
             Err(_) => Err("libnvrtc could not be loaded".into()),
         }
-    })
-    .as_deref()
-    .map_err(|e| {
+    });
+    entry.clone().map_err(|e| {
         candle_core::Error::Msg(format!(
-            "NVRTC could not compile the ft-kernels CUDA source (is libnvrtc on the library \
-             path?): {e}"
+            "NVRTC could not compile the ft-kernels CUDA source for {arch} (is libnvrtc on the \
+             library path, and does it support this GPU?): {e}"
         ))
     })
 }
@@ -120,13 +131,14 @@ pub(crate) fn launch(
     block: u32,
     args: &[Arg],
 ) -> Result<()> {
-    let sm80 = has_mma(dev);
-    let module = if sm80 {
-        "ft_kernels_sm80"
-    } else {
-        "ft_kernels"
-    };
-    let f = dev.get_or_load_custom_func(name, module, ptx(sm80)?)?;
+    // An empty tensor launches nothing (a grid dimension of 0 is not a launch CUDA accepts,
+    // and one block would index the empty buffers).
+    if grid.0 == 0 || grid.1 == 0 {
+        return Ok(());
+    }
+    let arch = kernel_arch(dev);
+    let module = format!("ft_kernels_{arch}");
+    let f = dev.get_or_load_custom_func(name, &module, ptx(&arch)?)?;
     let mut b = f.builder();
     for a in args {
         match a {
@@ -137,7 +149,7 @@ pub(crate) fn launch(
         };
     }
     let cfg = LaunchConfig {
-        grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+        grid_dim: (grid.0, grid.1, 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     };
