@@ -44,7 +44,13 @@ impl MixedOptimizer {
         let masters = if needs_master {
             model
                 .iter()
-                .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?)?))
+                // `detach` first: an f32 parameter's `to_dtype(F32)` is the Var itself, and a
+                // master must be a tensor of its own.
+                .map(|v| {
+                    Ok(Var::from_tensor(
+                        &v.as_tensor().detach().to_dtype(DType::F32)?,
+                    )?)
+                })
                 .collect::<Result<Vec<_>>>()?
         } else {
             Vec::new()

@@ -15,6 +15,8 @@ pub trait Optimizer: Send {
     /// Bytes of optimizer state held now.
     fn state_bytes(&self) -> u64;
     /// State tensors with stable names, for checkpoints (`exp_avg.3`, ...) and the step count.
+    /// They share storage with the live state (no copy of gigabytes of moments to save them),
+    /// which the fused CUDA step updates in place: write them out before the next step.
     fn state(&self) -> (u64, Vec<(String, Tensor)>);
     /// Restores what [`Optimizer::state`] returned.
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;
@@ -117,7 +119,9 @@ fn load_slot(
             let slot = slots.get_mut(i).ok_or_else(|| {
                 Error::Invalid(format!("optimizer state `{name}`: no parameter {i}"))
             })?;
-            *slot = Some(t.to_dtype(DType::F32)?);
+            // A copy of its own: the fused CUDA step updates moments in place, which must not
+            // reach the caller's tensor (`to_dtype` to the same dtype shares its storage).
+            *slot = Some(t.to_dtype(DType::F32)?.copy()?);
         }
     }
     Ok(())
@@ -161,7 +165,7 @@ impl AdamW {
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let g = g.detach().contiguous()?;
-            let first = self.m[i].is_none();
+            let first = self.m[i].is_none() && self.v[i].is_none();
             let ok = |t: &Tensor| t.is_contiguous() && t.dtype() == DType::F32;
             // First step, or state restored in another layout: fresh contiguous fp32 moments.
             let like = |t: &Option<Tensor>| -> Result<Tensor> {

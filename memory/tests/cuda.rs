@@ -1,6 +1,7 @@
 //! The CUDA optimizer path (fused AdamW writing the bf16 weights, fused f16 unscale) against the
 //! CPU path on the same parameters and gradients. Built only with `--features cuda`; each test
-//! returns early, saying so, when no GPU can be opened.
+//! returns early, saying so, when no GPU can be opened (a failure instead with
+//! `FT_REQUIRE_GPU=1`, as `scripts/gpu-bench.sh` runs them, so a broken driver is no pass).
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -12,6 +13,9 @@ use ft_memory::precision::Precision;
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
+        Err(e) if std::env::var("FT_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("FT_REQUIRE_GPU=1 but no CUDA device: {e}")
+        }
         Err(e) => {
             eprintln!("skipped: no CUDA device ({e})");
             None
@@ -29,11 +33,42 @@ fn host(t: &Tensor) -> anyhow::Result<Vec<f32>> {
 /// Host copies of each parameter's values.
 type Values = Vec<Vec<f32>>;
 
-/// Three steps of MixedOptimizer (bf16 model, fp32 masters, AdamW) or f16 with loss scaling, on
-/// the CPU and on CUDA: masters within f32 rounding, model weights their rounded masters.
+/// What a run leaves: masters, model weights, AdamW moments, the global norm of each step.
+struct Run {
+    masters: Values,
+    model: Values,
+    moments: Values,
+    norms: Vec<f64>,
+}
+
+fn close(what: &str, a: &Values, b: &Values, tol: f32) {
+    for (i, (a, b)) in a.iter().zip(b).enumerate() {
+        assert_eq!(a.len(), b.len(), "{what} {i}: lengths");
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - y).abs() <= tol * y.abs().max(1.0),
+                "{what} {i}: {x} vs {y}"
+            );
+        }
+    }
+}
+
+/// Three steps of MixedOptimizer (bf16 model, fp32 masters, AdamW), f16 with loss scaling, or
+/// an f32 model updated in place (no masters), on the CPU and on CUDA: masters and moments
+/// within f32 rounding, model weights their rounded masters, the same global gradient norms
+/// (which an unscale by the wrong factor would change; clipping at 1.0 would hide it in the
+/// weights). The first gradient comes transposed (a strided view, as a linear weight's is).
 fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
+    eprintln!(
+        "{dtype:?}: fused kernels {}",
+        if ft_kernels::cuda::enabled() {
+            "on"
+        } else {
+            "off (FT_CUDA_KERNELS=0)"
+        }
+    );
     let shapes: [&[usize]; 3] = [&[7, 5], &[300], &[2, 3, 4]];
-    let run = |d: &Device| -> anyhow::Result<(Values, Values)> {
+    let run = |d: &Device| -> anyhow::Result<Run> {
         let params: Vec<(String, Var)> = shapes
             .iter()
             .enumerate()
@@ -50,6 +85,7 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
             |n| Box::new(AdamW::new(n, AdamWConfig::default())) as Box<dyn Optimizer>,
             Some(1.0),
         )?;
+        let mut norms = Vec::new();
         for step in 0..3u64 {
             let scale = opt.loss_scale();
             let grads = shapes
@@ -63,38 +99,54 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
                     // A quarter of the loss scale keeps f16 gradients below 65,504.
                     let g = (random_tensor(s, 100 + 10 * step + i as u64, &Device::Cpu)?
                         * (scale / 4.0))?;
-                    Ok(Some(g.to_dtype(dtype)?.to_device(d)?))
+                    let g = g.to_dtype(dtype)?.to_device(d)?;
+                    if i == 0 {
+                        let t = g.t()?.contiguous()?.t()?;
+                        assert!(!t.is_contiguous());
+                        return Ok(Some(t));
+                    }
+                    Ok(Some(g))
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            assert!(opt.step(grads, 1e-2)?.applied);
+            let out = opt.step(grads, 1e-2)?;
+            assert!(out.applied);
+            norms.push(out.grad_norm.expect("clipping computes the norm"));
         }
-        let masters = opt
-            .masters()
-            .iter()
-            .map(|m| host(m.as_tensor()))
-            .collect::<anyhow::Result<_>>()?;
-        let model = opt
-            .params()
-            .iter()
-            .map(|m| host(m.as_tensor()))
-            .collect::<anyhow::Result<_>>()?;
-        Ok((masters, model))
+        assert_eq!(opt.optimizer().state().0, 3);
+        let all = |vs: &[Var]| -> anyhow::Result<Values> {
+            vs.iter().map(|v| host(v.as_tensor())).collect()
+        };
+        let (_, moments) = opt.optimizer().state();
+        Ok(Run {
+            masters: all(opt.masters())?,
+            model: all(opt.params())?,
+            moments: moments
+                .iter()
+                .map(|(_, t)| host(t))
+                .collect::<anyhow::Result<_>>()?,
+            norms,
+        })
     };
-    let (m_cpu, w_cpu) = run(&Device::Cpu)?;
-    let (m_gpu, w_gpu) = run(dev)?;
-    for (i, (a, b)) in m_gpu.iter().zip(&m_cpu).enumerate() {
-        for (x, y) in a.iter().zip(b) {
-            assert!(
-                (x - y).abs() <= 1e-5 * y.abs().max(1.0),
-                "{dtype:?} master {i}: {x} vs {y}"
-            );
-        }
+    let cpu = run(&Device::Cpu)?;
+    let gpu = run(dev)?;
+    for (a, b) in gpu.norms.iter().zip(&cpu.norms) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b,
+            "{dtype:?} gradient norm {a} vs {b}"
+        );
     }
-    for (i, (a, b)) in w_gpu.iter().zip(&w_cpu).enumerate() {
+    close("master", &gpu.masters, &cpu.masters, 1e-5);
+    close("moment", &gpu.moments, &cpu.moments, 1e-5);
+    if dtype == DType::F32 {
+        // No masters: the model weights are what AdamW updated.
+        assert!(gpu.masters.is_empty());
+        close("weights", &gpu.model, &cpu.model, 1e-5);
+    }
+    for (i, (a, b)) in gpu.model.iter().zip(&cpu.model).enumerate() {
         let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
         // A master within f32 rounding of a rounding boundary may round the other way.
         assert!(
-            differ <= a.len() / 100 + 1,
+            dtype == DType::F32 || differ <= a.len() / 100 + 1,
             "{dtype:?} weights {i}: {differ} differ"
         );
     }
@@ -107,6 +159,7 @@ fn mixed_precision_step_matches_the_cpu() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     mixed_parity(DType::BF16, &dev)?;
     mixed_parity(DType::F16, &dev)?;
+    mixed_parity(DType::F32, &dev)?;
     Ok(())
 }
 
@@ -127,5 +180,7 @@ fn overflow_skips_the_step_on_cuda() -> anyhow::Result<()> {
     assert!(!out.applied);
     assert_eq!(opt.loss_scale(), scale / 2.0);
     assert_eq!(host(opt.params()[0].as_tensor())?, vec![1.0, 2.0]);
+    // A skipped step is no step: AdamW's counter (its bias correction) has not moved.
+    assert_eq!(opt.optimizer().state().0, 0);
     Ok(())
 }

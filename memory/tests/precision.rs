@@ -57,6 +57,30 @@ fn f32_models_have_no_masters() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A bf16 model that keeps one parameter in f32 (a norm kept in full precision): that
+/// parameter's master is a tensor of its own, not the parameter itself, so the step writes the
+/// model from the master as for the others.
+#[test]
+fn an_f32_parameter_in_a_bf16_model_gets_its_own_master() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let a = Var::from_tensor(&Tensor::ones(4, DType::BF16, &dev)?)?;
+    let b = Var::from_tensor(&Tensor::ones(4, DType::F32, &dev)?)?;
+    let mut opt = MixedOptimizer::new(
+        vec![("a".into(), a.clone()), ("b".into(), b.clone())],
+        Precision::parse("bf16")?,
+        sgd,
+        None,
+    )?;
+    assert_eq!(opt.masters().len(), 2);
+    let g = |dt| Tensor::ones(4, dt, &dev);
+    opt.step(vec![Some(g(DType::BF16)?), Some(g(DType::F32)?)], 0.5)?;
+    for v in [&a, &b] {
+        let w = v.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        assert_eq!(w, vec![0.5; 4]);
+    }
+    Ok(())
+}
+
 #[test]
 fn f16_overflow_skips_the_step_and_backs_off() -> anyhow::Result<()> {
     let dev = Device::Cpu;

@@ -104,6 +104,12 @@ impl FewShotTask {
     pub fn load_weights(&self, dir: &Path) -> anyhow::Result<()> {
         let files = ft_memory::weights::SafetensorsFiles::open(&[dir.join("model.safetensors")])?;
         for (name, t) in self.store.all() {
+            // Every fewshot tensor is a Var (parameters and batch-norm buffers); `from_tensor` of
+            // any other tensor would be a copy that `set` never carries into the model.
+            anyhow::ensure!(
+                t.is_variable(),
+                "`{name}` is not a variable: it cannot be reloaded"
+            );
             let v = candle_core::Var::from_tensor(&t)?;
             v.set(&files.load(&name, Some(t.dims()), t.dtype(), t.device(), false)?)?;
         }
