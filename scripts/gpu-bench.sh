@@ -52,6 +52,7 @@ TO="timeout ${STEP_TIMEOUT:-900}"
 if want tests; then
   step "CUDA op tests against the CPU reference"
   {
+    export FT_REQUIRE_GPU=1 # no silent skips here
     $TO "$BIN_DIR/cuda_tests" --test-threads=1 --nocapture
     [ -x "$BIN_DIR/memory_cuda_tests" ] && $TO "$BIN_DIR/memory_cuda_tests" --test-threads=1 --nocapture
   } 2>&1 | tee "$OUT/cuda_tests.log" | tail -40

@@ -297,14 +297,14 @@ fn time_attention(
     Ok((secs, peak.saturating_sub(base)))
 }
 
-/// The memory-efficient kernel's label: its bf16 forward runs on tensor cores unless
+/// The memory-efficient kernel's label: in bf16 it runs on tensor cores (forward and backward) unless
 /// `FT_ATTENTION_TC=0`.
 fn kernel_label() -> &'static str {
     #[cfg(feature = "cuda")]
     if !ft_kernels::cuda::tensor_cores_enabled() {
         return "memory-efficient kernel (CUDA cores)";
     }
-    "memory-efficient kernel (tensor-core forward)"
+    "memory-efficient kernel (tensor cores)"
 }
 
 fn attention(kernel_only: bool) -> anyhow::Result<()> {
