@@ -28,7 +28,8 @@ pub fn sdpa(
 /// memory-efficient kernels of [`crate::cuda`], where a trainable `bias` also gets its gradient;
 /// elsewhere [`sdpa`]. Both compute the same function (the CUDA test suite checks the kernels
 /// against `sdpa` on the CPU), except that a query row whose every key is masked with -inf gives
-/// zeros in the kernels and NaN in `sdpa`: masks here use large finite negatives.
+/// zeros in the kernels and NaN in `sdpa`: masks here use large finite negatives. The fallback
+/// forms at most [`MAX_SCORES`] scores at a time ([`sdpa_query_chunks`]).
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -40,7 +41,54 @@ pub fn attend(
     if crate::cuda::fused_attention_supported(q, k, v) {
         return crate::cuda::fused_attention(q, k, v, bias, scale);
     }
-    sdpa(q, k, v, bias, scale)
+    sdpa_query_chunks(q, k, v, bias, scale, MAX_SCORES)
+}
+
+/// Score elements (B * H * rows * Lk) one [`sdpa`] call may form in [`attend`]'s fallback: 64 MiB
+/// in f32. The SDXL VAE's single 512-dim head over a 128 x 128 latent (1024 px) would otherwise
+/// form a 16384 x 16384 matrix, 1 GiB in f32, at every sample decode.
+pub const MAX_SCORES: usize = 1 << 24;
+
+/// [`sdpa`] over consecutive chunks of query rows, each forming at most `max_scores` score
+/// elements: every row's softmax still sees all its keys, so the result is the same function
+/// (gradients included, through `narrow` and `cat`). Without a graph (frozen weights, as in the
+/// VAE) each chunk's scores are freed before the next is formed; under autograd they are kept
+/// for the backward as the unchunked version keeps its one matrix.
+pub fn sdpa_query_chunks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: Option<&Tensor>,
+    scale: f64,
+    max_scores: usize,
+) -> Result<Tensor> {
+    let (b, h, lq, _) = q.dims4()?;
+    let lk = k.dim(2)?;
+    let rows = (max_scores / (b * h * lk).max(1)).max(1);
+    if rows >= lq {
+        return sdpa(q, k, v, bias, scale);
+    }
+    // The bias as rank 4, so that its query dimension (when it has one) can be cut with q's.
+    let bias = match bias {
+        Some(t) => {
+            let mut t = t.clone();
+            while t.rank() < 4 {
+                t = t.unsqueeze(0)?;
+            }
+            Some(t)
+        }
+        None => None,
+    };
+    let mut outs = Vec::with_capacity(lq.div_ceil(rows));
+    for start in (0..lq).step_by(rows) {
+        let n = rows.min(lq - start);
+        let bc = match &bias {
+            Some(t) if t.dim(2)? == lq => Some(t.narrow(2, start, n)?),
+            other => other.clone(),
+        };
+        outs.push(sdpa(&q.narrow(2, start, n)?, k, v, bc.as_ref(), scale)?);
+    }
+    Tensor::cat(&outs, 2)
 }
 
 use std::sync::Arc;

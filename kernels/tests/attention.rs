@@ -4,7 +4,7 @@
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use common::*;
-use ft_kernels::attention::{sdpa, sdpa_memory_efficient};
+use ft_kernels::attention::{sdpa, sdpa_memory_efficient, sdpa_query_chunks};
 
 fn qkv(
     b: usize,
@@ -118,6 +118,75 @@ fn both_match_finite_differences_on_strided_inputs() -> Result<()> {
     .assert_close(TOL)?;
     check_gradients(
         |xs| sdpa_memory_efficient(&t(&xs[0])?, &t(&xs[1])?, &t(&xs[2])?, Some(&bias), 0.5, 2),
+        &x,
+        EPS,
+    )?
+    .assert_close(TOL)
+}
+
+/// Query-chunked attention is the same function as `sdpa`: values and the gradients of q, k, v
+/// and a trainable bias (with a query dimension, or broadcast over it, or rank 2), for chunks
+/// of one row, of two rows and a last chunk shorter than the others.
+#[test]
+fn query_chunks_equal_plain_in_values_and_gradients() -> Result<()> {
+    let (b, h, lq, lk, d) = (2, 3, 7, 5, 4);
+    let (q, k, v) = qkv(b, h, lq, lk, d, 11)?;
+    let mut biases = masks(b, h, lq, lk)?;
+    biases.push(Some(rand(&[lq, lk], 12)?));
+    biases.push(Some(rand(&[b, 1, 1, lk], 13)?));
+    for bias in biases {
+        for rows in [1, 2, 3] {
+            let vars = [&q, &k, &v]
+                .into_iter()
+                .chain(bias.as_ref())
+                .map(Var::from_tensor)
+                .collect::<Result<Vec<_>>>()?;
+            let w = rand(&[b, h, lq, d + 1], 14)?;
+            let run = |chunked: bool| -> Result<(Tensor, Vec<Tensor>)> {
+                let x: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+                let bias = x.get(3).copied();
+                let y = if chunked {
+                    sdpa_query_chunks(x[0], x[1], x[2], bias, 0.5, b * h * lk * rows)?
+                } else {
+                    sdpa(x[0], x[1], x[2], bias, 0.5)?
+                };
+                let g = (&y * &w)?.sum_all()?.backward()?;
+                let gs = x
+                    .iter()
+                    .map(|t| g.get(t).cloned().expect("every input has a gradient"))
+                    .collect();
+                Ok((y, gs))
+            };
+            let (y0, g0) = run(false)?;
+            let (y1, g1) = run(true)?;
+            let dims = bias.as_ref().map(|t| t.dims().to_vec());
+            assert!(
+                max_diff(&y0, &y1)? < 1e-12,
+                "values, bias {dims:?}, {rows} rows"
+            );
+            for (a, c) in g0.iter().zip(&g1) {
+                assert_eq!(a.dims(), c.dims());
+                assert!(
+                    max_diff(a, c)? < 1e-12,
+                    "gradients, bias {dims:?}, {rows} rows"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn query_chunks_match_finite_differences() -> Result<()> {
+    let (b, h, l, d) = (1, 2, 5, 3);
+    let x = [
+        rand(&[b, h, l, d], 21)?,
+        rand(&[b, h, l, d], 22)?,
+        rand(&[b, h, l, d], 23)?,
+        rand(&[1, h, l, l], 24)?,
+    ];
+    check_gradients(
+        |xs| sdpa_query_chunks(&xs[0], &xs[1], &xs[2], Some(&xs[3]), 0.5, b * h * l * 2),
         &x,
         EPS,
     )?
