@@ -168,6 +168,12 @@ pub struct CommonArgs {
     /// Run on this device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Resume from a checkpoint folder written by an earlier run.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 impl CommonArgs {
@@ -283,8 +289,8 @@ impl CommonArgs {
             output_dir: self.output_dir.clone(),
             eval_every: 0,
             save_every: 0,
-            progress: true,
-            resume: None,
+            progress: !self.quiet,
+            resume: self.resume.clone(),
             best: None,
         })
     }

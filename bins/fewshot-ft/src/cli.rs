@@ -53,15 +53,9 @@ pub struct Args {
     /// Stop after this many validations without a better accuracy (0: never).
     #[arg(long, default_value_t = 0)]
     pub patience: usize,
-    /// Resume from a checkpoint folder written by an earlier run.
-    #[arg(long)]
-    pub resume: Option<PathBuf>,
     /// Train Conv4 FSCT_cosine on generated images (no dataset needed).
     #[arg(long)]
     pub demo: bool,
-    /// Hide the progress bar.
-    #[arg(long)]
-    pub quiet: bool,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,

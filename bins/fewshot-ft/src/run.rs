@@ -47,7 +47,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     ledger.set_baseline();
     let store = ParamStore::new();
     let mut pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed);
-    if let Some(dir) = &args.resume {
+    if let Some(dir) = &args.common.resume {
         pb = pb.with_source(Arc::new(
             ModelRepo::Local(dir.clone()).safetensors("model")?,
         ));
@@ -83,8 +83,6 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let loop_config = LoopConfig {
         eval_every: steps_per_epoch,
         save_every: steps_per_epoch,
-        progress: !args.quiet,
-        resume: args.resume.clone(),
         best: Some(BestConfig {
             metric: "accuracy".into(),
             higher_is_better: true,

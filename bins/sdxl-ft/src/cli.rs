@@ -109,15 +109,9 @@ pub struct Args {
     /// enable_tiling; e.g. 64 for 1024 px images); 0 decodes whole images.
     #[arg(long, default_value_t = 0)]
     pub vae_tile: usize,
-    /// Resume from a checkpoint folder written by an earlier run.
-    #[arg(long)]
-    pub resume: Option<PathBuf>,
     /// Train the bundled tiny SDXL-shaped model (on its synthetic images unless --data-dir is given).
     #[arg(long)]
     pub demo: bool,
-    /// Hide the progress bar.
-    #[arg(long)]
-    pub quiet: bool,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,

@@ -122,7 +122,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
     report_cache(&cache);
 
     // The UNet: from the checkpoint being resumed, else the pipeline's weights.
-    let files = match &args.resume {
+    let files = match &args.common.resume {
         Some(dir) => ModelRepo::Local(dir.clone()).safetensors("unet/diffusion_pytorch_model")?,
         None => pipeline.weights("unet", "diffusion_pytorch_model")?,
     };
@@ -151,7 +151,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
             args.ema_every,
             &ema_device,
         )?;
-        if let Some(dir) = &args.resume {
+        if let Some(dir) = &args.common.resume {
             let saved =
                 ModelRepo::Local(dir.clone()).safetensors("unet_ema/diffusion_pytorch_model")?;
             ema.load(|name, shape| saved.load(name, Some(shape), DType::F32, &Device::Cpu, false))?;
@@ -192,8 +192,6 @@ pub fn setup(args: &Args) -> Result<Setup> {
     let loop_config = LoopConfig {
         eval_every: args.eval_every,
         save_every: args.save_every,
-        progress: !args.quiet,
-        resume: args.resume.clone(),
         ..args
             .common
             .loop_config(Units::Samples, task.batches_per_epoch())?

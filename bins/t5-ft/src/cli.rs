@@ -53,15 +53,9 @@ pub struct Args {
     /// Save a checkpoint every N optimizer steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_every: u64,
-    /// Resume from a checkpoint folder written by an earlier run.
-    #[arg(long)]
-    pub resume: Option<PathBuf>,
     /// Train the bundled tiny model on the bundled synthetic task (reverse a digit sequence).
     #[arg(long)]
     pub demo: bool,
-    /// Hide the progress bar.
-    #[arg(long)]
-    pub quiet: bool,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,

@@ -40,7 +40,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let cfg = T5Config::from_file(&repo.get("config.json")?)?;
     let tokenizer_path = repo.get("tokenizer.json")?;
     // Weights come from the checkpoint being resumed, else the model, else the seed.
-    let weights = match &args.resume {
+    let weights = match &args.common.resume {
         Some(dir) => Some(ModelRepo::Local(dir.clone()).safetensors("model")?),
         None if repo.has("model.safetensors") || repo.has("model.safetensors.index.json") => {
             Some(repo.safetensors("model")?)
@@ -107,8 +107,6 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let loop_config = LoopConfig {
         eval_every: args.eval_every,
         save_every: args.save_every,
-        progress: !args.quiet,
-        resume: args.resume.clone(),
         ..args
             .common
             .loop_config(Units::Tokens, task.batches_per_epoch())?
