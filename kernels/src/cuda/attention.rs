@@ -20,7 +20,8 @@ use super::{
 
 /// Head dimension the kernels are compiled for.
 const HEAD_DIM: usize = 64;
-/// Query (or key) rows per block: one thread each.
+/// Query (or key) rows per block: one thread each in the CUDA-core forward, two in the backward,
+/// a warp per 16 in the tensor-core kernels.
 const ROWS_PER_BLOCK: usize = 64;
 
 /// Whether [`fused_attention`] takes these inputs: CUDA tensors of f32/bf16/f16 with 64-dim
@@ -255,13 +256,11 @@ impl FusedAttention {
             })?;
         let rows = g.b * g.h * g.lq;
         let sfx = suffix(dt)?;
-        // bf16 on sm_80+: the tensor-core backward kernels (same arguments, 4 warps per block).
+        // bf16 on sm_80+: the tensor-core backward kernels (same arguments, 4 warps per block);
+        // else the CUDA-core ones (two threads per row). Both take 128 threads per 64 rows.
         let tc = dt == DType::BF16 && super::tensor_cores_enabled() && super::has_mma(&dev);
-        let (variant, block) = if tc {
-            ("tc_bf16", 128)
-        } else {
-            (sfx, ROWS_PER_BLOCK as u32)
-        };
+        let variant = if tc { "tc_bf16" } else { sfx };
+        let block = 2 * ROWS_PER_BLOCK as u32;
 
         let delta = output(&dev, DType::F32, rows)?;
         launch(

@@ -452,27 +452,42 @@ __device__ void attn_delta(const T* o, const T* go, float* delta, long long rows
   delta[row] = s;
 }
 
-// dQ (and the bias gradient, atomically added into an f32 buffer shaped like the bias): one
-// thread per query row, recomputing p = exp(s - lse) tile by tile.
+// The backward kernels give each row two threads, each holding half of its 64 dimensions (three
+// or four 64-float rows per thread would not fit in registers: the one-thread-per-row version
+// spilled up to 384 bytes per thread): dot products are two half sums joined by one shuffle.
+// Blocks of 128 threads cover 64 rows. Every lane runs every shuffle (rows past the end and
+// fully masked rows compute with p = 0 and store nothing), so the warp never diverges around one.
+
+// Half of a dot product over the half-row `half` of `sm`, summed with the partner thread's.
+template <int H>
+__device__ __forceinline__ float dot_pair(const float* r, const float* sm, int half) {
+  const float s = dot_row<H>(r, sm + half * H);
+  return s + __shfl_xor_sync(0xffffffffu, s, 1);
+}
+
+// dQ (and the bias gradient, atomically added into an f32 buffer shaped like the bias):
+// recomputing p = exp(s - lse) tile by tile.
 template <int D, typename T>
 __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const float* bias, const T* go,
                            const float* lse, const float* delta, T* dq, float* dbias, int heads,
                            int lq, int lk, int kvs, float scale, long long sb, long long sh,
                            long long sq, long long sk) {
+  constexpr int H = D / 2;
   __shared__ __align__(16) float ks[TILE][D];
   __shared__ __align__(16) float vs[TILE][D];
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  const int row = blockIdx.x * TILE + (threadIdx.x >> 1), half = threadIdx.x & 1;
   const bool live = row < lq;
-  const long long base = ((long long)bh * lq + (live ? row : 0)) * D;
-  float qr[D], gr[D], acc[D];
-  for (int d = 0; d < D; d++) {
+  const long long base = ((long long)bh * lq + (live ? row : 0)) * D + half * H;
+  float qr[H], gr[H], acc[H];
+  for (int d = 0; d < H; d++) {
     qr[d] = live ? ld(q, base + d) * scale : 0.f;
     gr[d] = live ? ld(go, base + d) : 0.f;
     acc[d] = 0.f;
   }
   const long long boff = b * sb + h * sh + (long long)(live ? row : 0) * sq;
-  const float L = live ? lse[(long long)bh * lq + row] : 0.f;
+  const float L = live ? lse[(long long)bh * lq + row] : -FT_INF;
+  const bool act = L != -FT_INF;  // a live row with at least one key
   const float dl = live ? delta[(long long)bh * lq + row] : 0.f;
   for (int t0 = 0; t0 < lk; t0 += TILE) {
     const int n = min(TILE, lk - t0);
@@ -480,35 +495,35 @@ __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const float* bias
     load_tile<D>(ks, k, (long long)bh * lk + t0, n, kvs, 1.f);
     load_tile<D>(vs, v, (long long)bh * lk + t0, n, kvs, 1.f);
     __syncthreads();
-    if (!live || L == -FT_INF) continue;
     for (int j = 0; j < n; j++) {
-      float s = dot_row<D>(qr, ks[j]);
+      float s = dot_pair<H>(qr, ks[j], half);
       if (bias) s += bias[boff + (t0 + j) * sk];
-      const float p = __expf(s - L);
-      const float ds = p * (dot_row<D>(gr, vs[j]) - dl);
-      if (dbias) atomicAdd(dbias + boff + (t0 + j) * sk, ds);
-      axpy_row<D>(acc, ds, ks[j]);
+      const float p = act ? __expf(s - L) : 0.f;
+      const float ds = p * (dot_pair<H>(gr, vs[j], half) - dl);
+      if (dbias && act && half == 0) atomicAdd(dbias + boff + (t0 + j) * sk, ds);
+      axpy_row<H>(acc, ds, ks[j] + half * H);
     }
   }
   if (!live) return;
-  for (int d = 0; d < D; d++) st(dq, base + d, acc[d] * scale);
+  for (int d = 0; d < H; d++) st(dq, base + d, acc[d] * scale);
 }
 
-// dK, dV: one thread per key row, query tiles (q * scale, dO, lse, delta) in shared memory.
+// dK, dV: query tiles (q * scale, dO, lse, delta) in shared memory.
 template <int D, typename T>
 __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bias, const T* go,
                             const float* lse, const float* delta, T* dk, T* dv, int heads,
                             int lq, int lk, int kvs, float scale, long long sb, long long sh,
                             long long sq, long long sk) {
+  constexpr int H = D / 2;
   __shared__ __align__(16) float qs[TILE][D];
   __shared__ __align__(16) float gs[TILE][D];
   __shared__ float ls[TILE], ds_[TILE];
   const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  const int col = blockIdx.x * TILE + (threadIdx.x >> 1), half = threadIdx.x & 1;
   const bool live = col < lk;
-  const long long base = ((long long)bh * lk + (live ? col : 0)) * kvs;
-  float kr[D], vr[D], dkr[D], dvr[D];
-  for (int d = 0; d < D; d++) {
+  const long long base = ((long long)bh * lk + (live ? col : 0)) * kvs + half * H;
+  float kr[H], vr[H], dkr[H], dvr[H];
+  for (int d = 0; d < H; d++) {
     kr[d] = live ? ld(k, base + d) : 0.f;
     vr[d] = live ? ld(v, base + d) : 0.f;
     dkr[d] = 0.f;
@@ -525,19 +540,18 @@ __device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* bia
       ds_[i] = delta[(long long)bh * lq + t0 + i];
     }
     __syncthreads();
-    if (!live) continue;
     for (int i = 0; i < n; i++) {
-      if (ls[i] == -FT_INF) continue;
-      float s = dot_row<D>(kr, qs[i]);
+      if (ls[i] == -FT_INF) continue;  // the same for the whole block
+      float s = dot_pair<H>(kr, qs[i], half);
       if (bias) s += bias[boff + (long long)(t0 + i) * sq];
-      const float p = __expf(s - ls[i]);
-      const float ds = p * (dot_row<D>(vr, gs[i]) - ds_[i]);
-      axpy_row<D>(dvr, p, gs[i]);
-      axpy_row<D>(dkr, ds, qs[i]);
+      const float p = live ? __expf(s - ls[i]) : 0.f;
+      const float ds = p * (dot_pair<H>(vr, gs[i], half) - ds_[i]);
+      axpy_row<H>(dvr, p, gs[i] + half * H);
+      axpy_row<H>(dkr, ds, qs[i] + half * H);
     }
   }
   if (!live) return;
-  for (int d = 0; d < D; d++) {
+  for (int d = 0; d < H; d++) {
     st(dk, base + d, dkr[d]);
     st(dv, base + d, dvr[d]);
   }

@@ -213,7 +213,7 @@ static void attention_case(const std::string& ty, const AttnCase& c, double tol,
                            void (*bkv)(const T*, const T*, const T*, const float*, const T*,
                                        const float*, const float*, T*, T*, int, int, int, int,
                                        float, long long, long long, long long, long long),
-                           unsigned fwd_block = 64, unsigned bwd_block = 64) {
+                           unsigned fwd_block = 64, unsigned bwd_block = 128) {
   const int D = 64, BH = c.b * c.h, kvs = 2 * D;
   auto q = to<T>(rnd((size_t)BH * c.lq * D, 11));
   auto kv = to<T>(rnd((size_t)BH * c.lk * kvs, 12));
@@ -441,7 +441,7 @@ int main() {
                          attn_bwd_q_bf16, attn_bwd_kv_bf16, 128);
   for (const auto& c : cases)
     attention_case<bf16>("bf16 tc fwd+bwd", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
-                         attn_bwd_q_tc_bf16, attn_bwd_kv_tc_bf16, 128, 128);
+                         attn_bwd_q_tc_bf16, attn_bwd_kv_tc_bf16, 128);
   adamw_case();
   stochastic_case();
   sum_squares_case();
