@@ -15,7 +15,18 @@ pub fn sdpa(
     bias: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    let s = matmul(q, &k.transpose(2, 3)?)?;
+    scores_times_v(q, &k.transpose(2, 3)?, v, bias, scale)
+}
+
+/// `softmax(q kt * scale + bias) v` with `kt` the transposed keys.
+fn scores_times_v(
+    q: &Tensor,
+    kt: &Tensor,
+    v: &Tensor,
+    bias: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let s = matmul(q, kt)?;
     let s = if scale != 1.0 { (s * scale)? } else { s };
     let s = match bias {
         Some(b) => s.broadcast_add(b)?,
@@ -62,12 +73,19 @@ pub fn sdpa_query_chunks(
     scale: f64,
     max_scores: usize,
 ) -> Result<Tensor> {
+    if q.rank() != 4 || k.rank() != 4 {
+        return sdpa(q, k, v, bias, scale);
+    }
     let (b, h, lq, _) = q.dims4()?;
     let lk = k.dim(2)?;
     let rows = (max_scores / (b * h * lk).max(1)).max(1);
     if rows >= lq {
         return sdpa(q, k, v, bias, scale);
     }
+    // Transposed keys and values made contiguous once, not once per chunk (under autograd each
+    // chunk's copy would be kept for the backward).
+    let kt = k.transpose(2, 3)?.contiguous()?;
+    let v = v.contiguous()?;
     // The bias as rank 4, so that its query dimension (when it has one) can be cut with q's.
     let bias = match bias {
         Some(t) => {
@@ -86,7 +104,13 @@ pub fn sdpa_query_chunks(
             Some(t) if t.dim(2)? == lq => Some(t.narrow(2, start, n)?),
             other => other.clone(),
         };
-        outs.push(sdpa(&q.narrow(2, start, n)?, k, v, bc.as_ref(), scale)?);
+        outs.push(scores_times_v(
+            &q.narrow(2, start, n)?,
+            &kt,
+            &v,
+            bc.as_ref(),
+            scale,
+        )?);
     }
     Tensor::cat(&outs, 2)
 }

@@ -414,6 +414,14 @@ fn empty_tensors_launch_nothing() -> Result<()> {
     let q = Tensor::zeros((0, 2, 16, 64), DType::BF16, &dev)?;
     let o = attention::attend(&q, &q, &q, None, 0.125)?;
     assert_eq!(o.dims(), &[0, 2, 16, 64]);
+    // No keys: zeros out, a zero dQ, an empty dK/dV (its kernel's grid is empty).
+    let q = Var::from_tensor(&Tensor::ones((1, 2, 16, 64), DType::F32, &dev)?)?;
+    let kv = Var::from_tensor(&Tensor::zeros((1, 2, 0, 64), DType::F32, &dev)?)?;
+    let o = attention::attend(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), None, 0.125)?;
+    assert_eq!(o.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    let g = o.sum_all()?.backward()?;
+    let dq = g.get(q.as_tensor()).expect("dQ");
+    assert_eq!(dq.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
     dev.synchronize()?;
     Ok(())
 }

@@ -272,8 +272,9 @@ impl CommonArgs {
     }
 
     /// The loop settings these flags decide (steps from `--max-steps` or `--epochs` over
-    /// `micro_batches_per_epoch`, schedule, seed, output folder); evaluation and saving only at
-    /// the end, progress shown, no resume or best-checkpoint tracking: callers override those.
+    /// `micro_batches_per_epoch`, schedule, seed, output folder, `--resume`, progress unless
+    /// `--quiet`); evaluation and saving only at the end and no best-checkpoint tracking:
+    /// callers override those.
     pub fn loop_config(
         &self,
         units: crate::train::Units,

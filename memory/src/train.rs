@@ -452,12 +452,14 @@ fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<Trainer
         .map(|p| p.device().clone())
         .unwrap_or(candle_core::Device::Cpu);
     let files = crate::weights::SafetensorsFiles::open(std::slice::from_ref(&opt_path))?;
-    let mut tensors = Vec::new();
+    // One tensor at a time: the optimizer keeps a copy of each moment, so the file's tensor is
+    // freed before the next is read (all of them at once would hold a second set of moments and
+    // masters, gigabytes on a large model).
+    opt.load_state(opt_step, loss_scale, &[])?;
     let names: Vec<String> = files.names().map(|s| s.to_string()).collect();
     for name in names {
         let t = files.load(&name, None, candle_core::DType::F32, &device, false)?;
-        tensors.push((name, t));
+        opt.load_state(opt_step, loss_scale, &[(name, t)])?;
     }
-    opt.load_state(opt_step, loss_scale, &tensors)?;
     Ok(TrainerState { step, epoch, data })
 }

@@ -184,3 +184,59 @@ fn overflow_skips_the_step_on_cuda() -> anyhow::Result<()> {
     assert_eq!(opt.optimizer().state().0, 0);
     Ok(())
 }
+
+/// A state handed from one AdamW to another (`load_state(state())`) is the second one's own: the
+/// fused kernel updates moments in place, and must not reach the first optimizer's. A state with
+/// only the second moment restored steps as the CPU does (zero first moment, kept second one).
+#[test]
+fn loaded_state_is_not_shared_and_partial_state_steps_as_on_the_cpu() -> anyhow::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let step = |d: &Device, opt: &mut AdamW, w: &Var, seed: u64| -> anyhow::Result<()> {
+        let g = random_tensor(&[64], seed, &Device::Cpu)?.to_device(d)?;
+        opt.step(std::slice::from_ref(w), &[Some(g)], 1e-2)?;
+        Ok(())
+    };
+    let w0 = random_tensor(&[64], 1, &Device::Cpu)?;
+    let wa = Var::from_tensor(&w0.to_device(&dev)?)?;
+    let mut a = AdamW::new(1, AdamWConfig::default());
+    step(&dev, &mut a, &wa, 2)?;
+    let before: Vec<Vec<f32>> = a
+        .state()
+        .1
+        .iter()
+        .map(|(_, t)| host(t))
+        .collect::<anyhow::Result<_>>()?;
+    let mut b = AdamW::new(1, AdamWConfig::default());
+    let (t, tensors) = a.state();
+    b.load_state(t, &tensors)?;
+    let wb = Var::from_tensor(&wa.as_tensor().copy()?)?;
+    step(&dev, &mut b, &wb, 3)?;
+    let after: Vec<Vec<f32>> = a
+        .state()
+        .1
+        .iter()
+        .map(|(_, t)| host(t))
+        .collect::<anyhow::Result<_>>()?;
+    assert_eq!(
+        before, after,
+        "stepping the loaded optimizer changed the original's moments"
+    );
+
+    // Only `exp_avg_sq.0` restored, on both devices.
+    let partial = |d: &Device| -> anyhow::Result<Vec<f32>> {
+        let w = Var::from_tensor(&w0.to_device(d)?)?;
+        let mut o = AdamW::new(1, AdamWConfig::default());
+        let v = (random_tensor(&[64], 4, &Device::Cpu)?.sqr()? * 1e-2)?.to_device(d)?;
+        o.load_state(5, &[("exp_avg_sq.0".to_string(), v)])?;
+        step(d, &mut o, &w, 6)?;
+        host(w.as_tensor())
+    };
+    let (c, g) = (partial(&Device::Cpu)?, partial(&dev)?);
+    for (x, y) in g.iter().zip(&c) {
+        assert!(
+            (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+            "partial state: {x} vs {y}"
+        );
+    }
+    Ok(())
+}

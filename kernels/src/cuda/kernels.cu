@@ -499,7 +499,8 @@ __device__ void attn_bwd_q(const T* q, const T* k, const T* v, const float* bias
       float s = dot_pair<H>(qr, ks[j], half);
       if (bias) s += bias[boff + (t0 + j) * sk];
       const float p = act ? __expf(s - L) : 0.f;
-      const float ds = p * (dot_pair<H>(gr, vs[j], half) - dl);
+      const float dp = dot_pair<H>(gr, vs[j], half);  // every lane shuffles
+      const float ds = act ? p * (dp - dl) : 0.f;
       if (dbias && act && half == 0) atomicAdd(dbias + boff + (t0 + j) * sk, ds);
       axpy_row<H>(acc, ds, ks[j] + half * H);
     }

@@ -62,8 +62,19 @@ pub(crate) fn has_mma(dev: &CudaDevice) -> bool {
     compute_capability(dev).is_some_and(|(major, _)| major >= 8)
 }
 
+/// The device's compute capability, asked of the driver once per device: every launch needs it,
+/// and cudarc's query also clears (and so would hide) an error recorded earlier on the context.
 fn compute_capability(dev: &CudaDevice) -> Option<(i32, i32)> {
-    dev.cuda_stream().context().compute_capability().ok()
+    static CC: OnceLock<Mutex<HashMap<usize, (i32, i32)>>> = OnceLock::new();
+    let ctx = dev.cuda_stream().context().clone();
+    let ordinal = ctx.ordinal();
+    let mut cache = CC.get_or_init(Default::default).lock().ok()?;
+    if let Some(cc) = cache.get(&ordinal) {
+        return Some(*cc);
+    }
+    let cc = ctx.compute_capability().ok()?;
+    cache.insert(ordinal, cc);
+    Some(cc)
 }
 
 /// The virtual architecture the kernels are compiled for on `dev`: `compute_80` on every
