@@ -12,10 +12,5 @@
 # nvidia-cuda-nvrtc` (folder: python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))').
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v nvcc > /dev/null; then
-  ENV=$(bash scripts/cuda-toolchain.sh "${CUDA_PIP_PREFIX:-$HOME/.cache/cuda13-pip}" | tail -1)
-  # shellcheck disable=SC1090
-  . "$ENV"
-fi
-export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+. scripts/cuda-env.sh
 cargo build --release --features cuda -p sdxl-ft -p t5-ft -p fewshot-ft "$@"

@@ -4,7 +4,7 @@
 # FLAN-T5-XL-shaped model next to PyTorch on the same card (PyTorch runs after the Rust process has
 # exited, so each side has the card to itself). Prints the tables of docs/benchmarks.md last.
 #
-#   bash scripts/gpu-bench.sh [out-dir]          # builds with scripts/build-cuda.sh's toolchain
+#   bash scripts/gpu-bench.sh [out-dir]          # builds first (scripts/gpu-build.sh)
 #   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench`, `cuda_tests` (ft-kernels)
 #                                                # and `memory_cuda_tests` (ft-memory) in dir
 #
@@ -21,22 +21,8 @@ mkdir -p "$OUT"
 PY=${BENCH_PYTHON:-python3}
 
 if [ -z "${BIN_DIR:-}" ]; then
-  if ! command -v nvcc > /dev/null; then
-    ENV=$(bash scripts/cuda-toolchain.sh "${CUDA_PIP_PREFIX:-$HOME/.cache/cuda13-pip}" | tail -1)
-    # shellcheck disable=SC1090
-    . "$ENV"
-  fi
-  export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-  cargo build --release --features cuda -p ft-models --example gpu_bench || exit 1
-  T=${CARGO_TARGET_DIR:-target}
   BIN_DIR=$(mktemp -d)
-  cp "$T/release/examples/gpu_bench" "$BIN_DIR/"
-  test_exe() {
-    cargo test --release --features cuda -p "$1" --test cuda --no-run --message-format=json \
-      | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
-  }
-  cp "$(test_exe ft-kernels)" "$BIN_DIR/cuda_tests"
-  cp "$(test_exe ft-memory)" "$BIN_DIR/memory_cuda_tests"
+  bash scripts/gpu-build.sh "$BIN_DIR" || exit 1
 fi
 
 # The CUDA 13 libraries: a toolkit's, else the ones PyTorch's wheels bring.

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Prepares a GPU run on a machine that has no network: builds here what scripts/gpu-bench.sh
-# runs there (`gpu_bench`, the ft-kernels and ft-memory CUDA test executables, release, with
-# scripts/build-cuda.sh's toolchain) into .gpu/bins.tar.xz, and downloads the diffusers wheel the
+# runs there (scripts/gpu-build.sh) into .gpu/bins.tar.xz, and downloads the diffusers wheel the
 # PyTorch side imports into .whl/. Both folders are git-ignored: carry them to the GPU machine.
 #
 #   bash scripts/gpu-pack.sh                 # CUDA_COMPUTE_CAP=90 (H100/H200) by default
@@ -16,23 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
-if ! command -v nvcc > /dev/null; then
-  ENV=$(bash scripts/cuda-toolchain.sh "${CUDA_PIP_PREFIX:-$HOME/.cache/cuda13-pip}" | tail -1)
-  # shellcheck disable=SC1090
-  . "$ENV"
-fi
-export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-T=${CARGO_TARGET_DIR:-target}
-
-cargo build --release --features cuda -p ft-models --example gpu_bench
-test_exe() {
-  cargo test --release --features cuda -p "$1" --test cuda --no-run --message-format=json \
-    | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
-}
-rm -rf .gpu && mkdir -p .gpu/b
-cp "$T/release/examples/gpu_bench" .gpu/b/gpu_bench
-cp "$(test_exe ft-kernels)" .gpu/b/cuda_tests
-cp "$(test_exe ft-memory)" .gpu/b/memory_cuda_tests
+rm -rf .gpu && mkdir -p .gpu
+bash scripts/gpu-build.sh .gpu/b
 strip .gpu/b/* 2> /dev/null || true
 (cd .gpu && tar cf - b | xz -T0 > bins.tar.xz && rm -rf b)
 
