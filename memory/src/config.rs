@@ -253,22 +253,12 @@ impl CommonArgs {
         params: Vec<(String, candle_core::Var)>,
         precision: crate::precision::Precision,
     ) -> Result<crate::mixed::MixedOptimizer> {
-        let wd = self.weight_decay;
         let clip = (self.max_grad_norm > 0.0).then_some(self.max_grad_norm);
-        crate::mixed::MixedOptimizer::new(
-            params,
-            precision,
-            |n| {
-                Box::new(crate::optim::AdamW::new(
-                    n,
-                    crate::optim::AdamWConfig {
-                        weight_decay: wd,
-                        ..Default::default()
-                    },
-                ))
-            },
-            clip,
-        )
+        let cfg = crate::optim::AdamWConfig {
+            weight_decay: self.weight_decay,
+            ..Default::default()
+        };
+        crate::mixed::MixedOptimizer::adamw(params, precision, cfg, clip)
     }
 
     /// The loop settings these flags decide (steps from `--max-steps` or `--epochs` over

@@ -30,6 +30,22 @@ pub struct MixedOptimizer {
 }
 
 impl MixedOptimizer {
+    /// The usual case: AdamW with `cfg` over `params` under `precision`, clipping at
+    /// `max_grad_norm`.
+    pub fn adamw(
+        params: Vec<(String, Var)>,
+        precision: Precision,
+        cfg: crate::optim::AdamWConfig,
+        max_grad_norm: Option<f64>,
+    ) -> Result<Self> {
+        Self::new(
+            params,
+            precision,
+            |n| Box::new(crate::optim::AdamW::new(n, cfg)),
+            max_grad_norm,
+        )
+    }
+
     /// Wraps `params` (as listed by the `ParamStore`) under `precision`. `make_optimizer` gets the
     /// number of parameters.
     pub fn new(

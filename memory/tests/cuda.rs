@@ -79,10 +79,10 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
                 Ok((format!("p{i}"), Var::from_tensor(&t)?))
             })
             .collect::<anyhow::Result<_>>()?;
-        let mut opt = MixedOptimizer::new(
+        let mut opt = MixedOptimizer::adamw(
             params,
             Precision::for_dtype(dtype),
-            |n| Box::new(AdamW::new(n, AdamWConfig::default())) as Box<dyn Optimizer>,
+            AdamWConfig::default(),
             Some(1.0),
         )?;
         let mut norms = Vec::new();
@@ -168,10 +168,10 @@ fn mixed_precision_step_matches_the_cpu() -> anyhow::Result<()> {
 fn overflow_skips_the_step_on_cuda() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let w = Tensor::new(&[1.0f32, 2.0], &dev)?.to_dtype(DType::F16)?;
-    let mut opt = MixedOptimizer::new(
+    let mut opt = MixedOptimizer::adamw(
         vec![("w".into(), Var::from_tensor(&w)?)],
         Precision::for_dtype(DType::F16),
-        |n| Box::new(AdamW::new(n, AdamWConfig::default())) as Box<dyn Optimizer>,
+        AdamWConfig::default(),
         None,
     )?;
     let scale = opt.loss_scale();

@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig, Optimizer, Sgd};
+use ft_memory::optim::{AdamWConfig, Optimizer, Sgd};
 use ft_memory::precision::{clip_grad_norm, global_norm, LossScaler, Precision};
 
 fn sgd(n: usize) -> Box<dyn Optimizer> {
@@ -45,10 +45,10 @@ fn bf16_weights_need_fp32_masters_for_small_updates() -> anyhow::Result<()> {
 #[test]
 fn f32_models_have_no_masters() -> anyhow::Result<()> {
     let w = Var::from_tensor(&Tensor::ones(4, DType::F32, &Device::Cpu)?)?;
-    let opt = MixedOptimizer::new(
+    let opt = MixedOptimizer::adamw(
         vec![("w".into(), w)],
         Precision::parse("f32")?,
-        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        AdamWConfig::default(),
         None,
     )?;
     assert!(opt.masters().is_empty());

@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::measure;
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
 use ft_memory::weights::{ParamBuilder, ParamStore};
@@ -103,10 +103,10 @@ fn randn(rng: &mut SplitMix64, shape: &[usize], dt: DType, dev: &Device) -> anyh
 }
 
 fn optimizer(store: &ParamStore) -> anyhow::Result<MixedOptimizer> {
-    Ok(MixedOptimizer::new(
+    Ok(MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("bf16")?,
-        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        AdamWConfig::default(),
         None,
     )?)
 }

@@ -14,7 +14,7 @@ use ft_memory::accumulate::{GradAccumulator, LossNorm};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
@@ -43,10 +43,10 @@ fn measure(
         5,
         1,
     )?;
-    let mut opt = MixedOptimizer::new(
+    let mut opt = MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("f32")?,
-        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        AdamWConfig::default(),
         None,
     )?;
     let params: Vec<Var> = opt.params().to_vec();

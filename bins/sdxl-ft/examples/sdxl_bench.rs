@@ -8,7 +8,7 @@ use ft_memory::bench::{measure_steps, python_reference, StepMeasure};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
 use ft_memory::weights::{ParamBuilder, ParamStore};
@@ -73,10 +73,10 @@ fn ours(cfg: &UNetConfig, latent: usize, checkpointing: bool) -> anyhow::Result<
     let dev = Device::Cpu;
     let store = ParamStore::new();
     let unet = UNet::new(&ParamBuilder::new(store.clone(), DType::F32, &dev, 0), cfg)?;
-    let mut opt = MixedOptimizer::new(
+    let mut opt = MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("f32")?,
-        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        AdamWConfig::default(),
         None,
     )?;
     let params: Vec<Var> = opt.params().to_vec();

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
 use ft_memory::mixed::MixedOptimizer;
-use ft_memory::optim::{AdamW, AdamWConfig};
+use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
 use ft_memory::weights::{ParamBuilder, ParamStore};
@@ -51,10 +51,10 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
     let store = ParamStore::new();
     let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0);
     let model = T5::new(&pb, &cfg)?;
-    let mut opt = MixedOptimizer::new(
+    let mut opt = MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("f32")?,
-        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        AdamWConfig::default(),
         None,
     )?;
     let params: Vec<Var> = opt.params().to_vec();
