@@ -463,3 +463,85 @@ fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<Trainer
     }
     Ok(TrainerState { step, epoch, data })
 }
+
+/// Alone in the library's unit-test binary, so the counting allocator sees only this test.
+#[cfg(test)]
+mod resume_memory {
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use super::load_checkpoint_state;
+    use crate::alloc::{measure_peak, CountingAlloc};
+    use crate::mixed::MixedOptimizer;
+    use crate::optim::AdamWConfig;
+    use crate::precision::Precision;
+
+    #[global_allocator]
+    static ALLOC: CountingAlloc = CountingAlloc;
+
+    const PARAMS: usize = 8;
+    const ELEMS: usize = 2 << 20;
+
+    fn optimizer() -> anyhow::Result<MixedOptimizer> {
+        let params = (0..PARAMS)
+            .map(|i| {
+                let t = Tensor::ones(ELEMS, DType::BF16, &Device::Cpu)?;
+                Ok((format!("p{i}"), Var::from_tensor(&t)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(MixedOptimizer::adamw(
+            params,
+            Precision::parse("bf16")?,
+            AdamWConfig::default(),
+            None,
+        )?)
+    }
+
+    /// Resuming reads `optimizer.safetensors` one tensor at a time: the peak above the fresh
+    /// optimizer is the restored moments plus about one tensor, not the file's whole contents
+    /// (moments and masters) held next to the optimizer's copies of the moments. The restored
+    /// state is the saved one.
+    #[test]
+    fn resume_holds_about_one_file_tensor_beyond_the_restored_state() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("ft-resume-memory-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let saved = {
+            let mut a = optimizer()?;
+            let grads = (0..PARAMS)
+                .map(|i| Ok(Some(Tensor::full(0.1 * i as f32, ELEMS, &Device::Cpu)?)))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            a.step(grads, 1e-3)?;
+            let (step, scale, tensors) = a.state();
+            crate::fsutil::save_safetensors(&tensors, &dir.join("optimizer.safetensors"))?;
+            let state = serde_json::json!({"global_step": 1, "epoch": 0, "optimizer_step": step,
+                                           "loss_scale": scale, "data": null});
+            std::fs::write(dir.join("trainer_state.json"), state.to_string())?;
+            tensors[1].1.to_vec1::<f32>()?
+        };
+        let mut b = optimizer()?;
+        let tensor = ELEMS * 4;
+        let (restored, peak) = measure_peak(|| load_checkpoint_state(&dir, &mut b));
+        let restored = restored?;
+        std::fs::remove_dir_all(&dir)?;
+        assert_eq!(restored.step, 1);
+        let (step, _, state) = b.state();
+        assert_eq!(step, 1);
+        assert_eq!(state[1].1.to_vec1::<f32>()?, saved);
+        // Moments restored: 2 per parameter. The file also holds a master per parameter.
+        let moments = 2 * PARAMS * tensor;
+        eprintln!(
+            "resume peak {} MiB: restored moments {} MiB, file {} MiB",
+            peak >> 20,
+            moments >> 20,
+            (3 * PARAMS * tensor) >> 20
+        );
+        assert!(peak >= moments, "peak {peak} below the restored moments");
+        assert!(
+            peak <= moments + 3 * tensor,
+            "resume peaked at {} MiB for {} MiB of restored moments (the file holds {} MiB)",
+            peak >> 20,
+            moments >> 20,
+            (3 * PARAMS * tensor) >> 20
+        );
+        Ok(())
+    }
+}
