@@ -43,57 +43,57 @@ fn masks(b: usize, h: usize, lq: usize, lk: usize) -> Result<Vec<Option<Tensor>>
     ])
 }
 
+/// `f` and `g` compute the same function of `inputs`: values and the gradient of every input
+/// (of the output weighted by `w`) within `tol`.
+fn assert_same_function(
+    f: impl Fn(&[&Tensor]) -> Result<Tensor>,
+    g: impl Fn(&[&Tensor]) -> Result<Tensor>,
+    inputs: &[&Tensor],
+    w: &Tensor,
+    tol: f64,
+    what: &str,
+) -> Result<()> {
+    let vars = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t))
+        .collect::<Result<Vec<_>>>()?;
+    let x: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let run = |h: &dyn Fn(&[&Tensor]) -> Result<Tensor>| -> Result<(Tensor, Vec<Tensor>)> {
+        let y = h(&x)?;
+        let grads = (&y * w)?.sum_all()?.backward()?;
+        let gs = x
+            .iter()
+            .map(|t| grads.get(t).cloned().expect("every input has a gradient"))
+            .collect();
+        Ok((y, gs))
+    };
+    let (y0, g0) = run(&f)?;
+    let (y1, g1) = run(&g)?;
+    assert!(max_diff(&y0, &y1)? < tol, "values, {what}");
+    for (i, (a, c)) in g0.iter().zip(&g1).enumerate() {
+        assert_eq!(a.dims(), c.dims(), "gradient {i}, {what}");
+        assert!(max_diff(a, c)? < tol, "gradient {i}, {what}");
+    }
+    Ok(())
+}
+
 /// Values and gradients agree to 1e-6 in f64 (the memory-efficient op keeps its mask in f32).
 #[test]
 fn memory_efficient_equals_plain_in_values_and_gradients() -> Result<()> {
     for (b, h, lq, lk, d, chunk) in [(2, 3, 7, 7, 4, 3), (1, 2, 5, 9, 3, 4), (2, 1, 6, 6, 2, 16)] {
         let (q, k, v) = qkv(b, h, lq, lk, d, 1)?;
+        let w = rand(&[b, h, lq, d + 1], 5)?;
+        let scale = 1.0 / (d as f64).sqrt();
         for mask in masks(b, h, lq, lk)? {
-            let scale = 1.0 / (d as f64).sqrt();
-            let (qv, kv, vv) = (
-                Var::from_tensor(&q)?,
-                Var::from_tensor(&k)?,
-                Var::from_tensor(&v)?,
-            );
-            let w = rand(&[b, h, lq, d + 1], 5)?;
-            let run = |me: bool| -> Result<(Tensor, Vec<Tensor>)> {
-                let y = if me {
-                    sdpa_memory_efficient(
-                        qv.as_tensor(),
-                        kv.as_tensor(),
-                        vv.as_tensor(),
-                        mask.as_ref(),
-                        scale,
-                        chunk,
-                    )?
-                } else {
-                    sdpa(
-                        qv.as_tensor(),
-                        kv.as_tensor(),
-                        vv.as_tensor(),
-                        mask.as_ref(),
-                        scale,
-                    )?
-                };
-                let g = (&y * &w)?.sum_all()?.backward()?;
-                let gs = [&qv, &kv, &vv]
-                    .iter()
-                    .map(|x| g.get(x.as_tensor()).cloned().expect("grad"))
-                    .collect();
-                Ok((y, gs))
-            };
-            let (y0, g0) = run(false)?;
-            let (y1, g1) = run(true)?;
-            assert!(
-                max_diff(&y0, &y1)? < 1e-6,
-                "values {b} {h} {lq} {lk} chunk {chunk}"
-            );
-            for (a, c) in g0.iter().zip(&g1) {
-                assert!(
-                    max_diff(a, c)? < 1e-6,
-                    "gradients {b} {h} {lq} {lk} chunk {chunk}"
-                );
-            }
+            let m = mask.as_ref();
+            assert_same_function(
+                |x| sdpa(x[0], x[1], x[2], m, scale),
+                |x| sdpa_memory_efficient(x[0], x[1], x[2], m, scale, chunk),
+                &[&q, &k, &v],
+                &w,
+                1e-6,
+                &format!("{b} {h} {lq} {lk} chunk {chunk}"),
+            )?;
         }
     }
     Ok(())
@@ -131,46 +131,23 @@ fn both_match_finite_differences_on_strided_inputs() -> Result<()> {
 fn query_chunks_equal_plain_in_values_and_gradients() -> Result<()> {
     let (b, h, lq, lk, d) = (2, 3, 7, 5, 4);
     let (q, k, v) = qkv(b, h, lq, lk, d, 11)?;
+    let w = rand(&[b, h, lq, d + 1], 14)?;
     let mut biases = masks(b, h, lq, lk)?;
     biases.push(Some(rand(&[lq, lk], 12)?));
     biases.push(Some(rand(&[b, 1, 1, lk], 13)?));
     for bias in biases {
+        // The bias, when there is one, is an input too: its gradient is compared.
+        let inputs: Vec<&Tensor> = [&q, &k, &v].into_iter().chain(bias.as_ref()).collect();
         for rows in [1, 2, 3] {
-            let vars = [&q, &k, &v]
-                .into_iter()
-                .chain(bias.as_ref())
-                .map(Var::from_tensor)
-                .collect::<Result<Vec<_>>>()?;
-            let w = rand(&[b, h, lq, d + 1], 14)?;
-            let run = |chunked: bool| -> Result<(Tensor, Vec<Tensor>)> {
-                let x: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
-                let bias = x.get(3).copied();
-                let y = if chunked {
-                    sdpa_query_chunks(x[0], x[1], x[2], bias, 0.5, b * h * lk * rows)?
-                } else {
-                    sdpa(x[0], x[1], x[2], bias, 0.5)?
-                };
-                let g = (&y * &w)?.sum_all()?.backward()?;
-                let gs = x
-                    .iter()
-                    .map(|t| g.get(t).cloned().expect("every input has a gradient"))
-                    .collect();
-                Ok((y, gs))
-            };
-            let (y0, g0) = run(false)?;
-            let (y1, g1) = run(true)?;
-            let dims = bias.as_ref().map(|t| t.dims().to_vec());
-            assert!(
-                max_diff(&y0, &y1)? < 1e-12,
-                "values, bias {dims:?}, {rows} rows"
-            );
-            for (a, c) in g0.iter().zip(&g1) {
-                assert_eq!(a.dims(), c.dims());
-                assert!(
-                    max_diff(a, c)? < 1e-12,
-                    "gradients, bias {dims:?}, {rows} rows"
-                );
-            }
+            let max_scores = b * h * lk * rows;
+            assert_same_function(
+                |x| sdpa(x[0], x[1], x[2], x.get(3).copied(), 0.5),
+                |x| sdpa_query_chunks(x[0], x[1], x[2], x.get(3).copied(), 0.5, max_scores),
+                &inputs,
+                &w,
+                1e-12,
+                &format!("bias {:?}, {rows} rows", bias.as_ref().map(|t| t.dims())),
+            )?;
         }
     }
     Ok(())
