@@ -59,7 +59,7 @@ pub fn tensor_cores_enabled() -> bool {
 
 /// Whether `dev` takes the sm_80 build of the kernels (with the tensor-core ones).
 pub(crate) fn has_mma(dev: &CudaDevice) -> bool {
-    compute_capability(dev).is_some_and(|(major, _)| major >= 8)
+    crate::arch::has_tensor_core_kernels(compute_capability(dev))
 }
 
 /// The device's compute capability, asked of the driver once per device: every launch needs it,
@@ -77,17 +77,9 @@ fn compute_capability(dev: &CudaDevice) -> Option<(i32, i32)> {
     Some(cc)
 }
 
-/// The virtual architecture the kernels are compiled for on `dev`: `compute_80` on every
-/// sm_80+ GPU (the tensor-core kernels need `mma.sync`; the driver JIT-compiles that PTX for
-/// later GPUs), else the GPU's own (`compute_75` on a T4). Never NVRTC's default, which is
-/// `compute_52` for NVRTC 12, where the double-precision `atomicAdd` does not exist and which
-/// an older GPU could not run anyway.
+/// The virtual architecture the kernels are compiled for on `dev` (see [`crate::arch::arch_for`]).
 pub fn kernel_arch(dev: &CudaDevice) -> String {
-    match compute_capability(dev) {
-        Some((major, _)) if major >= 8 => "compute_80".into(),
-        Some((major, minor)) => format!("compute_{major}{minor}"),
-        None => "compute_75".into(),
-    }
+    crate::arch::arch_for(compute_capability(dev))
 }
 
 const SOURCE: &str = include_str!("kernels.cu");

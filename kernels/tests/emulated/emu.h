@@ -88,6 +88,31 @@ inline double atomicAdd(double* p, double v) {
   return old;
 }
 
+// The compare-and-swap behind the pre-sm_60 double atomicAdd (kernels.cu's atomic_add_f64 when
+// built with -D__CUDA_ARCH__=520). It yields first, so that other threads get between a
+// caller's read and its swap and the retry loop is really exercised; `cas_retries` counts the
+// swaps that found the word changed.
+inline std::atomic<long long> cas_retries{0};
+inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long compare,
+                                    unsigned long long v) {
+  std::this_thread::yield();
+  std::lock_guard<std::mutex> g(atomics);
+  unsigned long long old = *p;
+  if (old == compare) *p = v;
+  else cas_retries++;
+  return old;
+}
+inline long long __double_as_longlong(double d) {
+  long long i;
+  std::memcpy(&i, &d, 8);
+  return i;
+}
+inline double __longlong_as_double(long long i) {
+  double d;
+  std::memcpy(&d, &i, 8);
+  return d;
+}
+
 inline int atomicExch(int* p, int v) {
   std::lock_guard<std::mutex> g(atomics);
   int old = *p;

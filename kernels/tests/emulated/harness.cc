@@ -395,6 +395,21 @@ static void sum_squares_case() {
   check("sum of squares (global norm)", {(float)acc}, {want}, 1e-6);
 }
 
+// Every thread of a block adds to one double at once, as the global-norm reduction's blocks do:
+// the sum must come out exact (halves add exactly), whichever atomic the build uses.
+static void atomic_add_f64_case() {
+  double acc = 0;
+  const int per_thread = 64;
+  launch({1}, {256}, [&] {
+    for (int i = 0; i < per_thread; i++) atomic_add_f64(&acc, 0.5);
+  });
+  const double want = 256.0 * per_thread * 0.5;
+  const bool ok = acc == want;
+  std::printf("%-48s %.1f of %.1f %s\n", "double atomic add, 256 threads at once", acc, want,
+              ok ? "ok" : "FAIL");
+  failures += !ok;
+}
+
 static void unscale_case() {
   std::vector<f16> g = to<f16>({2.f, -4.f, 8.f, 0.5f});
   std::vector<float> out(4);
@@ -411,10 +426,24 @@ static void unscale_case() {
   failures += !found;
 }
 
-int main() {
+int main(int argc, char** argv) {
   // A warp-level call that not every lane reaches (a shuffle behind a divergent branch) waits
   // forever at the emulated warp barrier: end the run with SIGALRM instead of hanging CI.
   alarm(600);
+  // `atomics`: only the kernels built on the double atomic add, for the build that takes the
+  // compare-and-swap fallback of GPUs below sm_60 (-D__CUDA_ARCH__=520).
+  if (argc > 1 && std::string(argv[1]) == "atomics") {
+    atomic_add_f64_case();
+    sum_squares_case();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 600
+    const bool raced = cas_retries > 0;
+    std::printf("%-48s %lld retries %s\n", "compare-and-swap loop retried under contention",
+                (long long)cas_retries, raced ? "ok" : "FAIL");
+    failures += !raced;
+#endif
+    std::printf("%d failure(s)\n", failures);
+    return failures ? 1 : 0;
+  }
   for (int log_ = 0; log_ <= 1; log_++) {
     softmax_case<float>("f32", 5, 8, log_, 1e-5, softmax_fwd_f32, softmax_bwd_f32);
     softmax_case<float>("f32", 5, 37, log_, 1e-5, softmax_fwd_f32, softmax_bwd_f32);
@@ -450,6 +479,7 @@ int main() {
   adamw_case();
   stochastic_case();
   sum_squares_case();
+  atomic_add_f64_case();
   unscale_case();
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
