@@ -68,8 +68,11 @@ pub struct ProfilePoint {
     pub peak: u64,
     /// `live` minus the baseline's `live` (0 before a baseline is set).
     pub delta: i64,
-    /// Told bytes per category at the point.
+    /// Told bytes per category at the point, of what lives in the measured memory.
     pub told: BTreeMap<Category, u64>,
+    /// Told bytes per category that live in host memory while the ledger measures a GPU
+    /// (offloaded optimizer state, an EMA kept on the host): not part of `live`.
+    pub host: BTreeMap<Category, u64>,
 }
 
 impl ProfilePoint {
@@ -92,6 +95,7 @@ pub struct LeakSuspect {
 pub struct Ledger {
     device: Device,
     told: BTreeMap<Category, BTreeMap<String, u64>>,
+    host: BTreeMap<Category, BTreeMap<String, u64>>,
     baseline: Option<u64>,
     points: Vec<ProfilePoint>,
     timeline: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
@@ -104,6 +108,7 @@ impl Ledger {
         Ledger {
             device: device.clone(),
             told: BTreeMap::new(),
+            host: BTreeMap::new(),
             baseline: None,
             points: Vec::new(),
             timeline: None,
@@ -123,10 +128,24 @@ impl Ledger {
         measure::is_measured(&self.device)
     }
 
-    /// Records (or replaces) `bytes` under `name` in `category`.
+    /// Records (or replaces) `bytes` under `name` in `category`, held in the measured memory.
     pub fn set(&mut self, category: Category, name: &str, bytes: u64) {
-        self.told
-            .entry(category)
+        self.set_on(category, name, bytes, &self.device.clone());
+    }
+
+    /// Records (or replaces) `bytes` under `name` in `category`, held on `device`. Host memory
+    /// while the ledger measures a GPU is kept apart: subtracting it from the GPU's measured
+    /// total would understate the activations by the offloaded gigabytes.
+    pub fn set_on(&mut self, category: Category, name: &str, bytes: u64, device: &Device) {
+        let (into, other) = if measures(&self.device, device) {
+            (&mut self.told, &mut self.host)
+        } else {
+            (&mut self.host, &mut self.told)
+        };
+        if let Some(m) = other.get_mut(&category) {
+            m.remove(name);
+        }
+        into.entry(category)
             .or_default()
             .insert(name.to_string(), bytes);
     }
@@ -144,9 +163,16 @@ impl Ledger {
 
     /// Forgets `name` in `category` (the memory was freed).
     pub fn remove(&mut self, category: Category, name: &str) {
-        if let Some(m) = self.told.get_mut(&category) {
-            m.remove(name);
+        for map in [&mut self.told, &mut self.host] {
+            if let Some(m) = map.get_mut(&category) {
+                m.remove(name);
+            }
         }
+    }
+
+    /// Told bytes of every category that live in host memory outside the measured GPU.
+    pub fn host_by_category(&self) -> BTreeMap<Category, u64> {
+        sums(&self.host)
     }
 
     /// Told bytes of one category.
@@ -157,13 +183,9 @@ impl Ledger {
             .unwrap_or(0)
     }
 
-    /// Told bytes of every category.
+    /// Told bytes of every category in the measured memory.
     pub fn told_by_category(&self) -> BTreeMap<Category, u64> {
-        Category::ALL
-            .iter()
-            .map(|c| (*c, self.told(*c)))
-            .filter(|(_, b)| *b > 0)
-            .collect()
+        sums(&self.told)
     }
 
     /// Makes the current measured bytes the zero from which later deltas count.
@@ -183,6 +205,7 @@ impl Ledger {
             peak: r.peak,
             delta: self.baseline.map(|b| r.live as i64 - b as i64).unwrap_or(0),
             told: self.told_by_category(),
+            host: self.host_by_category(),
         };
         if let Some((path, w)) = self.timeline.as_mut() {
             let line = point_json(&point);
@@ -255,6 +278,17 @@ impl Ledger {
                 last.phase
             );
         }
+        let host = self.host_by_category();
+        if !host.is_empty() {
+            let _ = writeln!(
+                s,
+                "  on the host (not in the {} totals):",
+                device_name(&self.device)
+            );
+            for (c, b) in host {
+                let _ = writeln!(s, "  {:<22} {:>12}", c.as_str(), format_bytes(b as i64));
+            }
+        }
         if !self.is_measured() {
             let _ = writeln!(
                 s,
@@ -304,6 +338,20 @@ impl Ledger {
     }
 }
 
+/// Whether memory on `on` is part of what a ledger of `measured` counts: the CPU's counting
+/// allocator sees every host allocation; a GPU's pool sees only its own.
+fn measures(measured: &Device, on: &Device) -> bool {
+    measured.is_cpu() || !on.is_cpu()
+}
+
+/// Per-category totals of told bytes, without empty categories.
+fn sums(told: &BTreeMap<Category, BTreeMap<String, u64>>) -> BTreeMap<Category, u64> {
+    told.iter()
+        .map(|(c, m)| (*c, m.values().sum::<u64>()))
+        .filter(|(_, b)| *b > 0)
+        .collect()
+}
+
 fn device_name(d: &Device) -> &'static str {
     match d {
         Device::Cpu => "cpu",
@@ -318,6 +366,11 @@ fn point_json(p: &ProfilePoint) -> String {
         .iter()
         .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
         .collect();
+    let host: serde_json::Map<String, serde_json::Value> = p
+        .host
+        .iter()
+        .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
+        .collect();
     serde_json::json!({
         "phase": p.phase,
         "step": p.step,
@@ -326,6 +379,7 @@ fn point_json(p: &ProfilePoint) -> String {
         "delta_bytes": p.delta,
         "unaccounted_bytes": p.unaccounted(),
         "told": told,
+        "host_told": host,
     })
     .to_string()
 }

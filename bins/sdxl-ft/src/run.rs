@@ -156,7 +156,12 @@ pub fn setup(args: &Args) -> Result<Setup> {
                 ModelRepo::Local(dir.clone()).safetensors("unet_ema/diffusion_pytorch_model")?;
             ema.load(|name, shape| saved.load(name, Some(shape), DType::F32, &Device::Cpu, false))?;
         }
-        ledger.set(ft_memory::ledger::Category::Ema, "unet", ema.bytes());
+        ledger.set_on(
+            ft_memory::ledger::Category::Ema,
+            "unet",
+            ema.bytes(),
+            ema.device(),
+        );
         Some(ema)
     } else {
         None

@@ -370,7 +370,7 @@ impl Task for SdxlTask {
     fn after_step(&mut self, step: u64, weights: &[Var], ledger: &mut Ledger) -> TaskResult<()> {
         if let Some(ema) = &mut self.ema {
             ema.maybe_update(step, weights)?;
-            ledger.set(Category::Ema, "unet", ema.bytes());
+            ledger.set_on(Category::Ema, "unet", ema.bytes(), ema.device());
         }
         Ok(())
     }
