@@ -12,8 +12,9 @@
 # TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).
 # SDXL_PX (default 128,1024), T5_SHAPE (default "8 512 128") choose the sizes; BASELINE=0 skips
 # the second candle run on candle's own ops (FT_CUDA_KERNELS=0). ONLY (default "tests attention sdxl
-# t5") picks the parts, so a run can be split over calls that each have a time limit; results are
-# appended to out/results.jsonl and the tables are printed from all of them.
+# t5"; also "offload": both models with the optimizer state on the host, FT_OFFLOAD=1) picks the
+# parts, so a run can be split over calls that each have a time limit; results are appended to
+# out/results.jsonl and the tables are printed from all of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-bench-out}
@@ -68,5 +69,11 @@ if want t5; then
   [ "${BASELINE:-1}" = 1 ] && FT_CUDA_KERNELS=0 $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
   # shellcheck disable=SC2086
   $TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+fi
+if want offload; then
+  step "optimizer state on the host"
+  FT_OFFLOAD=1 $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+  # shellcheck disable=SC2086
+  FT_OFFLOAD=1 $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
 fi
 "$PY" scripts/gpu_bench_table.py "$R" | tee "$OUT/tables.md"

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::accumulate::{GradAccumulator, LossNorm};
 use ft_memory::checkpoint::{Checkpointer, SegmentFn};
 use ft_memory::ledger::{format_bytes, Category, Ledger};
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::{AdamW, AdamWConfig};
 use ft_memory::precision::Precision;
 use ft_memory::schedule::{LrSchedule, ScheduleKind};
@@ -75,6 +75,7 @@ fn train(checkpointing: bool, out_dir: &std::path::Path) -> Result<Run> {
     let mut opt = MixedOptimizer::new(
         params,
         precision,
+        StatePlacement::WithModel,
         |n| {
             Box::new(AdamW::new(
                 n,

@@ -6,7 +6,7 @@
 //! (what `loss / accum` does) weights a short micro-batch's tokens more than a long one's, so it is
 //! not the gradient of the big batch when token counts differ.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -43,16 +43,28 @@ impl LossNorm {
     }
 }
 
-/// Sums gradients over micro-batches in fp32.
+/// Sums gradients over micro-batches in fp32, on the gradients' own device or on a given one
+/// (the host, when the optimizer state is offloaded: the device then frees each micro-batch's
+/// gradients as soon as they are added).
 #[derive(Default)]
 pub struct GradAccumulator {
     sums: Vec<Option<Tensor>>,
     micro_batches: usize,
+    device: Option<Device>,
 }
 
 impl GradAccumulator {
+    /// Sums on the device each gradient comes from.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Sums on `device`; a gradient moves there in its own dtype and is widened to fp32 there.
+    pub fn on(device: &Device) -> Self {
+        GradAccumulator {
+            device: Some(device.clone()),
+            ..Self::default()
+        }
     }
 
     /// Adds one micro-batch's gradients (same parameter order every time).
@@ -69,14 +81,33 @@ impl GradAccumulator {
         }
         for (s, g) in self.sums.iter_mut().zip(grads) {
             let Some(g) = g else { continue };
-            let g = g.to_dtype(DType::F32)?.detach();
-            *s = Some(match s.take() {
-                Some(prev) => (prev + g)?.detach(),
+            let g = match &self.device {
+                Some(d) => g.to_device(d)?,
                 None => g,
+            };
+            let g = g.detach();
+            // On the host: one threaded pass each, adding into the sum in place (the sums are
+            // the accumulator's own tensors). Elsewhere candle's ops, which on a GPU are one
+            // kernel each anyway.
+            *s = Some(match s.take() {
+                Some(prev) if crate::host::add_into(&prev, &g)? => prev,
+                Some(prev) => (prev + g.to_dtype(DType::F32)?)?.detach(),
+                None => match crate::host::widened(&g) {
+                    Some(w) => w?,
+                    None => g.to_dtype(DType::F32)?,
+                },
             });
         }
         self.micro_batches += 1;
         Ok(())
+    }
+
+    /// Where the sums live (for the ledger); the first gradient's device when not pinned.
+    pub fn device(&self) -> &Device {
+        self.device
+            .as_ref()
+            .or_else(|| self.sums.iter().flatten().next().map(|t| t.device()))
+            .unwrap_or(&Device::Cpu)
     }
 
     pub fn micro_batches(&self) -> usize {

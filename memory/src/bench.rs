@@ -77,3 +77,52 @@ pub fn python_reference(script: &str, args: &[String]) -> Option<serde_json::Val
     let stdout = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(stdout.lines().last()?).ok()
 }
+
+/// The model-state bytes of `n` parameters trained as the binaries do (bf16 weights, fp32
+/// masters, AdamW, gradients summed in fp32 over micro-batches), with the optimizer state
+/// beside the model and with `--offload-optimizer`: a markdown table for the bench plans.
+pub fn model_states_table(n: u64) -> String {
+    use crate::ledger::format_bytes;
+    // (component, bytes per parameter, where it lives when offloaded: true = host)
+    let rows: [(&str, u64, bool); 5] = [
+        ("weights (bf16)", 2, false),
+        (
+            "one micro-batch's gradients (bf16), during backward",
+            2,
+            false,
+        ),
+        (
+            "gradient sums (fp32, accumulated across micro-batches)",
+            4,
+            true,
+        ),
+        ("fp32 master weights", 4, true),
+        ("AdamW moments (fp32)", 8, true),
+    ];
+    let b = |per: u64| format_bytes((per * n) as i64);
+    let mut s = String::from(
+        "| component | optimizer on the GPU | --offload-optimizer: GPU | --offload-optimizer: host |\n\
+         |---|---|---|---|\n",
+    );
+    for (name, per, host) in rows {
+        let (gpu, cpu) = if host {
+            ("-".into(), b(per))
+        } else {
+            (b(per), "-".into())
+        };
+        s += &format!("| {name} | {} | {gpu} | {cpu} |\n", b(per));
+    }
+    let on = |host: bool| {
+        rows.iter()
+            .filter(|r| r.2 == host)
+            .map(|r| r.1)
+            .sum::<u64>()
+    };
+    s += &format!(
+        "| model states, at most | {} | {} | {} |\n",
+        b(on(false) + on(true)),
+        b(on(false)),
+        b(on(true))
+    );
+    s
+}

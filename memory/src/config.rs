@@ -162,6 +162,11 @@ pub struct CommonArgs {
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Keep the fp32 master weights, the AdamW moments and the accumulated gradients in host
+    /// memory (DeepSpeed's ZeRO-Offload of the optimizer): the GPU holds only the weights, one
+    /// micro-batch's gradients and the activations; the step runs on the CPU.
+    #[arg(long)]
+    pub offload_optimizer: bool,
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -247,7 +252,8 @@ impl CommonArgs {
     }
 
     /// AdamW (`--lr` through the schedule, `--weight-decay`) over `params`, with fp32 masters as
-    /// the precision asks and clipping at `--max-grad-norm` (0 disables).
+    /// the precision asks, on the host with `--offload-optimizer`, and clipping at
+    /// `--max-grad-norm` (0 disables).
     pub fn optimizer(
         &self,
         params: Vec<(String, candle_core::Var)>,
@@ -258,7 +264,8 @@ impl CommonArgs {
             weight_decay: self.weight_decay,
             ..Default::default()
         };
-        crate::mixed::MixedOptimizer::adamw(params, precision, cfg, clip)
+        let placement = crate::mixed::StatePlacement::offload(self.offload_optimizer);
+        crate::mixed::MixedOptimizer::adamw(params, precision, placement, cfg, clip)
     }
 
     /// The loop settings these flags decide (steps from `--max-steps` or `--epochs` over

@@ -5,7 +5,8 @@
 //!   profile points.
 //! - [`weights`]: load once, straight into the training dtype and device.
 //! - [`checkpoint`]: exact gradient checkpointing by segment recompute.
-//! - [`precision`], [`mixed`], [`optim`], [`schedule`], [`accumulate`]: the update side.
+//! - [`precision`], [`mixed`], [`optim`], [`schedule`], [`accumulate`]: the update side;
+//!   [`host`]: its threaded passes over host memory when the optimizer state is offloaded.
 //! - [`train`]: the training loop the binaries share.
 //! - [`config`]: a TOML config file with command-line overrides, shared by the binaries.
 
@@ -17,6 +18,8 @@ pub mod config;
 pub mod ema;
 pub mod error;
 pub mod fsutil;
+pub mod host;
+mod host_adamw;
 pub mod ledger;
 pub mod measure;
 pub mod mixed;

@@ -1,7 +1,7 @@
 //! The optimizer step as trainers see it: fp32 master weights, loss-scale check, clipping, update,
 //! and the rounded write-back into the model's bf16/f16 weights.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::Result;
 use crate::ledger::{tensor_bytes, Category, Ledger};
@@ -17,55 +17,87 @@ pub struct StepOutcome {
     pub grad_norm: Option<f64>,
 }
 
+/// Where the fp32 master weights and the optimizer state (AdamW's moments) live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StatePlacement {
+    /// Beside the model, on its device: the fastest step.
+    #[default]
+    WithModel,
+    /// In host memory, as DeepSpeed's ZeRO-Offload does with the optimizer: the device keeps
+    /// only the model's weights, its gradients and activations (2 + 2 bytes per bf16 parameter
+    /// instead of 16). Each step moves a gradient to the host, updates its fp32 master and
+    /// moments there, and writes the rounded weight back, one parameter at a time. fp32 masters
+    /// exist even for an fp32 model: they are the values the host updates.
+    Host,
+}
+
+impl StatePlacement {
+    /// `true` -> [`StatePlacement::Host`].
+    pub fn offload(host: bool) -> Self {
+        if host {
+            StatePlacement::Host
+        } else {
+            StatePlacement::WithModel
+        }
+    }
+}
+
 /// Model parameters, their fp32 masters (when the model is stored in low precision), an
 /// optimizer over the masters, an optional loss scaler and a clipping threshold.
 pub struct MixedOptimizer {
     names: Vec<String>,
     model: Vec<Var>,
-    /// fp32 copies updated by the optimizer; empty when the model itself is fp32.
+    /// fp32 copies updated by the optimizer; empty when the model itself is fp32 and its state
+    /// stays with it.
     masters: Vec<Var>,
+    placement: StatePlacement,
     optimizer: Box<dyn Optimizer>,
     scaler: Option<LossScaler>,
     max_grad_norm: Option<f64>,
 }
 
 impl MixedOptimizer {
-    /// The usual case: AdamW with `cfg` over `params` under `precision`, clipping at
-    /// `max_grad_norm`.
+    /// The usual case: AdamW with `cfg` over `params` under `precision`, its state placed by
+    /// `placement`, clipping at `max_grad_norm`.
     pub fn adamw(
         params: Vec<(String, Var)>,
         precision: Precision,
+        placement: StatePlacement,
         cfg: crate::optim::AdamWConfig,
         max_grad_norm: Option<f64>,
     ) -> Result<Self> {
         Self::new(
             params,
             precision,
+            placement,
             |n| Box::new(crate::optim::AdamW::new(n, cfg)),
             max_grad_norm,
         )
     }
 
-    /// Wraps `params` (as listed by the `ParamStore`) under `precision`. `make_optimizer` gets the
-    /// number of parameters.
+    /// Wraps `params` (as listed by the `ParamStore`) under `precision`, with masters and
+    /// optimizer state placed by `placement`. `make_optimizer` gets the number of parameters.
     pub fn new(
         params: Vec<(String, Var)>,
         precision: Precision,
+        placement: StatePlacement,
         make_optimizer: impl FnOnce(usize) -> Box<dyn Optimizer>,
         max_grad_norm: Option<f64>,
     ) -> Result<Self> {
         let (names, model): (Vec<String>, Vec<Var>) = params.into_iter().unzip();
+        let host = placement == StatePlacement::Host;
         let needs_master =
-            precision.master_weights && model.iter().any(|v| v.dtype() != DType::F32);
+            host || (precision.master_weights && model.iter().any(|v| v.dtype() != DType::F32));
         let masters = if needs_master {
             model
                 .iter()
                 // `detach` first: an f32 parameter's `to_dtype(F32)` is the Var itself, and a
-                // master must be a tensor of its own.
+                // master must be a tensor of its own. Offloaded masters are cast on the host,
+                // after a transfer of the weight's own bytes: nothing fp32 on the device.
                 .map(|v| {
-                    Ok(Var::from_tensor(
-                        &v.as_tensor().detach().to_dtype(DType::F32)?,
-                    )?)
+                    let w = v.as_tensor().detach();
+                    let w = if host { w.to_device(&Device::Cpu)? } else { w };
+                    Ok(Var::from_tensor(&w.to_dtype(DType::F32)?)?)
                 })
                 .collect::<Result<Vec<_>>>()?
         } else {
@@ -76,6 +108,7 @@ impl MixedOptimizer {
             names,
             model,
             masters,
+            placement,
             optimizer,
             scaler: precision.loss_scaling.then(LossScaler::default),
             max_grad_norm,
@@ -109,25 +142,43 @@ impl MixedOptimizer {
         &self.masters
     }
 
-    /// Tells the ledger the bytes of parameters, master weights and optimizer state.
+    /// Where the masters and optimizer state live.
+    pub fn placement(&self) -> StatePlacement {
+        self.placement
+    }
+
+    /// The device of the masters and optimizer state: the host when offloaded, else the
+    /// model's (a checkpoint's optimizer state is restored there).
+    pub fn state_device(&self) -> Device {
+        match (self.placement, self.model.first()) {
+            (StatePlacement::WithModel, Some(p)) => p.device().clone(),
+            _ => Device::Cpu,
+        }
+    }
+
+    /// Tells the ledger the bytes of parameters, master weights and optimizer state (the last
+    /// two as host memory when offloaded).
     pub fn account(&self, ledger: &mut Ledger, component: &str) {
         ledger.set_tensors(
             Category::Parameters,
             component,
             self.model.iter().map(|v| v.as_tensor()),
         );
-        ledger.set(
+        let on = self.state_device();
+        ledger.set_on(
             Category::MasterWeights,
             component,
             self.masters
                 .iter()
                 .map(|v| tensor_bytes(v.as_tensor()))
                 .sum(),
+            &on,
         );
-        ledger.set(
+        ledger.set_on(
             Category::OptimizerState,
             component,
             self.optimizer.state_bytes(),
+            &on,
         );
     }
 
@@ -159,7 +210,7 @@ impl MixedOptimizer {
                         "optimizer state `{name}`: no parameter {i}"
                     ))
                 })?;
-                m.set(&t.to_dtype(DType::F32)?)?;
+                m.set(&t.to_dtype(DType::F32)?.to_device(m.device())?)?;
             }
         }
         if let Some(s) = self.scaler.as_mut() {

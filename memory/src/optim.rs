@@ -22,8 +22,8 @@ pub trait Optimizer: Send {
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;
 
     /// One update of the fp32 `params` (master weights), then each updated value written into
-    /// `model[i]`, the bf16/f16 weights the forward reads. Optimizers that can do both in one
-    /// pass over memory override this.
+    /// `model[i]`, the bf16/f16 weights the forward reads (on the model's device: the masters
+    /// may live on the host). Optimizers that can do both in one pass over memory override this.
     fn step_into(
         &mut self,
         params: &[Var],
@@ -32,11 +32,27 @@ pub trait Optimizer: Send {
         model: &[Var],
     ) -> Result<()> {
         self.step(params, grads, lr)?;
-        for (m, p) in model.iter().zip(params) {
-            m.set(&p.as_tensor().to_dtype(m.dtype())?)?;
-        }
-        Ok(())
+        write_back(params, model)
     }
+}
+
+/// Writes each updated master into the model weight it shadows: rounded to the weight's dtype
+/// on the master's device first, so an offloaded step moves 2 bytes per bf16 weight, not 4.
+fn write_back(params: &[Var], model: &[Var]) -> Result<()> {
+    for (m, p) in model.iter().zip(params) {
+        let w = match crate::host::narrowed(p, m.dtype()) {
+            Some(w) => w?,
+            None => p.as_tensor().to_dtype(m.dtype())?,
+        };
+        m.set(&w.to_device(m.device())?)?;
+    }
+    Ok(())
+}
+
+/// A gradient as the update of `p` reads it: fp32, on `p`'s device (the host, when the
+/// optimizer state is offloaded; a no-op move otherwise), detached from its graph.
+fn grad_for(p: &Var, g: &Tensor) -> Result<Tensor> {
+    Ok(g.to_device(p.device())?.to_dtype(DType::F32)?.detach())
 }
 
 /// AdamW hyper-parameters (PyTorch defaults).
@@ -75,15 +91,27 @@ pub struct AdamW {
     t: u64,
     m: Vec<Option<Tensor>>,
     v: Vec<Option<Tensor>>,
+    /// Contiguous fp32 CPU parameters take the one-pass threaded update (`host_adamw`); off,
+    /// every parameter takes the op-by-op reference (the tests compare the two).
+    host_fused: bool,
 }
 
 impl AdamW {
+    /// The reference update, op by op on every device (what `FT_HOST_ADAMW=0` selects on the
+    /// CPU): the tests compare the one-pass host update with it.
+    pub fn op_by_op(mut self) -> Self {
+        self.host_fused = false;
+        self
+    }
+
     pub fn new(n_params: usize, cfg: AdamWConfig) -> Self {
         AdamW {
             cfg,
             t: 0,
             m: vec![None; n_params],
             v: vec![None; n_params],
+            // FT_HOST_ADAMW=0 turns the one-pass host update off, like the CUDA switches.
+            host_fused: std::env::var("FT_HOST_ADAMW").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -205,10 +233,7 @@ impl Optimizer for AdamW {
             return self.step_fused(params, grads, lr, Some(model));
         }
         self.step(params, grads, lr)?;
-        for (m, p) in model.iter().zip(params) {
-            m.set(&p.as_tensor().to_dtype(m.dtype())?)?;
-        }
-        Ok(())
+        write_back(params, model)
     }
 
     fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
@@ -223,11 +248,30 @@ impl Optimizer for AdamW {
         let bc2 = 1.0 - c.beta2.powi(self.t as i32);
         let step_size = lr / bc1;
         let bc2_sqrt = bc2.sqrt();
+        let host = crate::host_adamw::HostStep {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            lr,
+            weight_decay: c.weight_decay,
+            step_size,
+            bc2_sqrt,
+        };
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             // Detached throughout: optimizer state must not record (and keep alive) the graph
             // of the gradients it was computed from.
-            let g = g.to_dtype(DType::F32)?.detach();
+            let g = grad_for(p, g)?;
+            if self.host_fused {
+                let (m, v) = (self.m[i].as_ref(), self.v[i].as_ref());
+                if let Some((np, nm, nv)) = crate::host_adamw::update(p, &g, m, v, &host) {
+                    let shape = p.shape();
+                    p.set(&Tensor::from_vec(np, shape, p.device())?)?;
+                    self.m[i] = Some(Tensor::from_vec(nm, shape, p.device())?);
+                    self.v[i] = Some(Tensor::from_vec(nv, shape, p.device())?);
+                    continue;
+                }
+            }
             let m = match &self.m[i] {
                 Some(m) => ((m * c.beta1)? + (&g * (1.0 - c.beta1))?)?,
                 None => (&g * (1.0 - c.beta1))?,
@@ -302,7 +346,7 @@ impl Optimizer for Sgd {
         self.t += 1;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
-            let mut g = g.to_dtype(DType::F32)?.detach();
+            let mut g = grad_for(p, g)?;
             let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
             if self.weight_decay != 0.0 {
                 g = (g + (&p32 * self.weight_decay)?)?;

@@ -145,6 +145,10 @@ pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
     }
     let mut sq = 0f64;
     for g in grads.iter().flatten() {
+        if let Some(s) = crate::host::sum_squares(g) {
+            sq += s;
+            continue;
+        }
         sq += g
             .to_dtype(DType::F32)?
             .sqr()?
@@ -162,7 +166,10 @@ pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
         for g in grads.iter_mut().flatten() {
-            *g = (&*g * coef)?;
+            *g = match crate::host::scaled(g, coef) {
+                Some(t) => t?,
+                None => (&*g * coef)?,
+            };
         }
     }
     Ok(norm)

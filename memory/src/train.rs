@@ -228,7 +228,7 @@ pub fn run<T: Task>(
     };
 
     let mut summary = RunSummary::default();
-    let mut acc = GradAccumulator::new();
+    let mut acc = GradAccumulator::on(&opt.state_device());
     let mut bad_evals = 0usize;
     while step < cfg.max_steps {
         let t0 = Instant::now();
@@ -278,7 +278,7 @@ pub fn run<T: Task>(
             let grads = checkpointer.gradients(&scaled, &params)?;
             drop(scaled);
             acc.add(grads)?;
-            ledger.set(Category::Gradients, "model", acc.bytes());
+            ledger.set_on(Category::Gradients, "model", acc.bytes(), acc.device());
             ledger.mark("backward", step)?;
         }
         drop(batches);
@@ -446,11 +446,8 @@ fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<Trainer
     let loss_scale = field("loss_scale")?.as_f64().unwrap_or(1.0);
     let data = field("data")?.clone();
     let opt_path = dir.join("optimizer.safetensors");
-    let device = opt
-        .params()
-        .first()
-        .map(|p| p.device().clone())
-        .unwrap_or(candle_core::Device::Cpu);
+    // Where the optimizer keeps its state: the model's device, or the host when offloaded.
+    let device = opt.state_device();
     let files = crate::weights::SafetensorsFiles::open(std::slice::from_ref(&opt_path))?;
     // One tensor at a time: the optimizer keeps a copy of each moment, so the file's tensor is
     // freed before the next is read (all of them at once would hold a second set of moments and
@@ -471,7 +468,7 @@ mod resume_memory {
 
     use super::load_checkpoint_state;
     use crate::alloc::{measure_peak, CountingAlloc};
-    use crate::mixed::MixedOptimizer;
+    use crate::mixed::{MixedOptimizer, StatePlacement};
     use crate::optim::AdamWConfig;
     use crate::precision::Precision;
 
@@ -491,6 +488,7 @@ mod resume_memory {
         Ok(MixedOptimizer::adamw(
             params,
             Precision::parse("bf16")?,
+            StatePlacement::WithModel,
             AdamWConfig::default(),
             None,
         )?)

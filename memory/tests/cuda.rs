@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_kernels::gradcheck::random_tensor;
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
 use ft_memory::precision::Precision;
 
@@ -58,7 +58,9 @@ fn close(what: &str, a: &Values, b: &Values, tol: f32) {
 /// within f32 rounding, model weights their rounded masters, the same global gradient norms
 /// (which an unscale by the wrong factor would change; clipping at 1.0 would hide it in the
 /// weights). The first gradient comes transposed (a strided view, as a linear weight's is).
-fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
+/// With `StatePlacement::Host` the CUDA model's masters and moments live on the host and the
+/// update runs there, from the gradients on the device: the same comparison holds.
+fn mixed_parity(dtype: DType, dev: &Device, placement: StatePlacement) -> anyhow::Result<()> {
     eprintln!(
         "{dtype:?}: fused kernels {}",
         if ft_kernels::cuda::enabled() {
@@ -68,7 +70,7 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
         }
     );
     let shapes: [&[usize]; 3] = [&[7, 5], &[300], &[2, 3, 4]];
-    let run = |d: &Device| -> anyhow::Result<Run> {
+    let run = |d: &Device, placement: StatePlacement| -> anyhow::Result<Run> {
         let params: Vec<(String, Var)> = shapes
             .iter()
             .enumerate()
@@ -82,6 +84,7 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
         let mut opt = MixedOptimizer::adamw(
             params,
             Precision::for_dtype(dtype),
+            placement,
             AdamWConfig::default(),
             Some(1.0),
         )?;
@@ -127,8 +130,8 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
             norms,
         })
     };
-    let cpu = run(&Device::Cpu)?;
-    let gpu = run(dev)?;
+    let cpu = run(&Device::Cpu, StatePlacement::WithModel)?;
+    let gpu = run(dev, placement)?;
     for (a, b) in gpu.norms.iter().zip(&cpu.norms) {
         assert!(
             (a - b).abs() <= 1e-5 * b,
@@ -138,8 +141,12 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
     close("master", &gpu.masters, &cpu.masters, 1e-5);
     close("moment", &gpu.moments, &cpu.moments, 1e-5);
     if dtype == DType::F32 {
-        // No masters: the model weights are what AdamW updated.
-        assert!(gpu.masters.is_empty());
+        // No masters beside an f32 model: the model weights are what AdamW updated (offloaded,
+        // the host masters are, and the weights their copies).
+        assert_eq!(
+            gpu.masters.is_empty(),
+            placement == StatePlacement::WithModel
+        );
         close("weights", &gpu.model, &cpu.model, 1e-5);
     }
     for (i, (a, b)) in gpu.model.iter().zip(&cpu.model).enumerate() {
@@ -150,16 +157,69 @@ fn mixed_parity(dtype: DType, dev: &Device) -> anyhow::Result<()> {
             "{dtype:?} weights {i}: {differ} differ"
         );
     }
-    eprintln!("{dtype:?}: CUDA optimizer path matches the CPU");
+    eprintln!("{dtype:?} {placement:?}: CUDA optimizer path matches the CPU");
     Ok(())
 }
 
 #[test]
 fn mixed_precision_step_matches_the_cpu() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    mixed_parity(DType::BF16, &dev)?;
-    mixed_parity(DType::F16, &dev)?;
-    mixed_parity(DType::F32, &dev)?;
+    for placement in [StatePlacement::WithModel, StatePlacement::Host] {
+        mixed_parity(DType::BF16, &dev, placement)?;
+        mixed_parity(DType::F16, &dev, placement)?;
+        mixed_parity(DType::F32, &dev, placement)?;
+    }
+    Ok(())
+}
+
+/// Offloaded, a bf16 model's optimizer adds nothing to the GPU between steps (beside the model
+/// it adds 12 bytes per parameter: fp32 master and two moments), and the ledger lists masters
+/// and moments as host memory, outside the GPU's measured total.
+#[test]
+fn offloaded_state_leaves_the_gpu_and_the_ledger_says_so() -> anyhow::Result<()> {
+    use ft_memory::ledger::{Category, Ledger};
+    use ft_memory::measure;
+    let Some(dev) = gpu() else { return Ok(()) };
+    let n = 4 << 20;
+    let added = |placement: StatePlacement| -> anyhow::Result<(u64, Ledger)> {
+        let w = random_tensor(&[n], 1, &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let w = Var::from_tensor(&w.to_device(&dev)?)?;
+        dev.synchronize()?;
+        let before = measure::read(&dev).live;
+        let mut opt = MixedOptimizer::adamw(
+            vec![("w".into(), w)],
+            Precision::parse("bf16")?,
+            placement,
+            AdamWConfig::default(),
+            Some(1.0),
+        )?;
+        for step in 0..2 {
+            let g = random_tensor(&[n], 10 + step, &Device::Cpu)?.to_dtype(DType::BF16)?;
+            opt.step(vec![Some(g.to_device(&dev)?)], 1e-3)?;
+        }
+        dev.synchronize()?;
+        let after = measure::read(&dev).live;
+        let mut ledger = Ledger::new(&dev);
+        opt.account(&mut ledger, "model");
+        Ok((after.saturating_sub(before), ledger))
+    };
+    let (near, near_ledger) = added(StatePlacement::WithModel)?;
+    let (host, host_ledger) = added(StatePlacement::Host)?;
+    eprintln!("GPU bytes added by the optimizer: beside the model {near}, offloaded {host}");
+    assert!(near >= 12 * n as u64, "beside the model: {near}");
+    assert!(
+        host < n as u64 / 8,
+        "offloaded: {host} bytes stayed on the GPU"
+    );
+    assert_eq!(near_ledger.told(Category::MasterWeights), 4 * n as u64);
+    assert_eq!(host_ledger.told(Category::MasterWeights), 0);
+    assert_eq!(host_ledger.told(Category::OptimizerState), 0);
+    let on_host = host_ledger.host_by_category();
+    assert_eq!(on_host.get(&Category::MasterWeights), Some(&(4 * n as u64)));
+    assert_eq!(
+        on_host.get(&Category::OptimizerState),
+        Some(&(8 * n as u64))
+    );
     Ok(())
 }
 
@@ -171,6 +231,7 @@ fn overflow_skips_the_step_on_cuda() -> anyhow::Result<()> {
     let mut opt = MixedOptimizer::adamw(
         vec![("w".into(), Var::from_tensor(&w)?)],
         Precision::for_dtype(DType::F16),
+        StatePlacement::WithModel,
         AdamWConfig::default(),
         None,
     )?;

@@ -1,7 +1,7 @@
 //! Master weights keep small updates, loss scaling skips overflowing steps, clipping bounds the norm.
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::{AdamWConfig, Optimizer, Sgd};
 use ft_memory::precision::{clip_grad_norm, global_norm, LossScaler, Precision};
 
@@ -9,12 +9,24 @@ fn sgd(n: usize) -> Box<dyn Optimizer> {
     Box::new(Sgd::new(n, 0.0, 0.0, false))
 }
 
+/// Plain SGD over the one parameter `w`, state beside it, no clipping.
+fn plain_sgd(w: &Var, precision: Precision) -> anyhow::Result<MixedOptimizer> {
+    let params = vec![("w".into(), w.clone())];
+    Ok(MixedOptimizer::new(
+        params,
+        precision,
+        StatePlacement::WithModel,
+        sgd,
+        None,
+    )?)
+}
+
 #[test]
 fn bf16_weights_need_fp32_masters_for_small_updates() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let run = |precision: Precision| -> anyhow::Result<(Tensor, MixedOptimizer)> {
         let w = Var::from_tensor(&Tensor::ones(64, DType::BF16, &dev)?)?;
-        let mut opt = MixedOptimizer::new(vec![("w".into(), w.clone())], precision, sgd, None)?;
+        let mut opt = plain_sgd(&w, precision)?;
         // 100 updates of 1e-4 each: every one is below bf16's resolution at 1.0 (2^-8).
         for _ in 0..100 {
             let g = Tensor::ones(64, DType::BF16, &dev)?;
@@ -48,6 +60,7 @@ fn f32_models_have_no_masters() -> anyhow::Result<()> {
     let opt = MixedOptimizer::adamw(
         vec![("w".into(), w)],
         Precision::parse("f32")?,
+        StatePlacement::WithModel,
         AdamWConfig::default(),
         None,
     )?;
@@ -68,6 +81,7 @@ fn an_f32_parameter_in_a_bf16_model_gets_its_own_master() -> anyhow::Result<()> 
     let mut opt = MixedOptimizer::new(
         vec![("a".into(), a.clone()), ("b".into(), b.clone())],
         Precision::parse("bf16")?,
+        StatePlacement::WithModel,
         sgd,
         None,
     )?;
@@ -87,7 +101,7 @@ fn f16_overflow_skips_the_step_and_backs_off() -> anyhow::Result<()> {
     let w = Var::from_tensor(&Tensor::ones(3, DType::F16, &dev)?)?;
     let precision = Precision::parse("f16")?;
     assert!(precision.loss_scaling && precision.master_weights);
-    let mut opt = MixedOptimizer::new(vec![("w".into(), w.clone())], precision, sgd, None)?;
+    let mut opt = plain_sgd(&w, precision)?;
     let s0 = opt.loss_scale();
     let bad = Tensor::new(&[1f32, f32::INFINITY, 0.], &dev)?.to_dtype(DType::F16)?;
     let out = opt.step(vec![Some(bad)], 0.1)?;

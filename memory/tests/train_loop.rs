@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::Ledger;
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::{AdamW, AdamWConfig};
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
@@ -142,6 +142,7 @@ fn run(
     let mut opt = MixedOptimizer::new(
         store.trainable()?,
         Precision::parse("bf16")?,
+        StatePlacement::WithModel,
         |n| {
             Box::new(AdamW::new(
                 n,

@@ -9,7 +9,8 @@
 //!                                         skip the score-forming sdpa rows)
 //! ```
 //!
-//! Model runs: bf16 weights, fp32 master weights, AdamW, one micro-batch per step. Memory comes
+//! Model runs: bf16 weights, fp32 master weights, AdamW, one micro-batch per step; with
+//! `FT_OFFLOAD=1` masters and moments live on the host (`StatePlacement::Host`). Memory comes
 //! from the device's memory pool (exact bytes of live tensors and their peak, see
 //! `ft_memory::measure`): `base` is what stays allocated between steps (weights, masters, AdamW
 //! moments), `peak` the highest allocation during the measured steps.
@@ -20,7 +21,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::measure;
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
@@ -30,12 +31,20 @@ use ft_models::t5::{T5Batch, T5Config, T5};
 use ft_models::unet::{UNet, UNetConfig};
 use serde_json::json;
 
-/// The run's label: `candle`, or `candle-ops` with `FT_CUDA_KERNELS=0` (candle's own ops in
-/// place of this project's kernels).
+/// Whether `FT_OFFLOAD=1` asks for the optimizer state on the host.
+fn offload() -> bool {
+    std::env::var("FT_OFFLOAD").is_ok_and(|v| v == "1")
+}
+
+/// The run's label: `candle`, `candle-offload` with `FT_OFFLOAD=1`, or `candle-ops` with
+/// `FT_CUDA_KERNELS=0` (candle's own ops in place of this project's kernels).
 fn label() -> &'static str {
     #[cfg(feature = "cuda")]
     if !ft_kernels::cuda::enabled() {
         return "candle-ops";
+    }
+    if offload() {
+        return "candle-offload";
     }
     "candle"
 }
@@ -106,6 +115,7 @@ fn optimizer(store: &ParamStore) -> anyhow::Result<MixedOptimizer> {
     Ok(MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("bf16")?,
+        StatePlacement::offload(offload()),
         AdamWConfig::default(),
         None,
     )?)

@@ -13,7 +13,7 @@ use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, Splits};
 use ft_memory::accumulate::{GradAccumulator, LossNorm};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::weights::{ParamBuilder, ParamStore};
@@ -46,6 +46,7 @@ fn measure(
     let mut opt = MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("f32")?,
+        StatePlacement::WithModel,
         AdamWConfig::default(),
         None,
     )?;

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::bench::{measure_steps, python_reference, StepMeasure};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
@@ -76,6 +76,7 @@ fn ours(cfg: &UNetConfig, latent: usize, checkpointing: bool) -> anyhow::Result<
     let mut opt = MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("f32")?,
+        StatePlacement::WithModel,
         AdamWConfig::default(),
         None,
     )?;
@@ -215,30 +216,13 @@ fn main() -> anyhow::Result<()> {
     let n = n as u64;
     println!(
         "\nFull SDXL UNet ({n} parameters, configs/sdxl/unet_config.json), bf16 weights, fp32 master \
-         weights, AdamW, as sdxl-ft runs it today:\n"
+         weights, AdamW, as sdxl-ft runs it:\n"
     );
-    println!("| component | where | bytes |");
-    println!("|---|---|---|");
-    let rows = [
-        ("weights (bf16)", "device", 2 * n),
-        (
-            "gradient sums (fp32, accumulated across micro-batches)",
-            "device",
-            4 * n,
-        ),
-        ("fp32 master weights", "device", 4 * n),
-        ("AdamW moments (fp32)", "device", 8 * n),
-        ("model states on the device", "device", 18 * n),
-        (
-            "one micro-batch's bf16 gradients while backward runs",
-            "device",
-            2 * n,
-        ),
-        ("EMA (fp32, --ema-device cpu)", "host", 4 * n),
-    ];
-    for (name, at, b) in rows {
-        println!("| {name} | {at} | {} |", format_bytes(b as i64));
-    }
+    print!("{}", ft_memory::bench::model_states_table(n));
+    println!(
+        "\n| other | where | bytes |\n|---|---|---|\n| EMA (fp32, --ema-device cpu) | host | {} |",
+        format_bytes((4 * n) as i64)
+    );
     let scale = activation_proxy(&full) / activation_proxy(&cfg);
     for (px, latent_measured) in [(128usize, 16usize), (1024, 32)] {
         for ck in [false, true] {

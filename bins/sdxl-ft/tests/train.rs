@@ -173,6 +173,8 @@ fn shipped_configs_parse_and_validate() -> anyhow::Result<()> {
     a.validate()?;
     assert_eq!((a.res, a.common.batch_size, a.common.accum), (128, 1, 16));
     assert!(a.common.gradient_checkpointing && a.ema);
+    // Seed 001's 24 GB card needs the optimizer state on the host.
+    assert!(a.common.offload_optimizer);
     assert_eq!(a.common.precision.as_deref(), Some("bf16"));
     assert_eq!(a.model, "stabilityai/stable-diffusion-xl-base-1.0");
     let demo = root.join("sdxl_demo.toml").display().to_string();

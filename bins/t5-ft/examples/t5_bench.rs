@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
-use ft_memory::mixed::MixedOptimizer;
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
@@ -54,6 +54,7 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
     let mut opt = MixedOptimizer::adamw(
         store.trainable()?,
         Precision::parse("f32")?,
+        StatePlacement::WithModel,
         AdamWConfig::default(),
         None,
     )?;
@@ -196,17 +197,8 @@ fn main() -> anyhow::Result<()> {
     )?;
     let n = xl.param_count() as u64;
     println!("\nFLAN-T5-XL ({n} parameters), bf16 weights with fp32 master weights and AdamW:\n");
-    println!("| component | bytes |");
-    println!("|---|---|");
-    for (name, b) in [
-        ("weights (bf16)", 2 * n),
-        ("gradients (bf16)", 2 * n),
-        ("fp32 master weights", 4 * n),
-        ("AdamW moments (fp32)", 8 * n),
-    ] {
-        println!("| {name} | {} |", format_bytes(b as i64));
-    }
-    println!("| model states total | {} |", format_bytes((16 * n) as i64));
+    print!("{}", ft_memory::bench::model_states_table(n));
+    println!("\n| activations | bytes |\n|---|---|");
     let tokens_small = (BATCH * (SRC + TGT)) as f64;
     let scale = (xl.num_layers * (xl.d_model + xl.d_ff)) as f64
         / (cfg.num_layers * (cfg.d_model + cfg.d_ff)) as f64;

@@ -262,3 +262,40 @@ fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
+
+/// `--offload-optimizer` keeps masters, moments and accumulated gradients on the host: the run
+/// follows the same loss curve as with the state beside the model, and its checkpoint resumes
+/// (into offloaded state) on the same curve.
+#[test]
+fn offloaded_optimizer_follows_the_same_curve_and_resumes() -> anyhow::Result<()> {
+    let steps = ["--max-steps", "6", "--eval-limit", "4", "--eval-every", "0"];
+    let near = train_run(&demo_args(&tmp("near"), &steps))?;
+    let host_dir = tmp("host");
+    let mut with_save = steps.to_vec();
+    with_save.extend(["--save-every", "3", "--offload-optimizer"]);
+    let host = train_run(&demo_args(&host_dir, &with_save))?;
+    assert_eq!(host.losses, near.losses, "offloaded vs beside the model");
+    let ckpt = host_dir.join("checkpoint-3").display().to_string();
+    let mut resume = steps.to_vec();
+    resume.extend(["--offload-optimizer", "--resume", &ckpt]);
+    let resumed = train_run(&demo_args(&host_dir, &resume))?;
+    assert_eq!(resumed.losses, near.losses[3..], "resumed offloaded run");
+    Ok(())
+}
+
+/// Seed 002's preset parses, validates and keeps the optimizer state on the host (its 32 GB card
+/// cannot hold FLAN-T5-XL's fp32 masters and moments).
+#[test]
+fn shipped_xl_config_parses_and_offloads_the_optimizer() -> anyhow::Result<()> {
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/flan_t5_xl.toml");
+    let cfg = cfg.display().to_string();
+    let a: Args = ft_memory::config::parse_from(
+        ["t5-ft", "--config", &cfg, "--train-file", "train.jsonl"],
+        |a: &Args| a.config.clone(),
+    )?;
+    a.validate()?;
+    assert_eq!(a.model, "google/flan-t5-xl");
+    assert_eq!((a.common.batch_size, a.common.accum), (8, 16));
+    assert!(a.common.gradient_checkpointing && a.common.offload_optimizer);
+    Ok(())
+}

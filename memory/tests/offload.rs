@@ -1,0 +1,207 @@
+//! Optimizer state in host memory (`StatePlacement::Host`, `--offload-optimizer`): the same
+//! updates as state kept beside the model, checkpoints that resume exactly, and the ledger told
+//! where the bytes are. The device-memory saving itself needs a GPU: `tests/cuda.rs`.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::accumulate::GradAccumulator;
+use ft_memory::ledger::{Category, Ledger};
+use ft_memory::mixed::{MixedOptimizer, StatePlacement};
+use ft_memory::optim::AdamWConfig;
+use ft_memory::precision::Precision;
+
+const SHAPES: [&[usize]; 3] = [&[7, 5], &[33], &[2, 3, 4]];
+
+fn randn(shape: &[usize], seed: u64) -> anyhow::Result<Tensor> {
+    let mut rng = ft_memory::rng::SplitMix64::new(seed);
+    let n = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+fn params(dtype: DType, seed: u64) -> anyhow::Result<Vec<(String, Var)>> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let t = randn(s, seed + i as u64)?.to_dtype(dtype)?;
+            Ok((format!("p{i}"), Var::from_tensor(&t)?))
+        })
+        .collect()
+}
+
+fn grads(dtype: DType, step: u64) -> anyhow::Result<Vec<Option<Tensor>>> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // The middle parameter misses a gradient at some steps (None is skipped).
+            if i == 1 && step % 3 == 1 {
+                return Ok(None);
+            }
+            let g = randn(s, 100 * step + i as u64)?;
+            Ok(Some((g * 3.0)?.to_dtype(dtype)?))
+        })
+        .collect()
+}
+
+fn optimizer(dtype: DType, placement: StatePlacement) -> anyhow::Result<MixedOptimizer> {
+    let precision = Precision::for_dtype(dtype);
+    let cfg = AdamWConfig {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    Ok(MixedOptimizer::adamw(
+        params(dtype, 7)?,
+        precision,
+        placement,
+        cfg,
+        Some(1.0),
+    )?)
+}
+
+fn bits(t: &Tensor) -> anyhow::Result<Vec<u32>> {
+    Ok(t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|x| x.to_bits())
+        .collect())
+}
+
+/// Every weight and every moment comes out bit for bit as with the state beside the model, in
+/// f32 (where offloading adds masters the in-place update does not have), bf16 and f16 (loss
+/// scaling), with clipping active and a parameter that misses a gradient.
+#[test]
+fn offloaded_state_gives_the_same_updates() -> anyhow::Result<()> {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let mut near = optimizer(dtype, StatePlacement::WithModel)?;
+        let mut host = optimizer(dtype, StatePlacement::Host)?;
+        assert_eq!(host.placement(), StatePlacement::Host);
+        assert_eq!(
+            host.masters().len(),
+            SHAPES.len(),
+            "{dtype:?}: host masters"
+        );
+        assert!(host.masters().iter().all(|m| m.dtype() == DType::F32));
+        let mut applied = 0;
+        for step in 0..8 {
+            let scale = near.loss_scale();
+            let scaled = |g: Vec<Option<Tensor>>| -> anyhow::Result<Vec<Option<Tensor>>> {
+                g.into_iter()
+                    .map(|g| {
+                        Ok(
+                            g.map(|g| (g.to_dtype(DType::F32)? * scale)?.to_dtype(dtype))
+                                .transpose()?,
+                        )
+                    })
+                    .collect()
+            };
+            let a = near.step(scaled(grads(dtype, step)?)?, 1e-2)?;
+            let b = host.step(scaled(grads(dtype, step)?)?, 1e-2)?;
+            assert_eq!(a, b, "{dtype:?} step {step}");
+            applied += a.applied as usize;
+        }
+        // f16 skips steps until its loss scale has backed off below the overflow.
+        assert!(applied >= 3, "{dtype:?}: only {applied} steps applied");
+        for (i, (a, b)) in near.params().iter().zip(host.params()).enumerate() {
+            assert_eq!(bits(a)?, bits(b)?, "{dtype:?}: weight {i}");
+        }
+        let (na, sa, ta) = near.state();
+        let (nb, sb, tb) = host.state();
+        assert_eq!((na, sa), (nb, sb));
+        for (name, t) in &ta {
+            let other = tb.iter().find(|(n, _)| n == name);
+            let (_, u) = other.ok_or_else(|| anyhow::anyhow!("{dtype:?}: {name} missing"))?;
+            assert_eq!(bits(t)?, bits(u)?, "{dtype:?}: {name}");
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint of offloaded state restores into offloaded state and the next step is the one
+/// the uninterrupted optimizer takes.
+#[test]
+fn offloaded_state_resumes_exactly() -> anyhow::Result<()> {
+    let mut a = optimizer(DType::BF16, StatePlacement::Host)?;
+    for step in 0..2 {
+        a.step(grads(DType::BF16, step)?, 1e-2)?;
+    }
+    let (t, scale, tensors) = a.state();
+    let mut b = optimizer(DType::BF16, StatePlacement::Host)?;
+    for (p, q) in b.params().iter().zip(a.params()) {
+        p.set(q.as_tensor())?;
+    }
+    // As the trainer restores: one tensor at a time, each a copy of its own.
+    for (name, tensor) in &tensors {
+        b.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
+    }
+    a.step(grads(DType::BF16, 2)?, 1e-2)?;
+    b.step(grads(DType::BF16, 2)?, 1e-2)?;
+    for (p, q) in a.params().iter().zip(b.params()) {
+        assert_eq!(bits(p)?, bits(q)?);
+    }
+    for (p, q) in a.masters().iter().zip(b.masters()) {
+        assert_eq!(bits(p)?, bits(q)?);
+        assert!(q.device().is_cpu());
+    }
+    Ok(())
+}
+
+/// On a CPU run the host is the measured memory, so offloaded state counts in the told totals
+/// (on a GPU it is listed apart: `tests/cuda.rs`).
+#[test]
+fn ledger_counts_offloaded_state_where_it_lives() -> anyhow::Result<()> {
+    let mut opt = optimizer(DType::BF16, StatePlacement::Host)?;
+    opt.step(grads(DType::BF16, 0)?, 1e-2)?;
+    assert!(opt.state_device().is_cpu());
+    let mut ledger = Ledger::new(&Device::Cpu);
+    opt.account(&mut ledger, "model");
+    let elems: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!(ledger.told(Category::MasterWeights), 4 * elems as u64);
+    assert_eq!(ledger.told(Category::OptimizerState), 8 * elems as u64);
+    assert!(ledger.host_by_category().is_empty());
+    Ok(())
+}
+
+/// Gradients summed on a pinned device equal the sums on their own device, and the accumulator
+/// says where they are.
+#[test]
+fn accumulator_on_a_device_sums_the_same() -> anyhow::Result<()> {
+    let mut own = GradAccumulator::new();
+    let mut pinned = GradAccumulator::on(&Device::Cpu);
+    for step in 0..3 {
+        own.add(grads(DType::BF16, step)?)?;
+        pinned.add(grads(DType::BF16, step)?)?;
+    }
+    assert!(pinned.device().is_cpu());
+    assert_eq!(own.bytes(), pinned.bytes());
+    for (a, b) in own.take().iter().zip(pinned.take()) {
+        match (a, b) {
+            (Some(a), Some(b)) => {
+                assert_eq!(a.dtype(), DType::F32);
+                assert_eq!(bits(a)?, bits(&b)?);
+            }
+            (None, None) => {}
+            _ => anyhow::bail!("one accumulator missed a gradient"),
+        }
+    }
+    Ok(())
+}
+
+/// The bench plans' model-state table: FLAN-T5-XL's and the SDXL UNet's parameter counts give the
+/// figures README.md and the seed presets quote.
+#[test]
+fn model_states_table_gives_the_quoted_figures() {
+    let t5 = ft_memory::bench::model_states_table(2_849_757_184);
+    eprintln!("{t5}");
+    assert!(
+        t5.contains("| model states, at most | 53.08 GiB | 10.62 GiB | 42.46 GiB |"),
+        "{t5}"
+    );
+    let sdxl = ft_memory::bench::model_states_table(2_567_463_684);
+    eprintln!("{sdxl}");
+    assert!(
+        sdxl.contains("| model states, at most | 47.82 GiB | 9.56 GiB | 38.26 GiB |"),
+        "{sdxl}"
+    );
+}
