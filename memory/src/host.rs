@@ -51,7 +51,7 @@ pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> 
 }
 
 /// `acc += g` in place, `acc` a contiguous f32 CPU tensor, `g` a contiguous f32/bf16/f16 CPU
-/// tensor of the same length (widened exactly). `Ok(false)` when the tensors are not of that
+/// tensor of the same shape (widened exactly). `Ok(false)` when the tensors are not of that
 /// kind: the caller then adds with candle's ops. `acc` must own its storage (the accumulator's
 /// sums do): every tensor sharing it sees the change.
 pub fn add_into(acc: &Tensor, g: &Tensor) -> candle_core::Result<bool> {
@@ -59,7 +59,7 @@ pub fn add_into(acc: &Tensor, g: &Tensor) -> candle_core::Result<bool> {
     if acc.dtype() != DType::F32
         || !host_contiguous(acc)
         || !host_contiguous(g)
-        || acc.elem_count() != g.elem_count()
+        || acc.dims() != g.dims()
         || !matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
     {
         return Ok(false);
@@ -164,28 +164,36 @@ pub fn scaled(g: &Tensor, coef: f64) -> Option<candle_core::Result<Tensor>> {
     })
 }
 
-/// Sum of squares of a contiguous f32 CPU tensor (f64 partial sums per thread); `None` for
-/// anything else.
+/// Sum of squares of a contiguous f32 CPU tensor; `None` for anything else. Each block of
+/// `MIN_CHUNK` elements is summed in f64 and the block sums are added in order, so the result
+/// does not depend on how many cores share the work (the clip factor, and so the weights, are
+/// the same on every machine).
 pub fn sum_squares(g: &Tensor) -> Option<f64> {
     if !g.device().is_cpu() {
         return None;
     }
     with_f32(g, |x| {
-        let chunk = chunk_len(x.len());
-        let part = |c: &[f32]| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>();
-        if chunk >= x.len() {
-            return part(x);
+        let block = |c: &[f32]| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>();
+        let mut sums = vec![0f64; x.len().div_ceil(MIN_CHUNK)];
+        // Whole blocks per thread, as many as `chunk_len` gives it elements.
+        let per_thread = chunk_len(x.len()).div_ceil(MIN_CHUNK);
+        let work = |i: usize, out: &mut [f64]| {
+            for (j, s) in out.iter_mut().enumerate() {
+                let at = (i * per_thread + j) * MIN_CHUNK;
+                *s = block(&x[at..(at + MIN_CHUNK).min(x.len())]);
+            }
+        };
+        if per_thread >= sums.len() {
+            work(0, &mut sums);
+        } else {
+            std::thread::scope(|scope| {
+                for (i, out) in sums.chunks_mut(per_thread).enumerate() {
+                    let work = &work;
+                    scope.spawn(move || work(i, out));
+                }
+            });
         }
-        std::thread::scope(|scope| {
-            let parts: Vec<_> = x
-                .chunks(chunk)
-                .map(|c| scope.spawn(move || part(c)))
-                .collect();
-            parts
-                .into_iter()
-                .map(|h| h.join().unwrap_or(f64::NAN))
-                .sum()
-        })
+        sums.iter().sum()
     })
 }
 

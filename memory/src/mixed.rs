@@ -205,12 +205,19 @@ impl MixedOptimizer {
                 let i: usize = i.parse().map_err(|_| {
                     crate::error::Error::Invalid(format!("optimizer state `{name}`: bad index"))
                 })?;
-                let m = self.masters.get(i).ok_or_else(|| {
+                // Without masters (an fp32 model whose state stays beside it) a saved master,
+                // from a run with the state on the host, is the weight itself: set that.
+                let target = if self.masters.is_empty() {
+                    self.model.get(i)
+                } else {
+                    self.masters.get(i)
+                };
+                let m = target.ok_or_else(|| {
                     crate::error::Error::Invalid(format!(
                         "optimizer state `{name}`: no parameter {i}"
                     ))
                 })?;
-                m.set(&t.to_dtype(DType::F32)?.to_device(m.device())?)?;
+                m.set(&t.to_dtype(m.dtype())?.to_device(m.device())?)?;
             }
         }
         if let Some(s) = self.scaler.as_mut() {

@@ -156,6 +156,19 @@ fn load_slot(
 }
 
 impl AdamW {
+    /// Moves parameter `i`'s moments to `device` where they are elsewhere: state restored on
+    /// one device (a checkpoint read beside the model) serves an optimizer on another (the host).
+    fn place_moments(&mut self, i: usize, device: &candle_core::Device) -> Result<()> {
+        for slot in [&mut self.m[i], &mut self.v[i]] {
+            if let Some(t) = slot.as_ref() {
+                if !t.device().same_device(device) {
+                    *slot = Some(t.to_device(device)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the fused CUDA kernel can take these parameters: contiguous fp32 on CUDA.
     #[cfg(feature = "cuda")]
     fn fusable(params: &[Var]) -> bool {
@@ -193,6 +206,7 @@ impl AdamW {
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let g = g.detach().contiguous()?;
+            self.place_moments(i, p.device())?;
             let first = self.m[i].is_none() && self.v[i].is_none();
             let ok = |t: &Tensor| t.is_contiguous() && t.dtype() == DType::F32;
             // First step, or state restored in another layout: fresh contiguous fp32 moments.
@@ -262,6 +276,7 @@ impl Optimizer for AdamW {
             // Detached throughout: optimizer state must not record (and keep alive) the graph
             // of the gradients it was computed from.
             let g = grad_for(p, g)?;
+            self.place_moments(i, p.device())?;
             if self.host_fused {
                 let (m, v) = (self.m[i].as_ref(), self.v[i].as_ref());
                 if let Some((np, nm, nv)) = crate::host_adamw::update(p, &g, m, v, &host) {

@@ -301,3 +301,54 @@ fn loaded_state_is_not_shared_and_partial_state_steps_as_on_the_cpu() -> anyhow:
     }
     Ok(())
 }
+
+/// A checkpoint taken with the state beside a CUDA model (moments on the GPU) restores into an
+/// optimizer whose state is on the host, and the reverse: the moments follow the masters to
+/// their device at the next step, which matches the uninterrupted run.
+#[test]
+fn state_moves_between_gpu_and_host_placements() -> anyhow::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let make = |placement: StatePlacement| -> anyhow::Result<MixedOptimizer> {
+        let w = random_tensor(&[7, 33], 1, &Device::Cpu)?.to_dtype(DType::BF16)?;
+        Ok(MixedOptimizer::adamw(
+            vec![("w".into(), Var::from_tensor(&w.to_device(&dev)?)?)],
+            Precision::parse("bf16")?,
+            placement,
+            AdamWConfig::default(),
+            Some(1.0),
+        )?)
+    };
+    let grad = |seed: u64| -> anyhow::Result<Vec<Option<Tensor>>> {
+        let g = random_tensor(&[7, 33], seed, &Device::Cpu)?.to_dtype(DType::BF16)?;
+        Ok(vec![Some(g.to_device(&dev)?)])
+    };
+    for (from, to) in [
+        (StatePlacement::WithModel, StatePlacement::Host),
+        (StatePlacement::Host, StatePlacement::WithModel),
+    ] {
+        let mut a = make(from)?;
+        a.step(grad(2)?, 1e-2)?;
+        let (t, scale, tensors) = a.state();
+        let mut b = make(to)?;
+        b.params()[0].set(a.params()[0].as_tensor())?;
+        for (name, tensor) in &tensors {
+            b.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
+        }
+        a.step(grad(3)?, 1e-2)?;
+        b.step(grad(3)?, 1e-2)?;
+        close(
+            &format!("{from:?} -> {to:?} masters"),
+            &vec![host(a.masters()[0].as_tensor())?],
+            &vec![host(b.masters()[0].as_tensor())?],
+            1e-5,
+        );
+        let (_, moments) = b.optimizer().state();
+        for (name, m) in moments {
+            assert!(
+                m.device().same_device(&b.state_device()),
+                "{name} not on the state's device"
+            );
+        }
+    }
+    Ok(())
+}

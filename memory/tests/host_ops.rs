@@ -20,7 +20,7 @@ fn bits(t: &Tensor) -> Vec<u32> {
 }
 
 /// Sizes split over threads (on any machine with 2+ cores) and one that is not.
-const SIZES: [usize; 2] = [(1 << 17) + 3, 1000];
+const SIZES: [usize; 3] = [(1 << 17) + 3, 3 * (1 << 16) + 5, 1000];
 
 #[test]
 fn add_into_and_widened_give_candles_bits() -> candle_core::Result<()> {
@@ -38,6 +38,8 @@ fn add_into_and_widened_give_candles_bits() -> candle_core::Result<()> {
     // Not for it: a strided gradient, an f32 sum it does not own the layout of.
     let acc = values(6, 1).reshape((2, 3))?;
     assert!(!add_into(&acc, &values(6, 2).reshape((3, 2))?.t()?)?);
+    // Nor one of another shape with as many elements (the parameter order was broken).
+    assert!(!add_into(&acc, &values(6, 2).reshape((3, 2))?)?);
     Ok(())
 }
 
@@ -59,6 +61,13 @@ fn scaled_narrowed_and_sum_squares_match_candle() -> candle_core::Result<()> {
             .map(|v| (*v as f64).powi(2))
             .sum();
         assert!((ours - want).abs() <= 1e-12 * want, "{ours} vs {want}");
+        // Exactly the in-order sum of 65,536-element blocks, whatever the number of threads.
+        let blocks: f64 = g
+            .to_vec1::<f32>()?
+            .chunks(1 << 16)
+            .map(|c| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>())
+            .sum();
+        assert_eq!(ours.to_bits(), blocks.to_bits(), "n {n}");
     }
     assert!(narrowed(&values(4, 1), DType::F32).is_none());
     Ok(())

@@ -205,3 +205,25 @@ fn model_states_table_gives_the_quoted_figures() {
         "{sdxl}"
     );
 }
+
+/// An fp32 model's checkpoint from a run with the state on the host holds masters; resumed with
+/// the state beside the model (no masters there) they set the weights, which they equal, and the
+/// run goes on as the offloaded one does.
+#[test]
+fn fp32_offloaded_checkpoint_resumes_with_the_state_beside_the_model() -> anyhow::Result<()> {
+    let mut host = optimizer(DType::F32, StatePlacement::Host)?;
+    host.step(grads(DType::F32, 0)?, 1e-2)?;
+    let (t, scale, tensors) = host.state();
+    assert!(tensors.iter().any(|(n, _)| n.starts_with("master.")));
+    let mut near = optimizer(DType::F32, StatePlacement::WithModel)?;
+    assert!(near.masters().is_empty());
+    for (name, tensor) in &tensors {
+        near.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
+    }
+    host.step(grads(DType::F32, 2)?, 1e-2)?;
+    near.step(grads(DType::F32, 2)?, 1e-2)?;
+    for (a, b) in host.params().iter().zip(near.params()) {
+        assert_eq!(bits(a)?, bits(b)?);
+    }
+    Ok(())
+}
