@@ -1,4 +1,5 @@
-//! `cargo run --release -p ft-memory --example host_step_bench [millions of parameters]`: what
+//! `cargo run --release -p ft-memory --example host_step_bench [millions of parameters]
+//! [adamw|adamw8bit]`: what
 //! an offloaded optimizer (`StatePlacement::Host`, `--offload-optimizer`) costs the host: adding
 //! one micro-batch's bf16 gradients into the fp32 sums, and the step (clipping, AdamW on fp32
 //! masters and moments, the rounded bf16 weights written back). `FT_HOST_ADAMW=0` runs the
@@ -8,8 +9,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::accumulate::GradAccumulator;
+use ft_memory::adamw8bit::AdamW8bit;
 use ft_memory::mixed::{MixedOptimizer, StatePlacement};
-use ft_memory::optim::AdamWConfig;
+use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
 use ft_memory::precision::Precision;
 
 const TENSORS: usize = 8;
@@ -27,11 +29,19 @@ fn main() -> anyhow::Result<()> {
             Ok((format!("p{i}"), Var::from_tensor(&w)?))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut opt = MixedOptimizer::adamw(
+    let eight_bit = std::env::args().nth(2).as_deref() == Some("adamw8bit");
+    let cfg = AdamWConfig::default();
+    let mut opt = MixedOptimizer::new(
         params,
         Precision::parse("bf16")?,
         StatePlacement::Host,
-        AdamWConfig::default(),
+        |n| -> Box<dyn Optimizer> {
+            if eight_bit {
+                Box::new(AdamW8bit::new(n, cfg))
+            } else {
+                Box::new(AdamW::new(n, cfg))
+            }
+        },
         Some(1.0),
     )?;
     let grads = || -> anyhow::Result<Vec<Option<Tensor>>> {
@@ -59,12 +69,17 @@ fn main() -> anyhow::Result<()> {
     }
     let mean = |v: &[f64]| v[1..].iter().sum::<f64>() / STEPS as f64;
     let adamw = match std::env::var("FT_HOST_ADAMW").as_deref() {
+        _ if eight_bit => "with 8-bit moments (adamw8bit)",
         Ok("0") => "op by op (FT_HOST_ADAMW=0)",
         _ => "one threaded pass",
     };
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
     let params = n * TENSORS;
-    println!("{}M parameters, {threads} threads", params >> 20);
+    println!(
+        "{}M parameters, {threads} threads, optimizer state {:.2} bytes per parameter",
+        params >> 20,
+        opt.optimizer().state_bytes() as f64 / params as f64
+    );
     println!("| host work | time | per parameter |");
     println!("|---|---|---|");
     for (what, s) in [

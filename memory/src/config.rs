@@ -118,6 +118,15 @@ where
         .map_err(|e: toml::de::Error| cfg_err(e.to_string()))
 }
 
+/// The optimizers `--optim` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimKind {
+    /// AdamW with fp32 moments.
+    AdamW,
+    /// AdamW with blockwise 8-bit moments (`crate::adamw8bit`).
+    AdamW8bit,
+}
+
 /// Settings every trainer shares (flattened into each binary's arguments and config file).
 #[derive(clap::Args, Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
 pub struct CommonArgs {
@@ -162,6 +171,11 @@ pub struct CommonArgs {
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// Optimizer: adamw (fp32 moments) or adamw8bit (bitsandbytes-style blockwise 8-bit
+    /// moments, about 2 bytes per parameter instead of 8; updated on the host, so a GPU model
+    /// needs --offload-optimizer with it).
+    #[arg(long, default_value = "adamw")]
+    pub optim: String,
     /// Keep the fp32 master weights, the AdamW moments and the accumulated gradients in host
     /// memory (DeepSpeed's ZeRO-Offload of the optimizer): the GPU holds only the weights, one
     /// micro-batch's gradients and the activations; the step runs on the CPU.
@@ -201,6 +215,19 @@ impl CommonArgs {
             crate::precision::Precision::parse(p)?;
         }
         self.schedule.parse::<crate::schedule::ScheduleKind>()?;
+        match (
+            self.optim_kind()?,
+            self.device.as_str(),
+            self.offload_optimizer,
+        ) {
+            (OptimKind::AdamW8bit, d, false) if d != "cpu" => {
+                return bad(
+                    "--optim adamw8bit updates its 8-bit moments on the host: with --device \
+                     cuda add --offload-optimizer",
+                )
+            }
+            _ => {}
+        }
         if self.max_steps == Some(0) {
             return bad("--max-steps must be at least 1");
         }
@@ -265,7 +292,29 @@ impl CommonArgs {
             ..Default::default()
         };
         let placement = crate::mixed::StatePlacement::offload(self.offload_optimizer);
-        crate::mixed::MixedOptimizer::adamw(params, precision, placement, cfg, clip)
+        match self.optim_kind()? {
+            OptimKind::AdamW => {
+                crate::mixed::MixedOptimizer::adamw(params, precision, placement, cfg, clip)
+            }
+            OptimKind::AdamW8bit => crate::mixed::MixedOptimizer::new(
+                params,
+                precision,
+                placement,
+                |n| Box::new(crate::adamw8bit::AdamW8bit::new(n, cfg)),
+                clip,
+            ),
+        }
+    }
+
+    /// `--optim` parsed.
+    pub fn optim_kind(&self) -> Result<OptimKind> {
+        match self.optim.to_ascii_lowercase().as_str() {
+            "adamw" | "adamw_torch" => Ok(OptimKind::AdamW),
+            "adamw8bit" | "adamw_8bit" | "adamw_bnb_8bit" => Ok(OptimKind::AdamW8bit),
+            other => Err(Error::Invalid(format!(
+                "--optim `{other}`: expected adamw or adamw8bit"
+            ))),
+        }
     }
 
     /// The loop settings these flags decide (steps from `--max-steps` or `--epochs` over

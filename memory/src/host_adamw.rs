@@ -86,8 +86,7 @@ fn run(
     (np, nm, nv)
 }
 
-/// The update of one chunk, operation for operation as the op-by-op path: `x * mul + add` is
-/// candle's `affine` (the `+ 0.0` included: it turns -0.0 into 0.0 there too).
+/// The update of one chunk, element by element with [`element`].
 #[allow(clippy::too_many_arguments)]
 fn chunk_update(
     p: &[f32],
@@ -99,28 +98,37 @@ fn chunk_update(
     out_v: &mut [f32],
     s: &HostStep,
 ) {
+    for i in 0..p.len() {
+        (out_p[i], out_m[i], out_v[i]) = element(p[i], g[i], m.map(|m| m[i]), v.map(|v| v[i]), s);
+    }
+}
+
+/// One element's update (new weight, first and second moment), operation for operation as the
+/// op-by-op path: `x * mul + add` is candle's `affine` (the `+ 0.0` included: it turns -0.0
+/// into 0.0 there too). `None` moments are the first step's.
+pub(crate) fn element(
+    p: f32,
+    g: f32,
+    m: Option<f32>,
+    v: Option<f32>,
+    s: &HostStep,
+) -> (f32, f32, f32) {
     let affine = |x: f32, mul: f64, add: f64| x * mul as f32 + add as f32;
     let (b1, b2) = (s.beta1, s.beta2);
-    let inv_bc2 = 1.0 / s.bc2_sqrt;
-    for i in 0..p.len() {
-        let gi = g[i];
-        let mi = match m {
-            Some(m) => affine(m[i], b1, 0.0) + affine(gi, 1.0 - b1, 0.0),
-            None => affine(gi, 1.0 - b1, 0.0),
-        };
-        let g2 = gi * gi;
-        let vi = match v {
-            Some(v) => affine(v[i], b2, 0.0) + affine(g2, 1.0 - b2, 0.0),
-            None => affine(g2, 1.0 - b2, 0.0),
-        };
-        let denom = affine(affine(vi.sqrt(), inv_bc2, 0.0), 1.0, s.eps);
-        let decayed = if s.weight_decay != 0.0 {
-            affine(p[i], 1.0 - s.lr * s.weight_decay, 0.0)
-        } else {
-            p[i]
-        };
-        out_p[i] = decayed - affine(mi / denom, s.step_size, 0.0);
-        out_m[i] = mi;
-        out_v[i] = vi;
-    }
+    let m = match m {
+        Some(m) => affine(m, b1, 0.0) + affine(g, 1.0 - b1, 0.0),
+        None => affine(g, 1.0 - b1, 0.0),
+    };
+    let g2 = g * g;
+    let v = match v {
+        Some(v) => affine(v, b2, 0.0) + affine(g2, 1.0 - b2, 0.0),
+        None => affine(g2, 1.0 - b2, 0.0),
+    };
+    let denom = affine(affine(v.sqrt(), 1.0 / s.bc2_sqrt, 0.0), 1.0, s.eps);
+    let decayed = if s.weight_decay != 0.0 {
+        affine(p, 1.0 - s.lr * s.weight_decay, 0.0)
+    } else {
+        p
+    };
+    (decayed - affine(m / denom, s.step_size, 0.0), m, v)
 }

@@ -11,6 +11,7 @@
 //! - [`config`]: a TOML config file with command-line overrides, shared by the binaries.
 
 pub mod accumulate;
+pub mod adamw8bit;
 pub mod alloc;
 pub mod bench;
 pub mod checkpoint;
@@ -19,7 +20,7 @@ pub mod ema;
 pub mod error;
 pub mod fsutil;
 pub mod host;
-mod host_adamw;
+pub(crate) mod host_adamw;
 pub mod ledger;
 pub mod measure;
 pub mod mixed;

@@ -147,6 +147,11 @@ fn load_slot(
             let slot = slots.get_mut(i).ok_or_else(|| {
                 Error::Invalid(format!("optimizer state `{name}`: no parameter {i}"))
             })?;
+            if t.dtype() == DType::U8 {
+                return Err(Error::Invalid(format!(
+                    "optimizer state `{name}` holds 8-bit moments: resume with --optim adamw8bit"
+                )));
+            }
             // A copy of its own: the fused CUDA step updates moments in place, which must not
             // reach the caller's tensor (`to_dtype` to the same dtype shares its storage).
             *slot = Some(t.to_dtype(DType::F32)?.copy()?);

@@ -455,7 +455,12 @@ fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<Trainer
     opt.load_state(opt_step, loss_scale, &[])?;
     let names: Vec<String> = files.names().map(|s| s.to_string()).collect();
     for name in names {
-        let t = files.load(&name, None, candle_core::DType::F32, &device, false)?;
+        // 8-bit moments stay bytes; everything else is fp32 state.
+        let dtype = match files.meta(&name).map(|m| m.dtype) {
+            Some(safetensors::Dtype::U8) => candle_core::DType::U8,
+            _ => candle_core::DType::F32,
+        };
+        let t = files.load(&name, None, dtype, &device, false)?;
         opt.load_state(opt_step, loss_scale, &[(name, t)])?;
     }
     Ok(TrainerState { step, epoch, data })

@@ -299,3 +299,40 @@ fn shipped_xl_config_parses_and_offloads_the_optimizer() -> anyhow::Result<()> {
     assert!(a.common.gradient_checkpointing && a.common.offload_optimizer);
     Ok(())
 }
+
+/// `--optim adamw8bit`: the demo's curve stays near fp32 AdamW's, the checkpoint stores 8-bit
+/// moments (bytes in optimizer.safetensors) and resuming from it continues the same curve.
+#[test]
+fn eight_bit_adamw_trains_and_resumes() -> anyhow::Result<()> {
+    let steps = ["--max-steps", "6", "--eval-limit", "4", "--eval-every", "0"];
+    let full = train_run(&demo_args(&tmp("fp32-moments"), &steps))?;
+    let dir = tmp("8bit");
+    let mut with_save = steps.to_vec();
+    with_save.extend(["--save-every", "3", "--optim", "adamw8bit"]);
+    let q8 = train_run(&demo_args(&dir, &with_save))?;
+    for (i, (a, b)) in q8.losses.iter().zip(&full.losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 0.05 * b,
+            "step {}: 8-bit {a} vs fp32 {b}",
+            i + 1
+        );
+    }
+    let ckpt = dir.join("checkpoint-3");
+    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    let exp_avg_u8 = files
+        .names()
+        .filter(|n| n.starts_with("exp_avg."))
+        .filter(|n| {
+            files
+                .meta(n)
+                .is_some_and(|m| format!("{:?}", m.dtype) == "U8")
+        })
+        .count();
+    assert!(exp_avg_u8 > 0, "no 8-bit moments in the checkpoint");
+    let mut resume = steps.to_vec();
+    let ck = ckpt.display().to_string();
+    resume.extend(["--optim", "adamw8bit", "--resume", &ck]);
+    let resumed = train_run(&demo_args(&dir, &resume))?;
+    assert_eq!(resumed.losses, q8.losses[3..], "resumed 8-bit run");
+    Ok(())
+}

@@ -246,6 +246,9 @@ impl SafetensorsFiles {
                 device,
                 trainable,
             )?,
+            (StDtype::U8, DType::U8) => {
+                Self::host_vec_tensor(bytes.to_vec(), &shape, device, trainable)?
+            }
             (StDtype::F32, DType::F32) => Self::host_vec_tensor(
                 Self::raw::<f32, 4>(bytes, f32::from_le_bytes),
                 &shape,

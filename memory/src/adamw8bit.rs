@@ -1,0 +1,381 @@
+//! AdamW with 8-bit moments, blockwise as bitsandbytes' `AdamW8bit` stores them: each block of
+//! 256 values keeps one fp32 absolute maximum, and each value one byte indexing bitsandbytes'
+//! dynamic quantization map (signed for the first moment, unsigned for the second). The state
+//! is about 2.03 bytes per parameter instead of 8; tensors under 4,096 elements keep fp32
+//! moments, as bitsandbytes does (`min_8bit_size`).
+//!
+//! Each step dequantizes a block, applies exactly the fp32 AdamW update of
+//! [`crate::optim::AdamW`] (the same per-element arithmetic), then quantizes the new moments
+//! against the block's new maximum. The update runs on the host, in threaded passes over
+//! blocks: parameters must be on the CPU, which on a GPU model means `--offload-optimizer`
+//! (there is no CUDA kernel for it yet).
+
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::error::{Error, Result};
+use crate::host_adamw::{element, HostStep};
+use crate::optim::{AdamWConfig, Optimizer};
+
+/// Values per quantization block (one fp32 maximum each).
+pub const BLOCK: usize = 256;
+/// Tensors with fewer elements keep fp32 moments.
+pub const MIN_8BIT_SIZE: usize = 4096;
+
+/// bitsandbytes' dynamic quantization map (`create_dynamic_map`, 7 exponent bits, 8 bits): for
+/// each decade 10^-6 .. 10^0 a linear run of fraction values, mirrored when `signed`, plus 0 and
+/// 1; 256 values in ascending order.
+pub fn dynamic_map(signed: bool) -> [f32; 256] {
+    let (max_exp, non_sign_bits) = (7i32, 7i32);
+    let mut data: Vec<f64> = Vec::with_capacity(256);
+    for i in 0..max_exp {
+        let items = if signed {
+            2usize.pow((i + non_sign_bits - max_exp) as u32) + 1
+        } else {
+            2usize.pow((i + non_sign_bits - max_exp + 1) as u32) + 1
+        };
+        let scale = 10f64.powi(-(max_exp - 1) + i);
+        // linspace(0.1, 1, items) as torch computes it in f32, then the midpoints.
+        let bound = |k: usize| (0.1f32 + (0.9f32 / (items - 1) as f32) * k as f32) as f64;
+        for k in 0..items - 1 {
+            let mean = ((bound(k) as f32 + bound(k + 1) as f32) / 2.0) as f64;
+            data.push(scale * mean);
+            if signed {
+                data.push(-scale * mean);
+            }
+        }
+    }
+    data.push(0.0);
+    data.push(1.0);
+    let mut map: Vec<f32> = data.iter().map(|v| *v as f32).collect();
+    map.resize(256, 0.0);
+    map.sort_by(|a, b| a.total_cmp(b));
+    let mut out = [0f32; 256];
+    out.copy_from_slice(&map);
+    out
+}
+
+fn maps() -> &'static ([f32; 256], [f32; 256]) {
+    static MAPS: OnceLock<([f32; 256], [f32; 256])> = OnceLock::new();
+    MAPS.get_or_init(|| (dynamic_map(true), dynamic_map(false)))
+}
+
+/// The index of the map value nearest `x` (the lower one on a tie).
+pub fn nearest(map: &[f32; 256], x: f32) -> u8 {
+    let hi = map.partition_point(|c| *c < x).min(255);
+    let lo = hi.saturating_sub(1);
+    if (x - map[lo]).abs() <= (map[hi] - x).abs() {
+        lo as u8
+    } else {
+        hi as u8
+    }
+}
+
+/// Quantizes one block against its absolute maximum.
+fn quantize(map: &[f32; 256], values: &[f32], codes: &mut [u8]) -> f32 {
+    let max = values.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let inv = if max > 0.0 { 1.0 / max } else { 0.0 };
+    for (c, v) in codes.iter_mut().zip(values) {
+        *c = nearest(map, v * inv);
+    }
+    max
+}
+
+/// Moments of one parameter: fp32 tensors, or 8-bit codes with per-block maxima. Restored one
+/// named tensor at a time, so each part is optional until the first step.
+#[derive(Default, Clone)]
+struct Slot {
+    m: Option<Tensor>,
+    v: Option<Tensor>,
+    m_max: Option<Tensor>,
+    v_max: Option<Tensor>,
+}
+
+/// AdamW with blockwise 8-bit moments (bitsandbytes' `AdamW8bit` with `torch.optim.AdamW`'s
+/// update).
+pub struct AdamW8bit {
+    cfg: AdamWConfig,
+    t: u64,
+    slots: Vec<Slot>,
+}
+
+impl AdamW8bit {
+    pub fn new(n_params: usize, cfg: AdamWConfig) -> Self {
+        AdamW8bit {
+            cfg,
+            t: 0,
+            slots: vec![Slot::default(); n_params],
+        }
+    }
+}
+
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
+fn codes(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+}
+
+/// One parameter's 8-bit update over all its blocks, threaded: returns the new weight, both
+/// moments' codes and both moments' block maxima.
+type Q8Out = (Vec<f32>, Vec<u8>, Vec<f32>, Vec<u8>, Vec<f32>);
+
+/// The moments of one parameter as the update reads them.
+struct Q8In<'a> {
+    m: &'a [u8],
+    m_max: &'a [f32],
+    v: &'a [u8],
+    v_max: &'a [f32],
+}
+
+fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out {
+    let n = p.len();
+    let blocks = n.div_ceil(BLOCK);
+    let (mut np, mut mq, mut vq) = (vec![0f32; n], vec![0u8; n], vec![0u8; n]);
+    let (mut mmax, mut vmax) = (vec![0f32; blocks], vec![0f32; blocks]);
+    let (smap, umap) = maps();
+    let per_thread = crate::host::chunk_len(n).div_ceil(BLOCK);
+    let work = |b0: usize,
+                np: &mut [f32],
+                mq: &mut [u8],
+                vq: &mut [u8],
+                mm: &mut [f32],
+                vm: &mut [f32]| {
+        let (mut mb, mut vb) = ([0f32; BLOCK], [0f32; BLOCK]);
+        for (j, (mmax, vmax)) in mm.iter_mut().zip(vm.iter_mut()).enumerate() {
+            let at = (b0 + j) * BLOCK;
+            let len = BLOCK.min(n - at);
+            let local = j * BLOCK;
+            for k in 0..len {
+                let i = at + k;
+                let (m, v) = match &prev {
+                    Some(q) => (
+                        Some(smap[q.m[i] as usize] * q.m_max[b0 + j]),
+                        Some(umap[q.v[i] as usize] * q.v_max[b0 + j]),
+                    ),
+                    None => (None, None),
+                };
+                let (w, m, v) = element(p[i], g[i], m, v, s);
+                np[local + k] = w;
+                (mb[k], vb[k]) = (m, v);
+            }
+            *mmax = quantize(smap, &mb[..len], &mut mq[local..local + len]);
+            *vmax = quantize(umap, &vb[..len], &mut vq[local..local + len]);
+        }
+    };
+    if per_thread >= blocks {
+        work(0, &mut np, &mut mq, &mut vq, &mut mmax, &mut vmax);
+    } else {
+        let e = per_thread * BLOCK;
+        std::thread::scope(|scope| {
+            let parts = np
+                .chunks_mut(e)
+                .zip(mq.chunks_mut(e))
+                .zip(vq.chunks_mut(e))
+                .zip(mmax.chunks_mut(per_thread))
+                .zip(vmax.chunks_mut(per_thread));
+            for (t, ((((np, mq), vq), mm), vm)) in parts.enumerate() {
+                let work = &work;
+                scope.spawn(move || work(t * per_thread, np, mq, vq, mm, vm));
+            }
+        });
+    }
+    (np, mq, mmax, vq, vmax)
+}
+
+impl Optimizer for AdamW8bit {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        if params.len() != grads.len() || params.len() != self.slots.len() {
+            return Err(Error::Invalid(format!(
+                "optimizer built for {} parameters got {} parameters and {} gradients",
+                self.slots.len(),
+                params.len(),
+                grads.len()
+            )));
+        }
+        if let Some(p) = params.iter().find(|p| !p.device().is_cpu()) {
+            return Err(Error::Invalid(format!(
+                "8-bit AdamW updates on the host, but a parameter of shape {:?} is on {:?}: with \
+                 a GPU model add --offload-optimizer",
+                p.dims(),
+                p.device()
+            )));
+        }
+        self.t += 1;
+        let c = self.cfg;
+        let s = HostStep {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            lr,
+            weight_decay: c.weight_decay,
+            step_size: lr / (1.0 - c.beta1.powi(self.t as i32)),
+            bc2_sqrt: (1.0 - c.beta2.powi(self.t as i32)).sqrt(),
+        };
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let n = p.elem_count();
+            let (shape, dev) = (p.shape().clone(), Device::Cpu);
+            let pv = host_f32(p.as_tensor())?;
+            let gv = host_f32(g)?;
+            if gv.len() != n {
+                return Err(Error::Invalid(format!(
+                    "parameter {i}: gradient of {} elements for {n} weights",
+                    gv.len()
+                )));
+            }
+            let slot = &mut self.slots[i];
+            let quantized = n >= MIN_8BIT_SIZE;
+            let new_w = if quantized {
+                let prev = match (&slot.m, &slot.v) {
+                    (None, None) => None,
+                    (Some(m), Some(v)) => Some((m.clone(), v.clone())),
+                    _ => {
+                        return Err(Error::Invalid(format!(
+                            "parameter {i}: only one AdamW moment was restored"
+                        )))
+                    }
+                };
+                let out = match prev {
+                    None => step_q8(&pv, &gv, None, &s),
+                    Some((m, v)) => {
+                        let (m, v) = (
+                            slot_codes(i, &m, &slot.m_max, true)?,
+                            slot_codes(i, &v, &slot.v_max, false)?,
+                        );
+                        let q = Q8In {
+                            m: &m.0,
+                            m_max: &m.1,
+                            v: &v.0,
+                            v_max: &v.1,
+                        };
+                        if q.m.len() != n
+                            || q.v.len() != n
+                            || q.m_max.len() != n.div_ceil(BLOCK)
+                            || q.v_max.len() != n.div_ceil(BLOCK)
+                        {
+                            return Err(Error::Invalid(format!(
+                                "parameter {i}: restored 8-bit moments do not match {n} weights"
+                            )));
+                        }
+                        step_q8(&pv, &gv, Some(q), &s)
+                    }
+                };
+                let (w, mq, mmax, vq, vmax) = out;
+                let blocks = mmax.len();
+                slot.m = Some(Tensor::from_vec(mq, n, &dev)?);
+                slot.v = Some(Tensor::from_vec(vq, n, &dev)?);
+                slot.m_max = Some(Tensor::from_vec(mmax, blocks, &dev)?);
+                slot.v_max = Some(Tensor::from_vec(vmax, blocks, &dev)?);
+                w
+            } else {
+                let (m, v) = (
+                    slot.m.as_ref().map(host_f32).transpose()?,
+                    slot.v.as_ref().map(host_f32).transpose()?,
+                );
+                let mut w = vec![0f32; n];
+                let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
+                for k in 0..n {
+                    (w[k], nm[k], nv[k]) = element(
+                        pv[k],
+                        gv[k],
+                        m.as_ref().map(|m| m[k]),
+                        v.as_ref().map(|v| v[k]),
+                        &s,
+                    );
+                }
+                slot.m = Some(Tensor::from_vec(nm, &shape, &dev)?);
+                slot.v = Some(Tensor::from_vec(nv, &shape, &dev)?);
+                w
+            };
+            p.set(&Tensor::from_vec(new_w, &shape, &dev)?.to_dtype(p.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .flat_map(|s| [&s.m, &s.v, &s.m_max, &s.v_max])
+            .flatten()
+            .map(crate::ledger::tensor_bytes)
+            .sum()
+    }
+
+    fn state(&self) -> (u64, Vec<(String, Tensor)>) {
+        let mut out = Vec::new();
+        for (name, part) in [
+            ("exp_avg", 0),
+            ("exp_avg_sq", 1),
+            ("exp_avg_absmax", 2),
+            ("exp_avg_sq_absmax", 3),
+        ] {
+            for (i, s) in self.slots.iter().enumerate() {
+                let t = [&s.m, &s.v, &s.m_max, &s.v_max][part];
+                if let Some(t) = t {
+                    out.push((format!("{name}.{i}"), t.clone()));
+                }
+            }
+        }
+        (self.t, out)
+    }
+
+    fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
+        self.t = step;
+        for (name, t) in tensors {
+            let Some((kind, idx)) = name.rsplit_once('.') else {
+                continue;
+            };
+            let i: usize = idx
+                .parse()
+                .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
+            let n = self.slots.len();
+            let slot = self.slots.get_mut(i).ok_or_else(|| {
+                Error::Invalid(format!("optimizer state `{name}`: no parameter {i} of {n}"))
+            })?;
+            // Copies on the host: nothing of the caller's is kept.
+            let t = t.to_device(&Device::Cpu)?.copy()?;
+            match kind {
+                "exp_avg" => slot.m = Some(t),
+                "exp_avg_sq" => slot.v = Some(t),
+                "exp_avg_absmax" => slot.m_max = Some(t.to_dtype(DType::F32)?),
+                "exp_avg_sq_absmax" => slot.v_max = Some(t.to_dtype(DType::F32)?),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A restored moment as codes and block maxima: 8-bit codes with their maxima, or fp32 values
+/// (a checkpoint of the 32-bit AdamW) quantized here with the first (`signed`) or second
+/// moment's map.
+fn slot_codes(
+    i: usize,
+    t: &Tensor,
+    max: &Option<Tensor>,
+    signed: bool,
+) -> Result<(Vec<u8>, Vec<f32>)> {
+    match (t.dtype(), max) {
+        (DType::U8, Some(max)) => Ok((codes(t)?, host_f32(max)?)),
+        (DType::U8, None) => Err(Error::Invalid(format!(
+            "parameter {i}: 8-bit moments restored without their block maxima"
+        ))),
+        _ => {
+            let values = host_f32(t)?;
+            let map = if signed { &maps().0 } else { &maps().1 };
+            let mut codes = vec![0u8; values.len()];
+            let maxima = values
+                .chunks(BLOCK)
+                .zip(codes.chunks_mut(BLOCK))
+                .map(|(v, c)| quantize(map, v, c))
+                .collect();
+            Ok((codes, maxima))
+        }
+    }
+}
