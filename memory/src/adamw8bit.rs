@@ -35,14 +35,23 @@ pub fn dynamic_map(signed: bool) -> [f32; 256] {
         } else {
             2usize.pow((i + non_sign_bits - max_exp + 1) as u32) + 1
         };
-        let scale = 10f64.powi(-(max_exp - 1) + i);
-        // linspace(0.1, 1, items) as torch computes it in f32, then the midpoints.
-        let bound = |k: usize| (0.1f32 + (0.9f32 / (items - 1) as f32) * k as f32) as f64;
+        // The decade as an f32 scalar times f32 means, as torch multiplies them.
+        let scale = 10f64.powi(-(max_exp - 1) + i) as f32;
+        // linspace(0.1, 1, items) by torch's formula (from the start for the first half, from
+        // the end for the second), then the midpoints, all in f32.
+        let step = (1.0f32 - 0.1f32) / (items - 1) as f32;
+        let bound = |k: usize| {
+            if k < items / 2 {
+                0.1f32 + step * k as f32
+            } else {
+                1.0f32 - step * (items - 1 - k) as f32
+            }
+        };
         for k in 0..items - 1 {
-            let mean = ((bound(k) as f32 + bound(k + 1) as f32) / 2.0) as f64;
-            data.push(scale * mean);
+            let mean = (bound(k) + bound(k + 1)) / 2.0;
+            data.push((scale * mean) as f64);
             if signed {
-                data.push(-scale * mean);
+                data.push((-scale * mean) as f64);
             }
         }
     }
@@ -73,11 +82,21 @@ pub fn nearest(map: &[f32; 256], x: f32) -> u8 {
 }
 
 /// Quantizes one block against its absolute maximum.
+/// The maximum is taken over the finite values only: an inf moment (an inf gradient) is stored
+/// as the block's extreme and a NaN as zero, so one bad element does not turn its 255
+/// neighbours into NaN, as an inf maximum would at the next step.
 fn quantize(map: &[f32; 256], values: &[f32], codes: &mut [u8]) -> f32 {
-    let max = values.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let inv = if max > 0.0 { 1.0 / max } else { 0.0 };
+    let max = values
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0f32, |a, v| a.max(v.abs()));
+    let zero = nearest(map, 0.0);
     for (c, v) in codes.iter_mut().zip(values) {
-        *c = nearest(map, v * inv);
+        *c = if v.is_nan() || max == 0.0 {
+            zero
+        } else {
+            nearest(map, v / max)
+        };
     }
     max
 }
@@ -274,10 +293,24 @@ impl Optimizer for AdamW8bit {
                 slot.v_max = Some(Tensor::from_vec(vmax, blocks, &dev)?);
                 w
             } else {
-                let (m, v) = (
-                    slot.m.as_ref().map(host_f32).transpose()?,
-                    slot.v.as_ref().map(host_f32).transpose()?,
-                );
+                let restored = |t: &Option<Tensor>| -> Result<Option<Vec<f32>>> {
+                    let Some(t) = t else { return Ok(None) };
+                    if t.dtype() == DType::U8 || t.elem_count() != n {
+                        return Err(Error::Invalid(format!(
+                            "parameter {i}: restored moment of {:?} x {} for {n} fp32 values \
+                             (a checkpoint of another model or optimizer?)",
+                            t.dtype(),
+                            t.elem_count()
+                        )));
+                    }
+                    Ok(Some(host_f32(t)?))
+                };
+                let (m, v) = (restored(&slot.m)?, restored(&slot.v)?);
+                if m.is_some() != v.is_some() {
+                    return Err(Error::Invalid(format!(
+                        "parameter {i}: only one AdamW moment was restored"
+                    )));
+                }
                 let mut w = vec![0f32; n];
                 let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
                 for k in 0..n {
@@ -338,15 +371,15 @@ impl Optimizer for AdamW8bit {
             let slot = self.slots.get_mut(i).ok_or_else(|| {
                 Error::Invalid(format!("optimizer state `{name}`: no parameter {i} of {n}"))
             })?;
-            // Copies on the host: nothing of the caller's is kept.
-            let t = t.to_device(&Device::Cpu)?.copy()?;
-            match kind {
-                "exp_avg" => slot.m = Some(t),
-                "exp_avg_sq" => slot.v = Some(t),
-                "exp_avg_absmax" => slot.m_max = Some(t.to_dtype(DType::F32)?),
-                "exp_avg_sq_absmax" => slot.v_max = Some(t.to_dtype(DType::F32)?),
-                _ => {}
-            }
+            let part = match kind {
+                "exp_avg" => &mut slot.m,
+                "exp_avg_sq" => &mut slot.v,
+                "exp_avg_absmax" => &mut slot.m_max,
+                "exp_avg_sq_absmax" => &mut slot.v_max,
+                _ => continue,
+            };
+            // A copy on the host: nothing of the caller's is kept.
+            *part = Some(t.to_device(&Device::Cpu)?.copy()?);
         }
         Ok(())
     }

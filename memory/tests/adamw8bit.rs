@@ -210,3 +210,81 @@ fn eight_bit_on_a_gpu_needs_the_state_on_the_host() -> anyhow::Result<()> {
         .contains("--optim"));
     Ok(())
 }
+
+/// A tensor large enough to be split over threads (here 200,000 values) updates exactly as its
+/// 256-aligned pieces do, each small enough for one thread: the blocks are independent and the
+/// threaded partition loses or shifts none of them.
+#[test]
+fn threaded_blocks_equal_the_pieces_updated_alone() -> anyhow::Result<()> {
+    let cfg = AdamWConfig::default();
+    let n = 200_000;
+    let piece = 196 * 256; // 50,176: under the 65,536 values one thread takes
+    let bounds: Vec<(usize, usize)> = (0..n)
+        .step_by(piece)
+        .map(|a| (a, piece.min(n - a)))
+        .collect();
+    let w0 = randn(&[n], 1, 1.0)?;
+    let whole = Var::from_tensor(&w0)?;
+    let pieces: Vec<Var> = bounds
+        .iter()
+        .map(|(a, l)| Ok(Var::from_tensor(&w0.narrow(0, *a, *l)?)?))
+        .collect::<anyhow::Result<_>>()?;
+    let mut a = AdamW8bit::new(1, cfg);
+    let mut b = AdamW8bit::new(pieces.len(), cfg);
+    for step in 0..3 {
+        let g = randn(&[n], 10 + step, 1.0)?;
+        a.step(std::slice::from_ref(&whole), &[Some(g.clone())], 1e-3)?;
+        let gs: Vec<Option<Tensor>> = bounds
+            .iter()
+            .map(|(s, l)| Ok(Some(g.narrow(0, *s, *l)?)))
+            .collect::<anyhow::Result<_>>()?;
+        b.step(&pieces, &gs, 1e-3)?;
+    }
+    let joined = Tensor::cat(&pieces.iter().map(|p| p.as_tensor()).collect::<Vec<_>>(), 0)?;
+    assert_eq!(bits(whole.as_tensor())?, bits(&joined)?);
+    Ok(())
+}
+
+/// An inf gradient spoils its own weight (as in fp32 AdamW) but not the other 255 of its block:
+/// the block maximum is taken over finite moments.
+#[test]
+fn an_inf_gradient_stays_in_its_element() -> anyhow::Result<()> {
+    let w = Var::from_tensor(&randn(&[5000], 1, 1.0)?)?;
+    let mut opt = AdamW8bit::new(1, AdamWConfig::default());
+    for step in 0..3u64 {
+        let mut g = randn(&[5000], 10 + step, 1.0)?.to_vec1::<f32>()?;
+        if step == 1 {
+            g[7] = f32::INFINITY;
+        }
+        let g = Tensor::from_vec(g, 5000, &Device::Cpu)?;
+        opt.step(std::slice::from_ref(&w), &[Some(g)], 1e-3)?;
+    }
+    let v = w.as_tensor().to_vec1::<f32>()?;
+    let bad: Vec<usize> = (0..v.len()).filter(|i| !v[*i].is_finite()).collect();
+    assert!(bad.iter().all(|i| *i == 7), "non-finite weights at {bad:?}");
+    Ok(())
+}
+
+/// A small (fp32-moment) parameter refuses restored 8-bit or mis-sized moments by name.
+#[test]
+fn small_parameters_check_what_they_restore() -> anyhow::Result<()> {
+    let w = Var::from_tensor(&randn(&[100], 1, 1.0)?)?;
+    let g = || -> anyhow::Result<Vec<Option<Tensor>>> { Ok(vec![Some(randn(&[100], 2, 1.0)?)]) };
+    for (m, v) in [
+        (
+            Tensor::zeros(100, DType::U8, &Device::Cpu)?,
+            Tensor::zeros(100, DType::F32, &Device::Cpu)?,
+        ),
+        (
+            Tensor::zeros(99, DType::F32, &Device::Cpu)?,
+            Tensor::zeros(99, DType::F32, &Device::Cpu)?,
+        ),
+    ] {
+        let mut opt = AdamW8bit::new(1, AdamWConfig::default());
+        opt.load_state(1, &[("exp_avg.0".into(), m), ("exp_avg_sq.0".into(), v)])?;
+        let err = opt.step(std::slice::from_ref(&w), &g()?, 1e-3).err();
+        let err = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("parameter 0"), "{err}");
+    }
+    Ok(())
+}
