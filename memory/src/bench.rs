@@ -80,49 +80,41 @@ pub fn python_reference(script: &str, args: &[String]) -> Option<serde_json::Val
 
 /// The model-state bytes of `n` parameters trained as the binaries do (bf16 weights, fp32
 /// masters, AdamW, gradients summed in fp32 over micro-batches), with the optimizer state
-/// beside the model and with `--offload-optimizer`: a markdown table for the bench plans.
+/// beside the model and with `--offload-optimizer`: a markdown table for the bench plans, from
+/// the same [`crate::plan`] the binaries print.
 pub fn model_states_table(n: u64) -> String {
     use crate::ledger::format_bytes;
-    // (component, bytes per parameter, where it lives when offloaded: true = host)
-    let rows: [(&str, u64, bool); 5] = [
-        ("weights (bf16)", 2, false),
-        (
-            "one micro-batch's gradients (bf16), during backward",
-            2,
-            false,
-        ),
-        (
-            "gradient sums (fp32, accumulated across micro-batches)",
-            4,
+    use crate::mixed::StatePlacement;
+    let precision = crate::precision::Precision::for_dtype(candle_core::DType::BF16);
+    let plan = |placement| {
+        let numels = [n as usize];
+        crate::plan::state_plan(
+            &numels,
+            &precision,
+            placement,
+            crate::config::OptimKind::AdamW,
             true,
-        ),
-        ("fp32 master weights", 4, true),
-        ("AdamW moments (fp32)", 8, true),
-    ];
-    let b = |per: u64| format_bytes((per * n) as i64);
+        )
+    };
+    let (near, host) = (plan(StatePlacement::WithModel), plan(StatePlacement::Host));
+    let b = |v: u64| format_bytes(v as i64);
     let mut s = String::from(
         "| component | optimizer on the GPU | --offload-optimizer: GPU | --offload-optimizer: host |\n\
          |---|---|---|---|\n",
     );
-    for (name, per, host) in rows {
-        let (gpu, cpu) = if host {
-            ("-".into(), b(per))
+    for (a, o) in near.rows.iter().zip(&host.rows) {
+        let (gpu, cpu) = if o.on_host {
+            ("-".into(), b(o.bytes))
         } else {
-            (b(per), "-".into())
+            (b(o.bytes), "-".into())
         };
-        s += &format!("| {name} | {} | {gpu} | {cpu} |\n", b(per));
+        s += &format!("| {} | {} | {gpu} | {cpu} |\n", a.component, b(a.bytes));
     }
-    let on = |host: bool| {
-        rows.iter()
-            .filter(|r| r.2 == host)
-            .map(|r| r.1)
-            .sum::<u64>()
-    };
     s += &format!(
         "| model states, at most | {} | {} | {} |\n",
-        b(on(false) + on(true)),
-        b(on(false)),
-        b(on(true))
+        b(near.device_bytes()),
+        b(host.device_bytes()),
+        b(host.host_bytes())
     );
     s
 }

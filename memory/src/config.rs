@@ -193,6 +193,10 @@ pub struct CommonArgs {
     /// Hide the progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Print the memory plan (model-state bytes on the GPU and in host memory, from the model's
+    /// shapes; no weights loaded) and exit without training.
+    #[arg(long)]
+    pub plan: bool,
 }
 
 impl CommonArgs {
@@ -262,9 +266,18 @@ impl CommonArgs {
     /// `--precision`, or bf16 with fp32 master weights on a GPU and f32 on the CPU (where some
     /// candle kernels, conv2d among them, have no bf16).
     pub fn precision(&self, device: &candle_core::Device) -> Result<crate::precision::Precision> {
+        self.precision_for(device.is_cpu())
+    }
+
+    /// The precision `--device` will get, without opening the device (for `--plan`).
+    pub fn planned_precision(&self) -> Result<crate::precision::Precision> {
+        self.precision_for(self.device == "cpu")
+    }
+
+    fn precision_for(&self, cpu: bool) -> Result<crate::precision::Precision> {
         match &self.precision {
             Some(p) => crate::precision::Precision::parse(p),
-            None if device.is_cpu() => crate::precision::Precision::parse("f32"),
+            None if cpu => crate::precision::Precision::parse("f32"),
             None => crate::precision::Precision::parse("bf16"),
         }
     }
@@ -303,6 +316,52 @@ impl CommonArgs {
                 |n| Box::new(crate::adamw8bit::AdamW8bit::new(n, cfg)),
                 clip,
             ),
+        }
+    }
+
+    /// The memory plan of training tensors of `numels` values each (`ParamStore::sizes`, from a
+    /// loaded model or one built from shapes only) with these flags under `precision`.
+    pub fn state_plan(
+        &self,
+        numels: &[usize],
+        precision: crate::precision::Precision,
+    ) -> Result<crate::plan::StatePlan> {
+        Ok(crate::plan::state_plan(
+            numels,
+            &precision,
+            crate::mixed::StatePlacement::offload(self.offload_optimizer),
+            self.optim_kind()?,
+            self.device != "cpu",
+        ))
+    }
+
+    /// For `--plan`: the precision the run will use and a builder that records the model's
+    /// parameter shapes into the returned store without allocating them (on the CPU, nothing
+    /// opened). Build the model with it, then pass `store.sizes(true)` to [`Self::state_plan`].
+    pub fn shapes_builder(
+        &self,
+    ) -> Result<(
+        crate::weights::ParamBuilder,
+        std::sync::Arc<crate::weights::ParamStore>,
+        crate::precision::Precision,
+    )> {
+        let precision = self.planned_precision()?;
+        let store = crate::weights::ParamStore::new();
+        let pb = crate::weights::ParamBuilder::new(
+            store.clone(),
+            precision.storage,
+            &candle_core::Device::Cpu,
+            0,
+        )
+        .shapes_only();
+        Ok((pb, store, precision))
+    }
+
+    /// Prints the plan to stderr before training, with a warning when host memory looks short.
+    pub fn announce_plan(&self, plan: &crate::plan::StatePlan) {
+        eprint!("{}", plan.table());
+        if let Some(w) = plan.host_warning() {
+            eprintln!("{w}");
         }
     }
 

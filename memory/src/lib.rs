@@ -25,6 +25,7 @@ pub mod ledger;
 pub mod measure;
 pub mod mixed;
 pub mod optim;
+pub mod plan;
 pub mod precision;
 pub mod rng;
 pub mod schedule;

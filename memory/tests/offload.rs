@@ -227,3 +227,42 @@ fn fp32_offloaded_checkpoint_resumes_with_the_state_beside_the_model() -> anyhow
     }
     Ok(())
 }
+
+/// A GPU run whose host state exceeds the host memory available is warned about before it
+/// starts (on Linux, where /proc/meminfo says what is available); a CPU run keeps nothing apart.
+#[test]
+fn plan_warns_when_the_host_state_does_not_fit() {
+    use ft_memory::config::OptimKind;
+    use ft_memory::plan::{host_available, state_plan};
+    let precision = Precision::for_dtype(DType::BF16);
+    let huge = [1usize << 45]; // 35 trillion parameters: 512 TiB of host state
+    let plan = state_plan(
+        &huge,
+        &precision,
+        StatePlacement::Host,
+        OptimKind::AdamW,
+        true,
+    );
+    assert_eq!(plan.host_bytes(), 16 << 45);
+    assert_eq!(plan.device_bytes(), 4 << 45);
+    if host_available().is_some() {
+        let w = plan.host_warning().unwrap_or_default();
+        assert!(w.contains("host memory") && w.contains("available"), "{w}");
+    }
+    let small = state_plan(
+        &[1000],
+        &precision,
+        StatePlacement::Host,
+        OptimKind::AdamW,
+        true,
+    );
+    assert!(small.host_warning().is_none());
+    let cpu = state_plan(
+        &[1000],
+        &precision,
+        StatePlacement::Host,
+        OptimKind::AdamW,
+        false,
+    );
+    assert_eq!((cpu.host_bytes(), cpu.device_bytes()), (0, 20_000));
+}

@@ -73,7 +73,8 @@ impl Args {
         if self.val_episodes == 0 || self.test_episodes == 0 {
             anyhow::bail!("--val-episodes and --test-episodes must be at least 1");
         }
-        if !self.demo && self.data_dir.is_none() {
+        // `--plan` needs the model's settings alone.
+        if !self.demo && !self.common.plan && self.data_dir.is_none() {
             anyhow::bail!("--data-dir is required (or --demo for generated images)");
         }
         Ok(())

@@ -22,6 +22,10 @@ fn main() -> anyhow::Result<()> {
             })
         },
     )?;
+    if args.common.plan {
+        print!("{}", fewshot_ft::run::plan(&args)?.table());
+        return Ok(());
+    }
     let out = fewshot_ft::run::run(&args)?;
     eprintln!(
         "test accuracy {:.2}% +- {:.2}% over {} episodes ({}-way {}-shot; chance {:.0}%)",

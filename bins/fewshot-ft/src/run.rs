@@ -15,18 +15,36 @@ use crate::task::{Accuracy, FewShotTask};
 /// Everything a run needs, built from the arguments (also used by tests and benches).
 pub type Setup = ft_memory::train::Session<FewShotTask>;
 
-pub fn setup(args: &Args) -> anyhow::Result<Setup> {
-    args.validate()?;
-    let out = args.common.output_dir.clone();
-    std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
-    let device = args.common.device()?;
-    let precision = args.common.precision(&device)?;
+/// Backbone, method and image side the arguments choose (84 px for Conv backbones, 224 for
+/// ResNets unless `--image-size`).
+fn model_spec(args: &Args) -> anyhow::Result<(BackboneKind, Method, usize)> {
     let kind: BackboneKind = args.backbone.parse()?;
     let method: Method = args.method.parse()?;
     let size = args.image_size.unwrap_or(match kind {
         BackboneKind::Conv4 | BackboneKind::Conv6 => 84,
         _ => 224,
     });
+    Ok((kind, method, size))
+}
+
+/// `--plan`: the memory plan of the model the arguments choose, built from shapes (nothing
+/// allocated, no device opened).
+pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
+    args.validate()?;
+    let (kind, method, size) = model_spec(args)?;
+    let (pb, store, precision) = args.common.shapes_builder()?;
+    let backbone = Backbone::new(&pb, kind, size, !args.pooled)?;
+    FewShotModel::new(&pb, backbone, method, args.n_way, args.k_shot)?;
+    Ok(args.common.state_plan(&store.sizes(true), precision)?)
+}
+
+pub fn setup(args: &Args) -> anyhow::Result<Setup> {
+    args.validate()?;
+    let out = args.common.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    let device = args.common.device()?;
+    let precision = args.common.precision(&device)?;
+    let (kind, method, size) = model_spec(args)?;
     let splits = if args.demo {
         Splits::synthetic(40, 40, args.common.seed)
     } else {
@@ -55,6 +73,8 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let backbone = Backbone::new(&pb, kind, size, !args.pooled)?;
     let model = FewShotModel::new(&pb, backbone, method, shape.n_way, shape.k_shot)?;
     ledger.mark("load", 0)?;
+    args.common
+        .announce_plan(&args.common.state_plan(&store.sizes(true), precision)?);
     let config_json = serde_json::json!({
         "backbone": args.backbone, "method": args.method, "n_way": shape.n_way, "k_shot": shape.k_shot,
         "image_size": size, "flatten": !args.pooled,

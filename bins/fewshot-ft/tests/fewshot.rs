@@ -255,3 +255,19 @@ fn datasets_load_and_bad_data_names_the_file_or_class() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&mini).ok();
     Ok(())
 }
+
+/// `--plan` counts, from shapes alone, the trainable parameters the run builds, and places the
+/// state as the flags say.
+#[test]
+fn plan_counts_what_the_run_builds() -> anyhow::Result<()> {
+    let out = tmp("plan");
+    let args = demo(&out, &["--plan"]);
+    let plan = fewshot_ft::run::plan(&args)?;
+    let s = setup(&demo(&out, &[]))?;
+    let (n, _) = s.task.store.count(true);
+    assert_eq!(plan.params, n as u64);
+    // The demo trains in f32 on the CPU: weights, gradients, sums and moments, no masters.
+    assert_eq!(plan.device_bytes(), (4 + 4 + 4 + 8) * n as u64);
+    assert_eq!(plan.host_bytes(), 0);
+    Ok(())
+}

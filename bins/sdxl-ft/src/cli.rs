@@ -155,7 +155,8 @@ impl Args {
             anyhow::bail!("--sample-steps must be at least 1");
         }
         self.sampler.parse::<ft_models::sampling::SamplerKind>()?;
-        if !self.demo && self.data_dir.is_none() {
+        // `--plan` reads the model's configs alone.
+        if !self.demo && !self.common.plan && self.data_dir.is_none() {
             anyhow::bail!("--data-dir is required (or --demo for the bundled images)");
         }
         Ok(())

@@ -18,6 +18,10 @@ fn main() -> anyhow::Result<()> {
                 .then_some(("configs/sdxl_demo.toml (built in)", DEMO))
         },
     )?;
+    if args.common.plan {
+        print!("{}", sdxl_ft::run::plan(&args)?.table());
+        return Ok(());
+    }
     let summary = sdxl_ft::run::run(&args)?;
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
         eprintln!("loss {first:.4} -> {last:.4} over {} steps", summary.steps);

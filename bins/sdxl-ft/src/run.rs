@@ -23,9 +23,9 @@ use crate::task::{EvalSettings, Objective, SdxlTask};
 /// Everything a run needs, built from the arguments (also used by tests and benches).
 pub type Setup = ft_memory::train::Session<SdxlTask>;
 
-/// Resolves model and data, builds the cache, loads the UNet. With `--demo`, first writes the
-/// bundled pipeline and images.
-pub fn setup(args: &Args) -> Result<Setup> {
+/// The arguments validated, the output folder created and, with `--demo`, the bundled pipeline
+/// and images written there and pointed to.
+fn resolved(args: &Args) -> Result<Args> {
     let mut args = args.clone();
     args.validate()?;
     let out = args.common.output_dir.clone();
@@ -35,6 +35,30 @@ pub fn setup(args: &Args) -> Result<Setup> {
         args.model = demo.model.display().to_string();
         args.data_dir.get_or_insert(demo.data);
     }
+    Ok(args)
+}
+
+/// `--plan`: the memory plan of the UNet's training from `unet/config.json` alone (built from
+/// shapes, no weights read, nothing allocated, no device opened), with the EMA when `--ema`.
+pub fn plan(args: &Args) -> Result<ft_memory::plan::StatePlan> {
+    let args = resolved(args)?;
+    let pipeline = Pipeline::open(&args.model, args.variant.clone())?;
+    let (pb, store, precision) = args.common.shapes_builder()?;
+    UNet::new(&pb, &pipeline.unet)?;
+    let plan = args.common.state_plan(&store.sizes(true), precision)?;
+    let (n, _) = store.count(true);
+    Ok(if args.ema {
+        plan.with("EMA (fp32)", 4 * n as u64, args.ema_device == "cpu")
+    } else {
+        plan
+    })
+}
+
+/// Resolves model and data, builds the cache, loads the UNet. With `--demo`, first writes the
+/// bundled pipeline and images.
+pub fn setup(args: &Args) -> Result<Setup> {
+    let args = resolved(args)?;
+    let out = args.common.output_dir.clone();
     let device = args.common.device()?;
     let precision = args.common.precision(&device)?;
     let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
@@ -132,6 +156,8 @@ pub fn setup(args: &Args) -> Result<Setup> {
     let unet = UNet::new(&pb, &pipeline.unet)?;
     ledger.mark("load", 0)?;
 
+    args.common
+        .announce_plan(&args.common.state_plan(&store.sizes(true), precision)?);
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let ema = if args.ema {
         let ema_device = if args.ema_device == "cpu" {

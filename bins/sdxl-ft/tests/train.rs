@@ -255,3 +255,41 @@ fn aspect_buckets_cut_images_to_their_nearest_ratio_and_batch_per_bucket() -> an
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// `--plan` with seed 001's preset on the full SDXL UNet config (the demo pipeline with the real
+/// `unet/config.json` put in; no weights read, no GPU opened): what the GPU and the host hold.
+#[test]
+fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
+    let out = tmp("plan");
+    let demo = sdxl_ft::demo::write(&out.join("demo-data"), 2, 1)?;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    std::fs::copy(
+        root.join("sdxl/unet_config.json"),
+        demo.model.join("unet/config.json"),
+    )?;
+    // Text encoders as wide as SDXL's (CLIP-L 768, OpenCLIP-G 1280 with its projection), so the
+    // pipeline's consistency checks hold; their weights are never read.
+    for (dir, hidden) in [("text_encoder", 768), ("text_encoder_2", 1280)] {
+        let path = demo.model.join(dir).join("config.json");
+        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        cfg["hidden_size"] = hidden.into();
+        cfg["projection_dim"] = hidden.into();
+        std::fs::write(&path, cfg.to_string())?;
+    }
+    let preset = root.join("full_sdxl.toml").display().to_string();
+    let model = demo.model.display().to_string();
+    let a: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+        ["sdxl-ft", "--config", &preset, "--model", &model, "--plan"],
+        |a: &sdxl_ft::cli::Args| a.config.clone(),
+    )?;
+    let plan = sdxl_ft::run::plan(&a)?;
+    eprintln!("{}", plan.table());
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    assert_eq!(plan.params, 2_567_463_684);
+    // Weights and one micro-batch's gradients on the GPU; sums, masters, moments and the EMA
+    // (38.26 + 9.56 GiB) on the host.
+    assert!((gib(plan.device_bytes()) - 9.56).abs() < 0.01);
+    assert!((gib(plan.host_bytes()) - 47.82).abs() < 0.01);
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}

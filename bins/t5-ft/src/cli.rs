@@ -68,7 +68,8 @@ impl Args {
         if self.max_source_length == 0 || self.max_target_length == 0 {
             anyhow::bail!("--max-source-length and --max-target-length must be at least 1");
         }
-        if !self.demo && self.train_file.is_none() {
+        // `--plan` reads the model's config alone.
+        if !self.demo && !self.common.plan && self.train_file.is_none() {
             anyhow::bail!("--train-file is required (or --demo for the bundled task)");
         }
         Ok(())

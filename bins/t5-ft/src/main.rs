@@ -14,6 +14,10 @@ fn main() -> anyhow::Result<()> {
         |a: &Args| a.config.clone(),
         |a: &Args| a.demo.then_some(("configs/t5_demo.toml (built in)", DEMO)),
     )?;
+    if args.common.plan {
+        print!("{}", t5_ft::run::plan(&args)?.table());
+        return Ok(());
+    }
     let summary = t5_ft::run::run(&args)?;
     if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
         eprintln!("loss {first:.4} -> {last:.4} over {} steps", summary.steps);

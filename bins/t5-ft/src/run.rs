@@ -18,8 +18,9 @@ use crate::tokenize::Collator;
 /// Everything a run needs, built from the arguments (also used by tests and benches).
 pub type Setup = ft_memory::train::Session<T5Task>;
 
-/// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
-pub fn setup(args: &Args) -> anyhow::Result<Setup> {
+/// The arguments validated, the output folder created and, with `--demo`, the bundled task
+/// written there and pointed to.
+fn resolved(args: &Args) -> anyhow::Result<Args> {
     let mut args = args.clone();
     args.validate()?;
     let out = args.common.output_dir.clone();
@@ -31,6 +32,24 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         args.train_file = Some(dir.join("train.jsonl"));
         args.eval_file = Some(dir.join("eval.jsonl"));
     }
+    Ok(args)
+}
+
+/// `--plan`: the memory plan from the model's config.json alone (the model built from shapes,
+/// no weights read, nothing allocated, no device opened).
+pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
+    let args = resolved(args)?;
+    let repo = ModelRepo::open(&args.model)?;
+    let cfg = T5Config::from_file(&repo.get("config.json")?)?;
+    let (pb, store, precision) = args.common.shapes_builder()?;
+    T5::new(&pb, &cfg)?;
+    Ok(args.common.state_plan(&store.sizes(true), precision)?)
+}
+
+/// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
+pub fn setup(args: &Args) -> anyhow::Result<Setup> {
+    let args = resolved(args)?;
+    let out = args.common.output_dir.clone();
     let device = args.common.device()?;
     let precision = args.common.precision(&device)?;
     let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
@@ -103,6 +122,8 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     task.max_new_tokens = args.max_new_tokens;
     task.eval_limit = args.eval_limit;
 
+    args.common
+        .announce_plan(&args.common.state_plan(&store.sizes(true), precision)?);
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let loop_config = LoopConfig {
         eval_every: args.eval_every,

@@ -336,3 +336,47 @@ fn eight_bit_adamw_trains_and_resumes() -> anyhow::Result<()> {
     assert_eq!(resumed.losses, q8.losses[3..], "resumed 8-bit run");
     Ok(())
 }
+
+/// `--plan` from FLAN-T5-XL's config.json alone (no weights, no tokenizer, no GPU opened): the
+/// model states of seed 002's setup on the GPU and in host memory, with and without offload.
+#[test]
+fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
+    let dir = tmp("xl-plan");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"d_ff": 5120, "d_kv": 64, "d_model": 2048, "num_heads": 32, "num_layers": 24,
+            "num_decoder_layers": 24, "feed_forward_proj": "gated-gelu",
+            "tie_word_embeddings": false, "vocab_size": 32128, "model_type": "t5"}"#,
+    )?;
+    let model = dir.display().to_string();
+    let plan = |extra: &[&str]| -> anyhow::Result<ft_memory::plan::StatePlan> {
+        let mut v = vec!["t5-ft", "--model", &model, "--device", "cuda", "--plan"];
+        v.extend(extra);
+        t5_ft::run::plan(&Args::parse_from(v))
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let near = plan(&[])?;
+    assert_eq!(near.params, 2_849_757_184);
+    assert!(
+        (gib(near.device_bytes()) - 53.08).abs() < 0.01,
+        "{}",
+        near.table()
+    );
+    assert_eq!(near.host_bytes(), 0);
+    let host = plan(&["--offload-optimizer"])?;
+    assert!(
+        (gib(host.device_bytes()) - 10.62).abs() < 0.01,
+        "{}",
+        host.table()
+    );
+    assert!((gib(host.host_bytes()) - 42.46).abs() < 0.01);
+    let q8 = plan(&["--offload-optimizer", "--optim", "adamw8bit"])?;
+    assert!(
+        (gib(q8.host_bytes()) - 26.67).abs() < 0.05,
+        "{}",
+        q8.table()
+    );
+    eprintln!("{}", q8.table());
+    Ok(())
+}

@@ -81,6 +81,16 @@ impl ParamStore {
             .map(|e| e.tensor.clone())
     }
 
+    /// Element counts of the trainable (or frozen) tensors, in order, without touching them
+    /// (a shapes-only model has nothing to copy).
+    pub fn sizes(&self, trainable: bool) -> Vec<usize> {
+        self.lock()
+            .iter()
+            .filter(|e| e.trainable == trainable)
+            .map(|e| e.tensor.elem_count())
+            .collect()
+    }
+
     /// Number of parameters (elements) and their bytes; `trainable` selects which.
     pub fn count(&self, trainable: bool) -> (usize, u64) {
         let g = self.lock();
