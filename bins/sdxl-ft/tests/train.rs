@@ -293,3 +293,36 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// `--offload-optimizer` with bf16 weights, accumulation and the host EMA (which then reads the
+/// host masters): the same losses, evaluation and EMA as with the state beside the model.
+#[test]
+fn offloaded_optimizer_trains_the_unet_the_same() -> anyhow::Result<()> {
+    let run = |tag: &str, extra: &[&str]| -> anyhow::Result<(Vec<f64>, Vec<(String, f64)>)> {
+        let out = tmp(tag);
+        let mut flags = vec![
+            "--precision",
+            "bf16",
+            "--accum",
+            "2",
+            "--max-steps",
+            "4",
+            "--ema",
+            "--ema-every",
+            "1",
+            "--eval-every",
+            "4",
+        ];
+        flags.extend_from_slice(extra);
+        let mut s = setup(&args(&out, &flags)?)?;
+        let summary = s.train()?;
+        std::fs::remove_dir_all(&out)?;
+        Ok((summary.losses, summary.last_eval))
+    };
+    let near = run("near", &[])?;
+    let host = run("host", &["--offload-optimizer"])?;
+    assert!(near.0.len() == 4 && !near.1.is_empty(), "four steps and an evaluation");
+    assert_eq!(host.0, near.0, "losses");
+    assert_eq!(host.1, near.1, "evaluation (EMA weights swapped in)");
+    Ok(())
+}
