@@ -240,92 +240,24 @@ impl Optimizer for AdamW8bit {
             let Some(g) = g else { continue };
             let n = p.elem_count();
             let (shape, dev) = (p.shape().clone(), Device::Cpu);
-            let pv = host_f32(p.as_tensor())?;
-            let gv = host_f32(g)?;
-            if gv.len() != n {
+            // Borrowed, not copied, when already contiguous fp32 on the host (the masters are).
+            let pt = p.as_tensor().to_dtype(DType::F32)?.contiguous()?;
+            let gt = g
+                .to_device(&Device::Cpu)?
+                .to_dtype(DType::F32)?
+                .contiguous()?;
+            if gt.elem_count() != n {
                 return Err(Error::Invalid(format!(
                     "parameter {i}: gradient of {} elements for {n} weights",
-                    gv.len()
+                    gt.elem_count()
                 )));
             }
             let slot = &mut self.slots[i];
-            let quantized = n >= MIN_8BIT_SIZE;
-            let new_w = if quantized {
-                let prev = match (&slot.m, &slot.v) {
-                    (None, None) => None,
-                    (Some(m), Some(v)) => Some((m.clone(), v.clone())),
-                    _ => {
-                        return Err(Error::Invalid(format!(
-                            "parameter {i}: only one AdamW moment was restored"
-                        )))
-                    }
-                };
-                let out = match prev {
-                    None => step_q8(&pv, &gv, None, &s),
-                    Some((m, v)) => {
-                        let (m, v) = (
-                            slot_codes(i, &m, &slot.m_max, true)?,
-                            slot_codes(i, &v, &slot.v_max, false)?,
-                        );
-                        let q = Q8In {
-                            m: &m.0,
-                            m_max: &m.1,
-                            v: &v.0,
-                            v_max: &v.1,
-                        };
-                        if q.m.len() != n
-                            || q.v.len() != n
-                            || q.m_max.len() != n.div_ceil(BLOCK)
-                            || q.v_max.len() != n.div_ceil(BLOCK)
-                        {
-                            return Err(Error::Invalid(format!(
-                                "parameter {i}: restored 8-bit moments do not match {n} weights"
-                            )));
-                        }
-                        step_q8(&pv, &gv, Some(q), &s)
-                    }
-                };
-                let (w, mq, mmax, vq, vmax) = out;
-                let blocks = mmax.len();
-                slot.m = Some(Tensor::from_vec(mq, n, &dev)?);
-                slot.v = Some(Tensor::from_vec(vq, n, &dev)?);
-                slot.m_max = Some(Tensor::from_vec(mmax, blocks, &dev)?);
-                slot.v_max = Some(Tensor::from_vec(vmax, blocks, &dev)?);
-                w
-            } else {
-                let restored = |t: &Option<Tensor>| -> Result<Option<Vec<f32>>> {
-                    let Some(t) = t else { return Ok(None) };
-                    if t.dtype() == DType::U8 || t.elem_count() != n {
-                        return Err(Error::Invalid(format!(
-                            "parameter {i}: restored moment of {:?} x {} for {n} fp32 values \
-                             (a checkpoint of another model or optimizer?)",
-                            t.dtype(),
-                            t.elem_count()
-                        )));
-                    }
-                    Ok(Some(host_f32(t)?))
-                };
-                let (m, v) = (restored(&slot.m)?, restored(&slot.v)?);
-                if m.is_some() != v.is_some() {
-                    return Err(Error::Invalid(format!(
-                        "parameter {i}: only one AdamW moment was restored"
-                    )));
-                }
-                let mut w = vec![0f32; n];
-                let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
-                for k in 0..n {
-                    (w[k], nm[k], nv[k]) = element(
-                        pv[k],
-                        gv[k],
-                        m.as_ref().map(|m| m[k]),
-                        v.as_ref().map(|v| v[k]),
-                        &s,
-                    );
-                }
-                slot.m = Some(Tensor::from_vec(nm, &shape, &dev)?);
-                slot.v = Some(Tensor::from_vec(nv, &shape, &dev)?);
-                w
-            };
+            let new_w = crate::host::with_f32(&pt, |pv| {
+                crate::host::with_f32(&gt, |gv| update(slot, i, pv, gv, &shape, &s))
+            })
+            .flatten()
+            .ok_or_else(|| Error::Invalid(format!("parameter {i}: not host fp32 values")))??;
             p.set(&Tensor::from_vec(new_w, &shape, &dev)?.to_dtype(p.dtype())?)?;
         }
         Ok(())
@@ -383,6 +315,97 @@ impl Optimizer for AdamW8bit {
         }
         Ok(())
     }
+}
+
+/// One parameter's update from its weights `pv` and gradient `gv` (host fp32 values): the new
+/// weights; the moments in `slot` are replaced by the updated ones.
+fn update(
+    slot: &mut Slot,
+    i: usize,
+    pv: &[f32],
+    gv: &[f32],
+    shape: &candle_core::Shape,
+    s: &HostStep,
+) -> Result<Vec<f32>> {
+    let n = pv.len();
+    let dev = Device::Cpu;
+    let quantized = n >= MIN_8BIT_SIZE;
+    Ok(if quantized {
+        let prev = match (&slot.m, &slot.v) {
+            (None, None) => None,
+            (Some(m), Some(v)) => Some((m.clone(), v.clone())),
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "parameter {i}: only one AdamW moment was restored"
+                )))
+            }
+        };
+        let out = match prev {
+            None => step_q8(pv, gv, None, s),
+            Some((m, v)) => {
+                let (m, v) = (
+                    slot_codes(i, &m, &slot.m_max, true)?,
+                    slot_codes(i, &v, &slot.v_max, false)?,
+                );
+                let q = Q8In {
+                    m: &m.0,
+                    m_max: &m.1,
+                    v: &v.0,
+                    v_max: &v.1,
+                };
+                if q.m.len() != n
+                    || q.v.len() != n
+                    || q.m_max.len() != n.div_ceil(BLOCK)
+                    || q.v_max.len() != n.div_ceil(BLOCK)
+                {
+                    return Err(Error::Invalid(format!(
+                        "parameter {i}: restored 8-bit moments do not match {n} weights"
+                    )));
+                }
+                step_q8(pv, gv, Some(q), s)
+            }
+        };
+        let (w, mq, mmax, vq, vmax) = out;
+        let blocks = mmax.len();
+        slot.m = Some(Tensor::from_vec(mq, n, &dev)?);
+        slot.v = Some(Tensor::from_vec(vq, n, &dev)?);
+        slot.m_max = Some(Tensor::from_vec(mmax, blocks, &dev)?);
+        slot.v_max = Some(Tensor::from_vec(vmax, blocks, &dev)?);
+        w
+    } else {
+        let restored = |t: &Option<Tensor>| -> Result<Option<Vec<f32>>> {
+            let Some(t) = t else { return Ok(None) };
+            if t.dtype() == DType::U8 || t.elem_count() != n {
+                return Err(Error::Invalid(format!(
+                    "parameter {i}: restored moment of {:?} x {} for {n} fp32 values \
+                         (a checkpoint of another model or optimizer?)",
+                    t.dtype(),
+                    t.elem_count()
+                )));
+            }
+            Ok(Some(host_f32(t)?))
+        };
+        let (m, v) = (restored(&slot.m)?, restored(&slot.v)?);
+        if m.is_some() != v.is_some() {
+            return Err(Error::Invalid(format!(
+                "parameter {i}: only one AdamW moment was restored"
+            )));
+        }
+        let mut w = vec![0f32; n];
+        let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
+        for k in 0..n {
+            (w[k], nm[k], nv[k]) = element(
+                pv[k],
+                gv[k],
+                m.as_ref().map(|m| m[k]),
+                v.as_ref().map(|v| v[k]),
+                s,
+            );
+        }
+        slot.m = Some(Tensor::from_vec(nm, shape, &dev)?);
+        slot.v = Some(Tensor::from_vec(nv, shape, &dev)?);
+        w
+    })
 }
 
 /// A restored moment as codes and block maxima: 8-bit codes with their maxima, or fp32 values

@@ -298,7 +298,7 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
 /// host masters): the same losses, evaluation and EMA as with the state beside the model.
 #[test]
 fn offloaded_optimizer_trains_the_unet_the_same() -> anyhow::Result<()> {
-    let run = |tag: &str, extra: &[&str]| -> anyhow::Result<(Vec<f64>, Vec<(String, f64)>)> {
+    let run = |tag: &str, extra: &[&str]| -> anyhow::Result<ft_memory::train::RunSummary> {
         let out = tmp(tag);
         let mut flags = vec![
             "--precision",
@@ -317,12 +317,18 @@ fn offloaded_optimizer_trains_the_unet_the_same() -> anyhow::Result<()> {
         let mut s = setup(&args(&out, &flags)?)?;
         let summary = s.train()?;
         std::fs::remove_dir_all(&out)?;
-        Ok((summary.losses, summary.last_eval))
+        Ok(summary)
     };
     let near = run("near", &[])?;
     let host = run("host", &["--offload-optimizer"])?;
-    assert!(near.0.len() == 4 && !near.1.is_empty(), "four steps and an evaluation");
-    assert_eq!(host.0, near.0, "losses");
-    assert_eq!(host.1, near.1, "evaluation (EMA weights swapped in)");
+    assert!(
+        near.losses.len() == 4 && !near.last_eval.is_empty(),
+        "four steps and an evaluation"
+    );
+    assert_eq!(host.losses, near.losses, "losses");
+    assert_eq!(
+        host.last_eval, near.last_eval,
+        "evaluation (EMA weights swapped in)"
+    );
     Ok(())
 }
