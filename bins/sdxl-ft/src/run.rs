@@ -45,6 +45,15 @@ pub fn plan(args: &Args) -> Result<ft_memory::plan::StatePlan> {
     let pipeline = Pipeline::open(&args.model, args.variant.clone())?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     UNet::new(&pb, &pipeline.unet)?;
+    unet_plan(&args, &store, precision)
+}
+
+/// The UNet's model states under these arguments, with the EMA when `--ema`.
+fn unet_plan(
+    args: &Args,
+    store: &ParamStore,
+    precision: ft_memory::precision::Precision,
+) -> Result<ft_memory::plan::StatePlan> {
     let plan = args.common.state_plan(&store.sizes(true), precision)?;
     let (n, _) = store.count(true);
     Ok(if args.ema {
@@ -157,7 +166,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
     ledger.mark("load", 0)?;
 
     args.common
-        .announce_plan(&args.common.state_plan(&store.sizes(true), precision)?);
+        .announce_plan(&unet_plan(&args, &store, precision)?);
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let ema = if args.ema {
         let ema_device = if args.ema_device == "cpu" {
