@@ -219,6 +219,16 @@ impl CommonArgs {
             crate::precision::Precision::parse(p)?;
         }
         self.schedule.parse::<crate::schedule::ScheduleKind>()?;
+        let cuda_n = |s: &str| {
+            s.strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok())
+        };
+        if !(self.device == "cpu" || self.device == "cuda" || cuda_n(&self.device)) {
+            return Err(Error::Invalid(format!(
+                "--device `{}`: expected cpu, cuda or cuda:N",
+                self.device
+            )));
+        }
         match (
             self.optim_kind()?,
             self.device.as_str(),
@@ -359,10 +369,7 @@ impl CommonArgs {
 
     /// Prints the plan to stderr before training, with a warning when host memory looks short.
     pub fn announce_plan(&self, plan: &crate::plan::StatePlan) {
-        eprint!("{}", plan.table());
-        if let Some(w) = plan.host_warning() {
-            eprintln!("{w}");
-        }
+        eprint!("{}", plan.report());
     }
 
     /// `--optim` parsed.

@@ -160,6 +160,15 @@ impl StatePlan {
         s
     }
 
+    /// The table, then the host-memory warning when there is one: what a run prints before it
+    /// starts and `--plan` prints instead of running.
+    pub fn report(&self) -> String {
+        match self.host_warning() {
+            Some(w) => format!("{}{w}\n", self.table()),
+            None => self.table(),
+        }
+    }
+
     /// A warning when the host state of a GPU run exceeds the host memory available now.
     pub fn host_warning(&self) -> Option<String> {
         let need = self.host_bytes();

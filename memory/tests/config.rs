@@ -96,3 +96,27 @@ fn preset_sits_between_defaults_and_the_file() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `--device` is checked when the flags are (a misspelling would otherwise plan, or validate,
+/// as a GPU run and fail only when the device is opened).
+#[test]
+fn device_names_are_checked_with_the_flags() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: ft_memory::config::CommonArgs,
+    }
+    for (device, ok) in [
+        ("cpu", true),
+        ("cuda", true),
+        ("cuda:1", true),
+        ("cdua", false),
+        ("cuda:x", false),
+    ] {
+        let r = Cli::parse_from(["t", "--device", device]).common.validate();
+        assert_eq!(r.is_ok(), ok, "{device}: {r:?}");
+        if let Err(e) = r {
+            assert!(e.to_string().contains(device), "{e}");
+        }
+    }
+}

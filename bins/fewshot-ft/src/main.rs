@@ -23,7 +23,7 @@ fn main() -> anyhow::Result<()> {
         },
     )?;
     if args.common.plan {
-        print!("{}", fewshot_ft::run::plan(&args)?.table());
+        print!("{}", fewshot_ft::run::plan(&args)?.report());
         return Ok(());
     }
     let out = fewshot_ft::run::run(&args)?;

@@ -19,7 +19,7 @@ fn main() -> anyhow::Result<()> {
         },
     )?;
     if args.common.plan {
-        print!("{}", sdxl_ft::run::plan(&args)?.table());
+        print!("{}", sdxl_ft::run::plan(&args)?.report());
         return Ok(());
     }
     let summary = sdxl_ft::run::run(&args)?;

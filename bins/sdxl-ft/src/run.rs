@@ -29,7 +29,10 @@ fn resolved(args: &Args) -> Result<Args> {
     let mut args = args.clone();
     args.validate()?;
     let out = args.common.output_dir.clone();
-    std::fs::create_dir_all(&out).map_err(|e| anyhow!("{}: {e}", out.display()))?;
+    // `--plan` writes nothing, unless `--demo` has to write its model to plan it.
+    if !args.common.plan || args.demo {
+        std::fs::create_dir_all(&out).map_err(|e| anyhow!("{}: {e}", out.display()))?;
+    }
     if args.demo {
         let demo = crate::demo::write(&out.join("demo-data"), 48, args.common.seed)?;
         args.model = demo.model.display().to_string();

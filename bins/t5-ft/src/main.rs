@@ -15,7 +15,7 @@ fn main() -> anyhow::Result<()> {
         |a: &Args| a.demo.then_some(("configs/t5_demo.toml (built in)", DEMO)),
     )?;
     if args.common.plan {
-        print!("{}", t5_ft::run::plan(&args)?.table());
+        print!("{}", t5_ft::run::plan(&args)?.report());
         return Ok(());
     }
     let summary = t5_ft::run::run(&args)?;

@@ -24,7 +24,10 @@ fn resolved(args: &Args) -> anyhow::Result<Args> {
     let mut args = args.clone();
     args.validate()?;
     let out = args.common.output_dir.clone();
-    std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    // `--plan` writes nothing, unless `--demo` has to write its model to plan it.
+    if !args.common.plan || args.demo {
+        std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    }
     if args.demo {
         let dir = out.join("demo-data");
         crate::demo::write(&dir, 2000, 64, args.common.seed)?;
