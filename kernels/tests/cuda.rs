@@ -404,6 +404,7 @@ fn stochastic_rounding_matches_the_cpu() -> Result<()> {
 #[test]
 fn empty_tensors_launch_nothing() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
+    let before = ft_kernels::cuda::launches();
     let x = Var::from_tensor(&Tensor::zeros((0, 8), DType::F32, &dev)?)?;
     let y = softmax::softmax_last_dim(x.as_tensor())?;
     assert_eq!(y.dims(), &[0, 8]);
@@ -414,6 +415,13 @@ fn empty_tensors_launch_nothing() -> Result<()> {
     let q = Tensor::zeros((0, 2, 16, 64), DType::BF16, &dev)?;
     let o = attention::attend(&q, &q, &q, None, 0.125)?;
     assert_eq!(o.dims(), &[0, 2, 16, 64]);
+    // None of those launched a kernel of this crate (a one-block launch over empty buffers would
+    // read out of bounds without necessarily faulting).
+    assert_eq!(
+        ft_kernels::cuda::launches(),
+        before,
+        "kernels launched for empty tensors"
+    );
     // No keys: zeros out, a zero dQ, an empty dK/dV (its kernel's grid is empty).
     let q = Var::from_tensor(&Tensor::ones((1, 2, 16, 64), DType::F32, &dev)?)?;
     let kv = Var::from_tensor(&Tensor::zeros((1, 2, 0, 64), DType::F32, &dev)?)?;

@@ -126,6 +126,17 @@ pub(crate) enum Arg {
     U64(u64),
 }
 
+thread_local! {
+    /// Kernels this thread has launched (see [`launches`]).
+    static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many kernels of this crate the calling thread has launched: lets a test see that an
+/// empty tensor launched nothing, which an out-of-bounds read by one stray block need not show.
+pub fn launches() -> u64 {
+    LAUNCHES.with(|n| n.get())
+}
+
 /// Launches `name` on `dev`'s stream with a (x, y) grid of `block`-thread blocks.
 pub(crate) fn launch(
     dev: &CudaDevice,
@@ -139,6 +150,7 @@ pub(crate) fn launch(
     if grid.0 == 0 || grid.1 == 0 {
         return Ok(());
     }
+    LAUNCHES.with(|n| n.set(n.get() + 1));
     let arch = kernel_arch(dev);
     let module = format!("ft_kernels_{arch}");
     let f = dev.get_or_load_custom_func(name, &module, ptx(&arch)?)?;
