@@ -14,12 +14,18 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
+use crate::host::CHUNK;
 use crate::host_adamw::{element, HostStep};
 use crate::optim::{AdamWConfig, Optimizer};
 
 /// Values per quantization block (one fp32 maximum each).
 pub const BLOCK: usize = 256;
+// A parallel task holds whole blocks.
+const _: () = assert!(CHUNK.is_multiple_of(BLOCK));
+
 /// Tensors with fewer elements keep fp32 moments.
 pub const MIN_8BIT_SIZE: usize = 4096;
 
@@ -158,7 +164,8 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
     let (mut np, mut mq, mut vq) = (vec![0f32; n], vec![0u8; n], vec![0u8; n]);
     let (mut mmax, mut vmax) = (vec![0f32; blocks], vec![0f32; blocks]);
     let (smap, umap) = maps();
-    let per_thread = crate::host::chunk_len(n).div_ceil(BLOCK);
+    // Tasks of whole blocks: CHUNK elements, CHUNK / BLOCK maxima each.
+    let (e, per_task) = (CHUNK, CHUNK / BLOCK);
     let work = |b0: usize,
                 np: &mut [f32],
                 mq: &mut [u8],
@@ -187,23 +194,13 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
             *vmax = quantize(umap, &vb[..len], &mut vq[local..local + len]);
         }
     };
-    if per_thread >= blocks {
-        work(0, &mut np, &mut mq, &mut vq, &mut mmax, &mut vmax);
-    } else {
-        let e = per_thread * BLOCK;
-        std::thread::scope(|scope| {
-            let parts = np
-                .chunks_mut(e)
-                .zip(mq.chunks_mut(e))
-                .zip(vq.chunks_mut(e))
-                .zip(mmax.chunks_mut(per_thread))
-                .zip(vmax.chunks_mut(per_thread));
-            for (t, ((((np, mq), vq), mm), vm)) in parts.enumerate() {
-                let work = &work;
-                scope.spawn(move || work(t * per_thread, np, mq, vq, mm, vm));
-            }
-        });
-    }
+    np.par_chunks_mut(e)
+        .zip(mq.par_chunks_mut(e))
+        .zip(vq.par_chunks_mut(e))
+        .zip(mmax.par_chunks_mut(per_task))
+        .zip(vmax.par_chunks_mut(per_task))
+        .enumerate()
+        .for_each(|(t, ((((np, mq), vq), mm), vm))| work(t * per_task, np, mq, vq, mm, vm));
     (np, mq, mmax, vq, vmax)
 }
 

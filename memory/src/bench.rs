@@ -118,3 +118,17 @@ pub fn model_states_table(n: u64) -> String {
     );
     s
 }
+
+/// The CPU benches' optimizer: AdamW with PyTorch's defaults over the store's trainable f32
+/// parameters, state beside them, no clipping (what their PyTorch references run).
+pub fn f32_adamw(
+    store: &crate::weights::ParamStore,
+) -> crate::Result<crate::mixed::MixedOptimizer> {
+    crate::mixed::MixedOptimizer::adamw(
+        store.trainable()?,
+        crate::precision::Precision::for_dtype(candle_core::DType::F32),
+        crate::mixed::StatePlacement::WithModel,
+        crate::optim::AdamWConfig::default(),
+        None,
+    )
+}

@@ -14,28 +14,17 @@ use candle_core::{
 };
 use half::{bf16, f16};
 
-/// Elements per thread below which spreading the work costs more than it saves.
-const MIN_CHUNK: usize = 1 << 16;
+use rayon::prelude::*;
 
-/// Elements per thread for `n` elements on this machine.
-pub(crate) fn chunk_len(n: usize) -> usize {
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
-    n.div_ceil(threads).max(MIN_CHUNK)
-}
+/// Elements one task takes: below this, spreading the work costs more than it saves. A
+/// multiple of the 8-bit optimizer's 256-value blocks, so its tasks hold whole blocks.
+pub(crate) const CHUNK: usize = 1 << 16;
 
-/// Runs `f(offset, chunk)` over `out` in chunks on scoped threads (inline when one chunk).
-fn par_chunks<A: Send>(out: &mut [A], f: impl Fn(usize, &mut [A]) + Sync) {
-    let chunk = chunk_len(out.len());
-    if chunk >= out.len() {
-        f(0, out);
-        return;
-    }
-    std::thread::scope(|scope| {
-        for (i, c) in out.chunks_mut(chunk).enumerate() {
-            let f = &f;
-            scope.spawn(move || f(i * chunk, c));
-        }
-    });
+/// Runs `f(offset, chunk)` over `out` in chunks of [`CHUNK`] on rayon's threads.
+pub(crate) fn par_chunks<A: Send>(out: &mut [A], f: impl Fn(usize, &mut [A]) + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, c)| f(i * CHUNK, c));
 }
 
 /// Runs `f` on the elements of a contiguous f32 CPU tensor; `None` for anything else.
@@ -165,7 +154,7 @@ pub fn scaled(g: &Tensor, coef: f64) -> Option<candle_core::Result<Tensor>> {
 }
 
 /// Sum of squares of a contiguous f32 CPU tensor; `None` for anything else. Each block of
-/// `MIN_CHUNK` elements is summed in f64 and the block sums are added in order, so the result
+/// [`CHUNK`] elements is summed in f64 and the block sums are added in order, so the result
 /// does not depend on how many cores share the work (the clip factor, and so the weights, are
 /// the same on every machine).
 pub fn sum_squares(g: &Tensor) -> Option<f64> {
@@ -174,25 +163,7 @@ pub fn sum_squares(g: &Tensor) -> Option<f64> {
     }
     with_f32(g, |x| {
         let block = |c: &[f32]| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>();
-        let mut sums = vec![0f64; x.len().div_ceil(MIN_CHUNK)];
-        // Whole blocks per thread, as many as `chunk_len` gives it elements.
-        let per_thread = chunk_len(x.len()).div_ceil(MIN_CHUNK);
-        let work = |i: usize, out: &mut [f64]| {
-            for (j, s) in out.iter_mut().enumerate() {
-                let at = (i * per_thread + j) * MIN_CHUNK;
-                *s = block(&x[at..(at + MIN_CHUNK).min(x.len())]);
-            }
-        };
-        if per_thread >= sums.len() {
-            work(0, &mut sums);
-        } else {
-            std::thread::scope(|scope| {
-                for (i, out) in sums.chunks_mut(per_thread).enumerate() {
-                    let work = &work;
-                    scope.spawn(move || work(i, out));
-                }
-            });
-        }
+        let sums: Vec<f64> = x.par_chunks(CHUNK).map(block).collect();
         sums.iter().sum()
     })
 }

@@ -11,7 +11,7 @@
 
 use candle_core::Tensor;
 
-use crate::host::{chunk_len, with_f32};
+use crate::host::{with_f32, CHUNK};
 
 /// The per-step constants of the update, as the op-by-op path turns them into f32.
 #[derive(Debug, Clone, Copy)]
@@ -59,30 +59,22 @@ fn run(
     v: Option<&[f32]>,
     s: &HostStep,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    use rayon::prelude::*;
     let n = p.len();
     if g.len() != n || m.is_some_and(|m| m.len() != n) || v.is_some_and(|v| v.len() != n) {
         return (Vec::new(), Vec::new(), Vec::new());
     }
     let (mut np, mut nm, mut nv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-    let chunk = chunk_len(n);
-    if chunk >= n {
-        chunk_update(p, g, m, v, &mut np, &mut nm, &mut nv, s);
-        return (np, nm, nv);
-    }
-    std::thread::scope(|scope| {
-        let outs = np
-            .chunks_mut(chunk)
-            .zip(nm.chunks_mut(chunk))
-            .zip(nv.chunks_mut(chunk));
-        for (i, ((op, om), ov)) in outs.enumerate() {
-            let at = i * chunk;
-            let len = op.len();
-            let r = at..at + len;
-            let (pi, gi) = (&p[r.clone()], &g[r.clone()]);
-            let (mi, vi) = (m.map(|m| &m[r.clone()]), v.map(|v| &v[r]));
-            scope.spawn(move || chunk_update(pi, gi, mi, vi, op, om, ov, s));
-        }
-    });
+    let c = CHUNK;
+    np.par_chunks_mut(c)
+        .zip(nm.par_chunks_mut(c))
+        .zip(nv.par_chunks_mut(c))
+        .enumerate()
+        .for_each(|(i, ((op, om), ov))| {
+            let r = i * c..i * c + op.len();
+            let (mi, vi) = (m.map(|m| &m[r.clone()]), v.map(|v| &v[r.clone()]));
+            chunk_update(&p[r.clone()], &g[r], mi, vi, op, om, ov, s);
+        });
     (np, nm, nv)
 }
 

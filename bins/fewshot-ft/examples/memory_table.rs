@@ -13,9 +13,6 @@ use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, Splits};
 use ft_memory::accumulate::{GradAccumulator, LossNorm};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
-use ft_memory::mixed::{MixedOptimizer, StatePlacement};
-use ft_memory::optim::AdamWConfig;
-use ft_memory::precision::Precision;
 use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 
@@ -43,13 +40,7 @@ fn measure(
         5,
         1,
     )?;
-    let mut opt = MixedOptimizer::adamw(
-        store.trainable()?,
-        Precision::parse("f32")?,
-        StatePlacement::WithModel,
-        AdamWConfig::default(),
-        None,
-    )?;
+    let mut opt = ft_memory::bench::f32_adamw(&store)?;
     let params: Vec<Var> = opt.params().to_vec();
     let splits = Splits::synthetic(20, n_query + 1, 0);
     let img = ImageConfig {

@@ -7,9 +7,6 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::bench::{measure_steps, python_reference, StepMeasure};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
-use ft_memory::mixed::{MixedOptimizer, StatePlacement};
-use ft_memory::optim::AdamWConfig;
-use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
 use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::unet::{UNet, UNetConfig};
@@ -73,13 +70,7 @@ fn ours(cfg: &UNetConfig, latent: usize, checkpointing: bool) -> anyhow::Result<
     let dev = Device::Cpu;
     let store = ParamStore::new();
     let unet = UNet::new(&ParamBuilder::new(store.clone(), DType::F32, &dev, 0), cfg)?;
-    let mut opt = MixedOptimizer::adamw(
-        store.trainable()?,
-        Precision::parse("f32")?,
-        StatePlacement::WithModel,
-        AdamWConfig::default(),
-        None,
-    )?;
+    let mut opt = ft_memory::bench::f32_adamw(&store)?;
     let params: Vec<Var> = opt.params().to_vec();
     let mut rng = SplitMix64::new(1);
     let mut randn = |shape: &[usize]| -> anyhow::Result<Tensor> {

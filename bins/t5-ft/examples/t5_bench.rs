@@ -8,9 +8,6 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::ledger::format_bytes;
-use ft_memory::mixed::{MixedOptimizer, StatePlacement};
-use ft_memory::optim::AdamWConfig;
-use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
 use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::dropout::DropoutCtx;
@@ -51,13 +48,7 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
     let store = ParamStore::new();
     let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0);
     let model = T5::new(&pb, &cfg)?;
-    let mut opt = MixedOptimizer::adamw(
-        store.trainable()?,
-        Precision::parse("f32")?,
-        StatePlacement::WithModel,
-        AdamWConfig::default(),
-        None,
-    )?;
+    let mut opt = ft_memory::bench::f32_adamw(&store)?;
     let params: Vec<Var> = opt.params().to_vec();
     let mut rng = SplitMix64::new(1);
     let mut ids = |n: usize| -> Vec<u32> {
