@@ -350,8 +350,11 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
             "tie_word_embeddings": false, "vocab_size": 32128, "model_type": "t5"}"#,
     )?;
     let model = dir.display().to_string();
+    let out = dir.join("out");
+    let out_arg = out.display().to_string();
     let plan = |extra: &[&str]| -> anyhow::Result<ft_memory::plan::StatePlan> {
         let mut v = vec!["t5-ft", "--model", &model, "--device", "cuda", "--plan"];
+        v.extend(["--output-dir", &out_arg]);
         v.extend(extra);
         t5_ft::run::plan(&Args::parse_from(v))
     };
@@ -371,6 +374,7 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
         host.table()
     );
     assert!((gib(host.host_bytes()) - 42.46).abs() < 0.01);
+    assert!(!out.exists(), "--plan wrote {}", out.display());
     let q8 = plan(&["--offload-optimizer", "--optim", "adamw8bit"])?;
     assert!(
         (gib(q8.host_bytes()) - 26.62).abs() < 0.01,
