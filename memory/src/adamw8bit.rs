@@ -6,9 +6,13 @@
 //!
 //! Each step dequantizes a block, applies exactly the fp32 AdamW update of
 //! [`crate::optim::AdamW`] (the same per-element arithmetic), then quantizes the new moments
-//! against the block's new maximum. The update runs on the host, in threaded passes over
-//! blocks: parameters must be on the CPU, which on a GPU model means `--offload-optimizer`
-//! (there is no CUDA kernel for it yet).
+//! against the block's new maximum. Parameters on the host (a CPU run, or a GPU model with
+//! `--offload-optimizer`) are updated in threaded passes over blocks; parameters on a GPU by
+//! one CUDA kernel launch per tensor (`ft_kernels::cuda::adamw8bit_fused`, one CUDA block per
+//! quantization block), with the codes and maxima beside the weights, as bitsandbytes keeps
+//! them. The two paths quantize alike (same map, same nearest-value rule); the kernel's
+//! update rounds as the fp32 CUDA AdamW does, so codes may differ where a moment sits within
+//! f32 rounding of the midpoint between two map values.
 
 use std::sync::OnceLock;
 
@@ -89,8 +93,9 @@ pub fn nearest(map: &[f32; 256], x: f32) -> u8 {
 
 /// Quantizes one block against its absolute maximum.
 /// The maximum is taken over the finite values only: an inf moment (an inf gradient) is stored
-/// as the block's extreme and a NaN as zero, so one bad element does not turn its 255
-/// neighbours into NaN, as an inf maximum would at the next step.
+/// as the map's extreme (its ratio clamped to [-1, 1], which no finite ratio leaves) and a NaN
+/// as zero, so one bad element does not turn its 255 neighbours into NaN, as an inf maximum
+/// would at the next step. The CUDA kernel (`adamw8bit` in ft-kernels) quantizes the same way.
 fn quantize(map: &[f32; 256], values: &[f32], codes: &mut [u8]) -> f32 {
     let max = values
         .iter()
@@ -101,7 +106,7 @@ fn quantize(map: &[f32; 256], values: &[f32], codes: &mut [u8]) -> f32 {
         *c = if v.is_nan() || max == 0.0 {
             zero
         } else {
-            nearest(map, v / max)
+            nearest(map, (v / max).clamp(-1.0, 1.0))
         };
     }
     max
@@ -123,6 +128,9 @@ pub struct AdamW8bit {
     cfg: AdamWConfig,
     t: u64,
     slots: Vec<Slot>,
+    /// Both maps on the GPU (signed, then unsigned: 512 fp32 values) once a CUDA step ran.
+    #[cfg(feature = "cuda")]
+    device_maps: Option<Tensor>,
 }
 
 impl AdamW8bit {
@@ -131,8 +139,115 @@ impl AdamW8bit {
             cfg,
             t: 0,
             slots: vec![Slot::default(); n_params],
+            #[cfg(feature = "cuda")]
+            device_maps: None,
         }
     }
+
+    /// The update on CUDA: per quantized parameter one `ft_kernels::cuda::adamw8bit_fused`
+    /// launch, which reads and writes the codes and block maxima beside the weights (about 2.03
+    /// bytes per weight) and the master and model weight in the same pass; per small parameter
+    /// the fp32-moment kernel. State restored on the host (a checkpoint) or as fp32 moments (a
+    /// checkpoint of the 32-bit AdamW) goes through the host path's checks and maps once, then
+    /// stays on the GPU.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        self.t += 1;
+        let base = crate::optim::cuda_step(&self.cfg, self.t, lr);
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let (n, dev) = (p.elem_count(), p.device());
+            if g.elem_count() != n {
+                return Err(Error::Invalid(format!(
+                    "parameter {i}: gradient of {} elements for {n} weights",
+                    g.elem_count()
+                )));
+            }
+            let w = model.map(|ms| ms[i].as_tensor());
+            let slot = &mut self.slots[i];
+            if n < MIN_8BIT_SIZE {
+                restored_fp32(slot, i, n)?;
+                for t in [&mut slot.m, &mut slot.v] {
+                    if let Some(x) = t.as_ref().filter(|x| !x.device().same_device(dev)) {
+                        *t = Some(x.to_device(dev)?);
+                    }
+                }
+                crate::optim::fused_fp32_moments(p, g, &mut slot.m, &mut slot.v, w, &base)?;
+                continue;
+            }
+            let first = codes_on(slot, i, n, dev)?;
+            let maps = match &self.device_maps {
+                Some(t) if t.device().same_device(dev) => t.clone(),
+                _ => {
+                    let (smap, umap) = maps();
+                    let t = Tensor::from_iter(smap.iter().chain(umap).copied(), dev)?;
+                    self.device_maps = Some(t.clone());
+                    t
+                }
+            };
+            let slot = &self.slots[i];
+            let (Some(m), Some(v), Some(m_max), Some(v_max)) =
+                (&slot.m, &slot.v, &slot.m_max, &slot.v_max)
+            else {
+                return Err(only_one(i));
+            };
+            let q = ft_kernels::cuda::Moments8bit {
+                m,
+                v,
+                m_max,
+                v_max,
+                maps: &maps,
+            };
+            let step = ft_kernels::cuda::AdamWStep { first, ..base };
+            let g = g.detach().contiguous()?;
+            ft_kernels::cuda::adamw8bit_fused(p.as_tensor(), &q, &g, w, &step)?;
+        }
+        Ok(())
+    }
+}
+
+/// Readies a quantized parameter's codes and maxima on `dev` for the CUDA step: zeros before
+/// the first step (returns true, so the kernel ignores them), as they are when already there,
+/// otherwise the restored state checked and mapped on the host (`restored_q8`) and uploaded.
+#[cfg(feature = "cuda")]
+fn codes_on(slot: &mut Slot, i: usize, n: usize, dev: &Device) -> Result<bool> {
+    let blocks = n.div_ceil(BLOCK);
+    let ready = |t: &Option<Tensor>, dt: DType, len: usize| {
+        t.as_ref().is_some_and(|t| {
+            t.dtype() == dt
+                && t.elem_count() == len
+                && t.is_contiguous()
+                && t.device().same_device(dev)
+        })
+    };
+    if ready(&slot.m, DType::U8, n)
+        && ready(&slot.v, DType::U8, n)
+        && ready(&slot.m_max, DType::F32, blocks)
+        && ready(&slot.v_max, DType::F32, blocks)
+    {
+        return Ok(false);
+    }
+    let (m, m_max, v, v_max, first) = match restored_q8(slot, i, n)? {
+        Some((m, m_max, v, v_max)) => (m, m_max, v, v_max, false),
+        None => (
+            vec![0; n],
+            vec![0.0; blocks],
+            vec![0; n],
+            vec![0.0; blocks],
+            true,
+        ),
+    };
+    slot.m = Some(Tensor::from_vec(m, n, dev)?);
+    slot.v = Some(Tensor::from_vec(v, n, dev)?);
+    slot.m_max = Some(Tensor::from_vec(m_max, blocks, dev)?);
+    slot.v_max = Some(Tensor::from_vec(v_max, blocks, dev)?);
+    Ok(first)
 }
 
 fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
@@ -214,10 +329,16 @@ impl Optimizer for AdamW8bit {
                 grads.len()
             )));
         }
+        #[cfg(feature = "cuda")]
+        if crate::optim::fusable(params) {
+            return self.step_cuda(params, grads, lr, None);
+        }
         if let Some(p) = params.iter().find(|p| !p.device().is_cpu()) {
             return Err(Error::Invalid(format!(
-                "8-bit AdamW updates on the host, but a parameter of shape {:?} is on {:?}: with \
-                 a GPU model add --offload-optimizer",
+                "8-bit AdamW: a parameter of shape {:?} is on {:?}, where its update needs this \
+                 crate's CUDA kernels (built with --features cuda, FT_CUDA_KERNELS not off) \
+                 and every parameter contiguous fp32 on the GPU; or add --offload-optimizer to \
+                 update on the host",
                 p.dims(),
                 p.device()
             )));
@@ -258,6 +379,24 @@ impl Optimizer for AdamW8bit {
             p.set(&Tensor::from_vec(new_w, &shape, &dev)?.to_dtype(p.dtype())?)?;
         }
         Ok(())
+    }
+
+    fn step_into(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        model: &[Var],
+    ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if params.len() == grads.len()
+            && params.len() == self.slots.len()
+            && crate::optim::fusable_into(params, model)
+        {
+            return self.step_cuda(params, grads, lr, Some(model));
+        }
+        self.step(params, grads, lr)?;
+        crate::optim::write_back(params, model)
     }
 
     fn state_bytes(&self) -> u64 {
@@ -328,37 +467,15 @@ fn update(
     let dev = Device::Cpu;
     let quantized = n >= MIN_8BIT_SIZE;
     Ok(if quantized {
-        let prev = match (&slot.m, &slot.v) {
-            (None, None) => None,
-            (Some(m), Some(v)) => Some((m.clone(), v.clone())),
-            _ => {
-                return Err(Error::Invalid(format!(
-                    "parameter {i}: only one AdamW moment was restored"
-                )))
-            }
-        };
-        let out = match prev {
+        let out = match restored_q8(slot, i, n)? {
             None => step_q8(pv, gv, None, s),
-            Some((m, v)) => {
-                let (m, v) = (
-                    slot_codes(i, &m, &slot.m_max, true)?,
-                    slot_codes(i, &v, &slot.v_max, false)?,
-                );
+            Some((m, m_max, v, v_max)) => {
                 let q = Q8In {
-                    m: &m.0,
-                    m_max: &m.1,
-                    v: &v.0,
-                    v_max: &v.1,
+                    m: &m,
+                    m_max: &m_max,
+                    v: &v,
+                    v_max: &v_max,
                 };
-                if q.m.len() != n
-                    || q.v.len() != n
-                    || q.m_max.len() != n.div_ceil(BLOCK)
-                    || q.v_max.len() != n.div_ceil(BLOCK)
-                {
-                    return Err(Error::Invalid(format!(
-                        "parameter {i}: restored 8-bit moments do not match {n} weights"
-                    )));
-                }
                 step_q8(pv, gv, Some(q), s)
             }
         };
@@ -370,24 +487,9 @@ fn update(
         slot.v_max = Some(Tensor::from_vec(vmax, blocks, &dev)?);
         w
     } else {
-        let restored = |t: &Option<Tensor>| -> Result<Option<Vec<f32>>> {
-            let Some(t) = t else { return Ok(None) };
-            if t.dtype() == DType::U8 || t.elem_count() != n {
-                return Err(Error::Invalid(format!(
-                    "parameter {i}: restored moment of {:?} x {} for {n} fp32 values \
-                         (a checkpoint of another model or optimizer?)",
-                    t.dtype(),
-                    t.elem_count()
-                )));
-            }
-            Ok(Some(host_f32(t)?))
-        };
+        restored_fp32(slot, i, n)?;
+        let restored = |t: &Option<Tensor>| t.as_ref().map(host_f32).transpose();
         let (m, v) = (restored(&slot.m)?, restored(&slot.v)?);
-        if m.is_some() != v.is_some() {
-            return Err(Error::Invalid(format!(
-                "parameter {i}: only one AdamW moment was restored"
-            )));
-        }
         let mut w = vec![0f32; n];
         let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
         for k in 0..n {
@@ -403,6 +505,51 @@ fn update(
         slot.v = Some(Tensor::from_vec(nv, shape, &dev)?);
         w
     })
+}
+
+/// Host codes and block maxima of both moments (first-moment codes, their maxima, second-moment
+/// codes, their maxima) of a quantized parameter of `n` weights: `None` before its first
+/// step; restored state checked against `n`.
+type Q8Host = (Vec<u8>, Vec<f32>, Vec<u8>, Vec<f32>);
+
+fn restored_q8(slot: &Slot, i: usize, n: usize) -> Result<Option<Q8Host>> {
+    let (m, v) = match (&slot.m, &slot.v) {
+        (None, None) => return Ok(None),
+        (Some(m), Some(v)) => (m, v),
+        _ => return Err(only_one(i)),
+    };
+    let (m, m_max) = slot_codes(i, m, &slot.m_max, true)?;
+    let (v, v_max) = slot_codes(i, v, &slot.v_max, false)?;
+    let blocks = n.div_ceil(BLOCK);
+    if m.len() != n || v.len() != n || m_max.len() != blocks || v_max.len() != blocks {
+        return Err(Error::Invalid(format!(
+            "parameter {i}: restored 8-bit moments do not match {n} weights"
+        )));
+    }
+    Ok(Some((m, m_max, v, v_max)))
+}
+
+fn only_one(i: usize) -> Error {
+    Error::Invalid(format!("parameter {i}: only one AdamW moment was restored"))
+}
+
+/// Checks the fp32 moments of a small (unquantized) parameter of `n` weights: both or neither,
+/// of `n` values, not 8-bit codes.
+fn restored_fp32(slot: &Slot, i: usize, n: usize) -> Result<()> {
+    for t in [&slot.m, &slot.v].into_iter().flatten() {
+        if t.dtype() == DType::U8 || t.elem_count() != n {
+            return Err(Error::Invalid(format!(
+                "parameter {i}: restored moment of {:?} x {} for {n} fp32 values \
+                 (a checkpoint of another model or optimizer?)",
+                t.dtype(),
+                t.elem_count()
+            )));
+        }
+    }
+    if slot.m.is_some() != slot.v.is_some() {
+        return Err(only_one(i));
+    }
+    Ok(())
 }
 
 /// A restored moment as codes and block maxima: 8-bit codes with their maxima, or fp32 values

@@ -234,10 +234,12 @@ impl CommonArgs {
             self.device.as_str(),
             self.offload_optimizer,
         ) {
-            (OptimKind::AdamW8bit, d, false) if d != "cpu" => {
+            // A plan is only arithmetic: it may be made for a GPU run on any machine.
+            (OptimKind::AdamW8bit, d, false) if d != "cpu" && !self.plan && !cuda_kernels_on() => {
                 return bad(
-                    "--optim adamw8bit updates its 8-bit moments on the host: with --device \
-                     cuda add --offload-optimizer",
+                    "--optim adamw8bit on a GPU needs this build's CUDA kernels (built with \
+                     --features cuda, FT_CUDA_KERNELS not off), or --offload-optimizer to \
+                     update the 8-bit moments on the host",
                 )
             }
             _ => {}
@@ -416,5 +418,17 @@ impl CommonArgs {
             warmup_steps: self.warmup_steps,
             total_steps,
         })
+    }
+}
+
+/// Whether this build launches its own CUDA kernels (the 8-bit AdamW step on a GPU needs them).
+fn cuda_kernels_on() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        ft_kernels::cuda::enabled()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
     }
 }

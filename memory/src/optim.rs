@@ -38,7 +38,7 @@ pub trait Optimizer: Send {
 
 /// Writes each updated master into the model weight it shadows: rounded to the weight's dtype
 /// on the master's device first, so an offloaded step moves 2 bytes per bf16 weight, not 4.
-fn write_back(params: &[Var], model: &[Var]) -> Result<()> {
+pub(crate) fn write_back(params: &[Var], model: &[Var]) -> Result<()> {
     for (m, p) in model.iter().zip(params) {
         let w = match crate::host::narrowed(p, m.dtype()) {
             Some(w) => w?,
@@ -174,15 +174,6 @@ impl AdamW {
         Ok(())
     }
 
-    /// Whether the fused CUDA kernel can take these parameters: contiguous fp32 on CUDA.
-    #[cfg(feature = "cuda")]
-    fn fusable(params: &[Var]) -> bool {
-        ft_kernels::cuda::enabled()
-            && params.iter().all(|p| {
-                p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
-            })
-    }
-
     /// The whole update in one kernel per parameter (`ft_kernels::cuda::adamw_fused`): reads
     /// the master, both moments and the gradient once, writes them and the model weight once,
     /// where the op-by-op update makes about fifteen passes over fp32 tensors.
@@ -195,44 +186,84 @@ impl AdamW {
         model: Option<&[Var]>,
     ) -> Result<()> {
         self.t += 1;
-        let c = self.cfg;
-        let base = ft_kernels::cuda::AdamWStep {
-            lr,
-            beta1: c.beta1,
-            beta2: c.beta2,
-            eps: c.eps,
-            weight_decay: c.weight_decay,
-            step_size: lr / (1.0 - c.beta1.powi(self.t as i32)),
-            bc2_sqrt: (1.0 - c.beta2.powi(self.t as i32)).sqrt(),
-            grad_mul: 1.0,
-            first: false,
-            seed: 0,
-        };
+        let base = cuda_step(&self.cfg, self.t, lr);
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
-            let g = g.detach().contiguous()?;
             self.place_moments(i, p.device())?;
-            let first = self.m[i].is_none() && self.v[i].is_none();
-            let ok = |t: &Tensor| t.is_contiguous() && t.dtype() == DType::F32;
-            // First step, or state restored in another layout: fresh contiguous fp32 moments.
-            let like = |t: &Option<Tensor>| -> Result<Tensor> {
-                Ok(match t {
-                    Some(t) => t.to_dtype(DType::F32)?.contiguous()?.copy()?,
-                    None => p.as_tensor().zeros_like()?,
-                })
-            };
-            let (m, v) = match (&self.m[i], &self.v[i]) {
-                (Some(m), Some(v)) if ok(m) && ok(v) => (m.clone(), v.clone()),
-                (m, v) => (like(m)?, like(v)?),
-            };
-            let step = ft_kernels::cuda::AdamWStep { first, ..base };
             let w = model.map(|ms| ms[i].as_tensor());
-            ft_kernels::cuda::adamw_fused(p.as_tensor(), &m, &v, &g, w, &step)?;
-            self.m[i] = Some(m);
-            self.v[i] = Some(v);
+            fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &base)?;
         }
         Ok(())
     }
+}
+
+/// Whether the fused CUDA kernels can take these parameters: contiguous fp32 on CUDA, with the
+/// own kernels on (`FT_CUDA_KERNELS`).
+#[cfg(feature = "cuda")]
+pub(crate) fn fusable(params: &[Var]) -> bool {
+    ft_kernels::cuda::enabled()
+        && params.iter().all(|p| {
+            p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
+        })
+}
+
+/// Whether the fused CUDA kernels can update `params` and write `model` (one contiguous model
+/// weight per parameter) in the same pass.
+#[cfg(feature = "cuda")]
+pub(crate) fn fusable_into(params: &[Var], model: &[Var]) -> bool {
+    fusable(params)
+        && model.len() == params.len()
+        && model.iter().all(|m| m.as_tensor().is_contiguous())
+}
+
+/// The scalars of AdamW's step `t` at learning rate `lr` for the CUDA kernels (not yet the
+/// first step of any moments; no gradient factor; round-to-nearest weights).
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_step(c: &AdamWConfig, t: u64, lr: f64) -> ft_kernels::cuda::AdamWStep {
+    ft_kernels::cuda::AdamWStep {
+        lr,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+        step_size: lr / (1.0 - c.beta1.powi(t as i32)),
+        bc2_sqrt: (1.0 - c.beta2.powi(t as i32)).sqrt(),
+        grad_mul: 1.0,
+        first: false,
+        seed: 0,
+    }
+}
+
+/// One parameter's fused CUDA step with fp32 moments `m`, `v`, which are updated in place (or
+/// created, before the first step, or copied into a contiguous fp32 layout when restored in
+/// another), and the model weight `w` written when given.
+#[cfg(feature = "cuda")]
+pub(crate) fn fused_fp32_moments(
+    p: &Var,
+    g: &Tensor,
+    m: &mut Option<Tensor>,
+    v: &mut Option<Tensor>,
+    w: Option<&Tensor>,
+    base: &ft_kernels::cuda::AdamWStep,
+) -> Result<()> {
+    let g = g.detach().contiguous()?;
+    let first = m.is_none() && v.is_none();
+    let ok = |t: &Tensor| t.is_contiguous() && t.dtype() == DType::F32;
+    let like = |t: &Option<Tensor>| -> Result<Tensor> {
+        Ok(match t {
+            Some(t) => t.to_dtype(DType::F32)?.contiguous()?.copy()?,
+            None => p.as_tensor().zeros_like()?,
+        })
+    };
+    let (nm, nv) = match (&*m, &*v) {
+        (Some(m), Some(v)) if ok(m) && ok(v) => (m.clone(), v.clone()),
+        (m, v) => (like(m)?, like(v)?),
+    };
+    let step = ft_kernels::cuda::AdamWStep { first, ..*base };
+    ft_kernels::cuda::adamw_fused(p.as_tensor(), &nm, &nv, &g, w, &step)?;
+    *m = Some(nm);
+    *v = Some(nv);
+    Ok(())
 }
 
 impl Optimizer for AdamW {
@@ -245,10 +276,7 @@ impl Optimizer for AdamW {
     ) -> Result<()> {
         check_len(params, grads, self.m.len())?;
         #[cfg(feature = "cuda")]
-        if Self::fusable(params)
-            && model.len() == params.len()
-            && model.iter().all(|m| m.as_tensor().is_contiguous())
-        {
+        if fusable_into(params, model) {
             return self.step_fused(params, grads, lr, Some(model));
         }
         self.step(params, grads, lr)?;
@@ -258,7 +286,7 @@ impl Optimizer for AdamW {
     fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
         check_len(params, grads, self.m.len())?;
         #[cfg(feature = "cuda")]
-        if Self::fusable(params) {
+        if fusable(params) {
             return self.step_fused(params, grads, lr, None);
         }
         self.t += 1;

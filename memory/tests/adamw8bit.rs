@@ -258,6 +258,14 @@ fn an_inf_gradient_stays_in_its_element() -> anyhow::Result<()> {
         }
         let g = Tensor::from_vec(g, 5000, &Device::Cpu)?;
         opt.step(std::slice::from_ref(&w), &[Some(g)], 1e-3)?;
+        if step == 1 {
+            // Both inf moments are stored as their map's top value, not its neighbour.
+            let (_, state) = opt.state();
+            for name in ["exp_avg.0", "exp_avg_sq.0"] {
+                let codes = state.iter().find(|(n, _)| n == name).expect(name);
+                assert_eq!(codes.1.get(7)?.to_scalar::<u8>()?, 255, "{name}");
+            }
+        }
     }
     let v = w.as_tensor().to_vec1::<f32>()?;
     let bad: Vec<usize> = (0..v.len()).filter(|i| !v[*i].is_finite()).collect();

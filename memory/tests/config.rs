@@ -120,3 +120,29 @@ fn device_names_are_checked_with_the_flags() {
         }
     }
 }
+
+/// `--optim adamw8bit` on a GPU: the moments stay on the GPU where the CUDA kernels are built
+/// (and on); a build without them needs `--offload-optimizer`, and says so.
+#[test]
+fn eight_bit_adamw_on_a_gpu_needs_the_kernels_or_offload() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: ft_memory::config::CommonArgs,
+    }
+    let check = |extra: &[&str]| {
+        let mut args = vec!["t", "--device", "cuda", "--optim", "adamw8bit"];
+        args.extend(extra);
+        Cli::parse_from(args).common.validate()
+    };
+    assert!(check(&["--offload-optimizer"]).is_ok());
+    let on_gpu = check(&[]);
+    let kernels_off = std::env::var("FT_CUDA_KERNELS")
+        .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "0" | "off" | "false"));
+    if cfg!(feature = "cuda") && !kernels_off {
+        assert!(on_gpu.is_ok(), "{on_gpu:?}");
+    } else {
+        let e = on_gpu.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("--offload-optimizer"), "{e}");
+    }
+}

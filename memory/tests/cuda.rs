@@ -1,11 +1,12 @@
-//! The CUDA optimizer path (fused AdamW writing the bf16 weights, fused f16 unscale) against the
-//! CPU path on the same parameters and gradients. Built only with `--features cuda`; each test
+//! The CUDA optimizer path (fused AdamW writing the bf16 weights, the 8-bit AdamW kernel, fused
+//! f16 unscale) against the CPU path on the same parameters and gradients. Built only with `--features cuda`; each test
 //! returns early, saying so, when no GPU can be opened (a failure instead with
 //! `FT_REQUIRE_GPU=1`, as `scripts/gpu-bench.sh` runs them, so a broken driver is no pass).
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_kernels::gradcheck::random_tensor;
+use ft_memory::adamw8bit::AdamW8bit;
 use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
 use ft_memory::precision::Precision;
@@ -302,53 +303,176 @@ fn loaded_state_is_not_shared_and_partial_state_steps_as_on_the_cpu() -> anyhow:
     Ok(())
 }
 
+/// The optimizer a test builds: 32-bit AdamW, or the 8-bit one.
+fn optimizer(eight_bit: bool) -> impl FnOnce(usize) -> Box<dyn Optimizer> {
+    move |n| -> Box<dyn Optimizer> {
+        if eight_bit {
+            Box::new(AdamW8bit::new(n, AdamWConfig::default()))
+        } else {
+            Box::new(AdamW::new(n, AdamWConfig::default()))
+        }
+    }
+}
+
 /// A checkpoint taken with the state beside a CUDA model (moments on the GPU) restores into an
 /// optimizer whose state is on the host, and the reverse: the moments follow the masters to
-/// their device at the next step, which matches the uninterrupted run.
+/// their device at the next step, which matches the uninterrupted run. The same for 8-bit
+/// moments (codes and block maxima) of a quantized parameter.
 #[test]
 fn state_moves_between_gpu_and_host_placements() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    let make = |placement: StatePlacement| -> anyhow::Result<MixedOptimizer> {
-        let w = random_tensor(&[7, 33], 1, &Device::Cpu)?.to_dtype(DType::BF16)?;
-        Ok(MixedOptimizer::adamw(
-            vec![("w".into(), Var::from_tensor(&w.to_device(&dev)?)?)],
-            Precision::parse("bf16")?,
-            placement,
-            AdamWConfig::default(),
-            Some(1.0),
-        )?)
-    };
-    let grad = |seed: u64| -> anyhow::Result<Vec<Option<Tensor>>> {
-        let g = random_tensor(&[7, 33], seed, &Device::Cpu)?.to_dtype(DType::BF16)?;
-        Ok(vec![Some(g.to_device(&dev)?)])
-    };
-    for (from, to) in [
-        (StatePlacement::WithModel, StatePlacement::Host),
-        (StatePlacement::Host, StatePlacement::WithModel),
-    ] {
-        let mut a = make(from)?;
-        a.step(grad(2)?, 1e-2)?;
-        let (t, scale, tensors) = a.state();
-        let mut b = make(to)?;
-        b.params()[0].set(a.params()[0].as_tensor())?;
-        for (name, tensor) in &tensors {
-            b.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
-        }
-        a.step(grad(3)?, 1e-2)?;
-        b.step(grad(3)?, 1e-2)?;
-        close(
-            &format!("{from:?} -> {to:?} masters"),
-            &vec![host(a.masters()[0].as_tensor())?],
-            &vec![host(b.masters()[0].as_tensor())?],
-            1e-5,
-        );
-        let (_, moments) = b.optimizer().state();
-        for (name, m) in moments {
-            assert!(
-                m.device().same_device(&b.state_device()),
-                "{name} not on the state's device"
+    let shape = [80, 64];
+    for eight_bit in [false, true] {
+        let make = |placement: StatePlacement| -> anyhow::Result<MixedOptimizer> {
+            let w = random_tensor(&shape, 1, &Device::Cpu)?.to_dtype(DType::BF16)?;
+            Ok(MixedOptimizer::new(
+                vec![("w".into(), Var::from_tensor(&w.to_device(&dev)?)?)],
+                Precision::parse("bf16")?,
+                placement,
+                optimizer(eight_bit),
+                Some(1.0),
+            )?)
+        };
+        let grad = |seed: u64| -> anyhow::Result<Vec<Option<Tensor>>> {
+            let g = random_tensor(&shape, seed, &Device::Cpu)?.to_dtype(DType::BF16)?;
+            Ok(vec![Some(g.to_device(&dev)?)])
+        };
+        for (from, to) in [
+            (StatePlacement::WithModel, StatePlacement::Host),
+            (StatePlacement::Host, StatePlacement::WithModel),
+        ] {
+            let mut a = make(from)?;
+            a.step(grad(2)?, 1e-2)?;
+            let (t, scale, tensors) = a.state();
+            if eight_bit {
+                assert!(tensors.iter().any(|(_, t)| t.dtype() == DType::U8));
+            }
+            let mut b = make(to)?;
+            b.params()[0].set(a.params()[0].as_tensor())?;
+            for (name, tensor) in &tensors {
+                b.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
+            }
+            a.step(grad(3)?, 1e-2)?;
+            b.step(grad(3)?, 1e-2)?;
+            close(
+                &format!("8-bit {eight_bit}: {from:?} -> {to:?} masters"),
+                &vec![host(a.masters()[0].as_tensor())?],
+                &vec![host(b.masters()[0].as_tensor())?],
+                if eight_bit { 1e-4 } else { 1e-5 },
             );
+            let (_, moments) = b.optimizer().state();
+            for (name, m) in moments {
+                assert!(
+                    m.device().same_device(&b.state_device()),
+                    "{name} not on the state's device"
+                );
+            }
         }
+    }
+    Ok(())
+}
+
+/// Codes of two runs of the 8-bit AdamW: at most a few differ, each by one map step (a value
+/// within f32 rounding of the midpoint between two map entries may go either way).
+fn codes_close(what: &str, a: &[u8], b: &[u8]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+    let far = a.iter().zip(b).filter(|(x, y)| x.abs_diff(**y) > 1).count();
+    assert!(
+        differ <= a.len() / 1000 + 2 && far == 0,
+        "{what}: {differ} codes differ, {far} by more than one step"
+    );
+}
+
+/// The 8-bit AdamW kernel against the host update, through MixedOptimizer (bf16 model, fp32
+/// masters, clipping) over four steps: a quantized parameter (5,120 weights, 20 blocks, the
+/// last gradient strided) and a small one with fp32 moments. Masters within 1e-4, codes equal
+/// but for rounding ties, block maxima within f32 rounding, model weights their rounded
+/// masters; the GPU run keeps every state tensor on the GPU and adds no host state.
+#[test]
+fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    if !ft_kernels::cuda::enabled() {
+        eprintln!("skipped: FT_CUDA_KERNELS is off, and the 8-bit step on a GPU needs them");
+        return Ok(());
+    }
+    let shapes: [&[usize]; 2] = [&[80, 64], &[300]];
+    let run = |d: &Device| -> anyhow::Result<(MixedOptimizer, Vec<f64>)> {
+        let params = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
+                Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut opt = MixedOptimizer::new(
+            params,
+            Precision::parse("bf16")?,
+            StatePlacement::WithModel,
+            optimizer(true),
+            Some(1.0),
+        )?;
+        let mut norms = Vec::new();
+        for step in 0..4u64 {
+            let grads = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let g = random_tensor(s, 100 + 10 * step + i as u64, &Device::Cpu)?
+                        .to_dtype(DType::BF16)?
+                        .to_device(d)?;
+                    Ok(Some(if i == 0 { g.t()?.contiguous()?.t()? } else { g }))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            norms.push(opt.step(grads, 1e-2)?.grad_norm.unwrap_or(0.0));
+        }
+        Ok((opt, norms))
+    };
+    let (cpu, cpu_norms) = run(&Device::Cpu)?;
+    let launched = ft_kernels::cuda::launches();
+    let (gpu_opt, gpu_norms) = run(&dev)?;
+    assert!(ft_kernels::cuda::launches() > launched, "no kernel ran");
+    for (a, b) in gpu_norms.iter().zip(&cpu_norms) {
+        assert!((a - b).abs() <= 1e-5 * b, "gradient norm {a} vs {b}");
+    }
+    let all =
+        |vs: &[Var]| -> anyhow::Result<Values> { vs.iter().map(|v| host(v.as_tensor())).collect() };
+    close(
+        "master",
+        &all(gpu_opt.masters())?,
+        &all(cpu.masters())?,
+        1e-4,
+    );
+    let (gs, cs) = (gpu_opt.optimizer().state(), cpu.optimizer().state());
+    assert_eq!(gs.0, 4);
+    let names = |s: &[(String, Tensor)]| s.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        names(&gs.1),
+        names(&cs.1),
+        "the same state tensors, for the same checkpoints"
+    );
+    for ((name, g), (_, c)) in gs.1.iter().zip(&cs.1) {
+        assert!(g.device().same_device(&dev), "{name} left the GPU");
+        assert_eq!((g.dtype(), g.dims()), (c.dtype(), c.dims()), "{name}");
+        if g.dtype() == DType::U8 {
+            let v = |t: &Tensor| -> anyhow::Result<Vec<u8>> {
+                Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+            };
+            codes_close(name, &v(g)?, &v(c)?);
+        } else {
+            close(name, &vec![host(g)?], &vec![host(c)?], 1e-4);
+        }
+    }
+    let n8: usize = 80 * 64;
+    assert_eq!(
+        gpu_opt.optimizer().state_bytes(),
+        (2 * n8 + 2 * 4 * n8.div_ceil(256) + 2 * 4 * 300) as u64,
+        "codes, block maxima and the small parameter's fp32 moments"
+    );
+    for (i, (m, w)) in gpu_opt.masters().iter().zip(gpu_opt.params()).enumerate() {
+        let rounded = m.as_tensor().to_dtype(DType::BF16)?;
+        assert_eq!(host(&rounded)?, host(w.as_tensor())?, "model weight {i}");
     }
     Ok(())
 }

@@ -10,7 +10,8 @@
 //! ```
 //!
 //! Model runs: bf16 weights, fp32 master weights, AdamW, one micro-batch per step; with
-//! `FT_OFFLOAD=1` masters and moments live on the host (`StatePlacement::Host`). Memory comes
+//! `FT_OFFLOAD=1` masters and moments live on the host (`StatePlacement::Host`); with
+//! `FT_OPTIM=adamw8bit` the moments are 8-bit blocks (`ft_memory::adamw8bit`). Memory comes
 //! from the device's memory pool (exact bytes of live tensors and their peak, see
 //! `ft_memory::measure`): `base` is what stays allocated between steps (weights, masters, AdamW
 //! moments), `peak` the highest allocation during the measured steps.
@@ -19,10 +20,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::adamw8bit::AdamW8bit;
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::measure;
 use ft_memory::mixed::{MixedOptimizer, StatePlacement};
-use ft_memory::optim::AdamWConfig;
+use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
 use ft_memory::precision::Precision;
 use ft_memory::rng::SplitMix64;
 use ft_memory::weights::{ParamBuilder, ParamStore};
@@ -36,17 +38,25 @@ fn offload() -> bool {
     std::env::var("FT_OFFLOAD").is_ok_and(|v| v == "1")
 }
 
-/// The run's label: `candle`, `candle-offload` with `FT_OFFLOAD=1`, or `candle-ops` with
-/// `FT_CUDA_KERNELS=0` (candle's own ops in place of this project's kernels).
+/// Whether `FT_OPTIM=adamw8bit` asks for 8-bit AdamW moments.
+fn eight_bit() -> bool {
+    std::env::var("FT_OPTIM").is_ok_and(|v| v == "adamw8bit")
+}
+
+/// The run's label: `candle`, `candle-offload` with `FT_OFFLOAD=1`, `-8bit` appended with
+/// `FT_OPTIM=adamw8bit`, or `candle-ops` with `FT_CUDA_KERNELS=0` (candle's own ops in place
+/// of this project's kernels).
 fn label() -> &'static str {
     #[cfg(feature = "cuda")]
     if !ft_kernels::cuda::enabled() {
         return "candle-ops";
     }
-    if offload() {
-        return "candle-offload";
+    match (offload(), eight_bit()) {
+        (false, false) => "candle",
+        (true, false) => "candle-offload",
+        (false, true) => "candle-8bit",
+        (true, true) => "candle-offload-8bit",
     }
-    "candle"
 }
 
 const WARMUP: usize = 1;
@@ -112,11 +122,18 @@ fn randn(rng: &mut SplitMix64, shape: &[usize], dt: DType, dev: &Device) -> anyh
 }
 
 fn optimizer(store: &ParamStore) -> anyhow::Result<MixedOptimizer> {
-    Ok(MixedOptimizer::adamw(
+    let cfg = AdamWConfig::default();
+    Ok(MixedOptimizer::new(
         store.trainable()?,
         Precision::parse("bf16")?,
         StatePlacement::offload(offload()),
-        AdamWConfig::default(),
+        |n| -> Box<dyn Optimizer> {
+            if eight_bit() {
+                Box::new(AdamW8bit::new(n, cfg))
+            } else {
+                Box::new(AdamW::new(n, cfg))
+            }
+        },
         None,
     )?)
 }

@@ -382,5 +382,15 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
         q8.table()
     );
     eprintln!("{}", q8.table());
+    // 8-bit moments beside the model (the CUDA kernel's layout): the same bytes, all on the GPU.
+    let q8_gpu = plan(&["--optim", "adamw8bit"])?;
+    assert_eq!(q8_gpu.host_bytes(), 0);
+    assert_eq!(
+        q8_gpu.device_bytes(),
+        q8.device_bytes() + q8.host_bytes(),
+        "{}",
+        q8_gpu.table()
+    );
+    assert!((gib(q8_gpu.device_bytes()) - 37.24).abs() < 0.01);
     Ok(())
 }

@@ -278,25 +278,94 @@ __device__ __forceinline__ void st_model(bf16* p, long long i, float v, unsigned
   p[i].x = seed ? bf16_bits_stochastic(v, rand_bits(seed, i)) : bf16_bits(v);
 }
 
-// AdamW (torch.optim.AdamW's update) on fp32 masters, moments updated in place, and the model's
-// low-precision weight written in the same pass (round to nearest, or stochastic when seed != 0).
-// `grad_mul` unscales the gradient (1 / loss scale, or a clipping factor). `c1`, `c2` are
-// 1 - b1 and 1 - b2 computed in double on the host (1 - 0.999f in float is off by 1.3e-5).
+// One AdamW step's scalars. `c1`, `c2` are 1 - b1 and 1 - b2 computed in double on the host
+// (1 - 0.999f in float is off by 1.3e-5); `grad_mul` unscales the gradient (1 / loss scale, or
+// a clipping factor).
+struct AdamWArgs {
+  float lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt, grad_mul;
+};
+
+// torch.optim.AdamW's update of one element: returns the new weight; `m`, `v` are updated
+// (their incoming values are ignored on the first step). Shared by the fp32 and 8-bit kernels.
+__device__ __forceinline__ float adamw_element(float w, float g, float& m, float& v, int first,
+                                               const AdamWArgs& a) {
+  m = first ? a.c1 * g : a.b1 * m + a.c1 * g;
+  v = first ? a.c2 * g * g : a.b2 * v + a.c2 * g * g;
+  return w * (1.f - a.lr * a.wd) - a.step_size * m / (sqrtf(v) / a.bc2_sqrt + a.eps);
+}
+
+// AdamW on fp32 masters, moments updated in place, and the model's low-precision weight written
+// in the same pass (round to nearest, or stochastic when seed != 0).
 template <typename G, typename P>
 __device__ void adamw(float* master, float* m, float* v, const G* grad, P* model, long long n,
-                      float lr, float b1, float b2, float c1, float c2, float eps, float wd,
-                      float step_size, float bc2_sqrt, float grad_mul, int first,
-                      unsigned long long seed) {
+                      const AdamWArgs& a, int first, unsigned long long seed) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
-    const float g = ld(grad, i) * grad_mul;
-    const float mi = first ? c1 * g : b1 * m[i] + c1 * g;
-    const float vi = first ? c2 * g * g : b2 * v[i] + c2 * g * g;
-    const float p = master[i] * (1.f - lr * wd) - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    float mi = m[i], vi = v[i];
+    const float p = adamw_element(master[i], ld(grad, i) * a.grad_mul, mi, vi, first, a);
     m[i] = mi;
     v[i] = vi;
     master[i] = p;
     if (model) st_model(model, i, p, seed);
+  }
+}
+
+// The index of the value of the ascending 256-entry `map` nearest `x`, the lower one on a tie:
+// memory/src/adamw8bit.rs `nearest` (a lower-bound search, then the closer neighbour).
+__device__ __forceinline__ unsigned char nearest_code(const float* map, float x) {
+  int lo = 0, hi = 256;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (map[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  const int h = lo < 255 ? lo : 255, l = h > 0 ? h - 1 : 0;
+  return (unsigned char)(fabsf(x - map[l]) <= fabsf(map[h] - x) ? l : h);
+}
+
+// One value quantized against its block's maximum; NaN, or an all-zero block, is stored as 0,
+// an inf (its ratio clamped to [-1, 1]) as the map's extreme.
+__device__ __forceinline__ unsigned char quantize_code(const float* map, float x, float max) {
+  return nearest_code(map, (is_nan(x) || max == 0.f) ? 0.f : fminf(fmaxf(x / max, -1.f), 1.f));
+}
+
+// AdamW with blockwise 8-bit moments, as memory/src/adamw8bit.rs computes it on the host: one
+// CUDA block of 256 threads per quantization block of 256 values. Each thread dequantizes its
+// moments (map value times the block's fp32 maximum), takes adamw_element's update, and the new
+// moments are quantized against the block's new absolute maximum over the finite values (an inf
+// is stored as an extreme, a NaN as 0, so one bad gradient does not poison its block). `maps`:
+// the signed map of the first moment, then the unsigned map of the second (512 floats). The old
+// maxima are overwritten only after block_max's barriers, so every thread has read them.
+template <typename G, typename P>
+__device__ void adamw8bit(float* master, unsigned char* mq, unsigned char* vq, float* m_max,
+                          float* v_max, const G* grad, P* model, const float* maps, long long n,
+                          const AdamWArgs& a, int first, unsigned long long seed) {
+  __shared__ float smap[256], umap[256];
+  const int t = threadIdx.x;
+  const long long b = blockIdx.x, i = b * 256 + t;
+  smap[t] = maps[t];
+  umap[t] = maps[256 + t];
+  __syncthreads();
+  const bool in = i < n;
+  float m = 0.f, v = 0.f;
+  if (in) {
+    if (!first) {
+      m = smap[mq[i]] * m_max[b];
+      v = umap[vq[i]] * v_max[b];
+    }
+    const float p = adamw_element(master[i], ld(grad, i) * a.grad_mul, m, v, first, a);
+    master[i] = p;
+    if (model) st_model(model, i, p, seed);
+  }
+  const float mm = block_max(in && is_finite(m) ? fabsf(m) : 0.f);
+  const float vm = block_max(in && is_finite(v) ? fabsf(v) : 0.f);
+  if (t == 0) {
+    m_max[b] = mm;
+    v_max[b] = vm;
+  }
+  if (in) {
+    mq[i] = quantize_code(smap, m, mm);
+    vq[i] = quantize_code(umap, v, vm);
   }
 }
 
@@ -633,8 +702,16 @@ ROWS(f16, f16)
                                                float wd, float step_size, float bc2_sqrt,       \
                                                float grad_mul, int first,                       \
                                                unsigned long long seed) {                       \
-    adamw(master, m, v, g, model, n, lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt,          \
-          grad_mul, first, seed);                                                               \
+    const AdamWArgs a = {lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt, grad_mul};           \
+    adamw(master, m, v, g, model, n, a, first, seed);                                           \
+  }                                                                                             \
+  extern "C" __global__ void adamw8bit_##SG##_##SP(                                             \
+      float* master, unsigned char* mq, unsigned char* vq, float* m_max, float* v_max,          \
+      const G* g, P* model, const float* maps, long long n, float lr, float b1, float b2,       \
+      float c1, float c2, float eps, float wd, float step_size, float bc2_sqrt, float grad_mul, \
+      int first, unsigned long long seed) {                                                     \
+    const AdamWArgs a = {lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt, grad_mul};           \
+    adamw8bit(master, mq, vq, m_max, v_max, g, model, maps, n, a, first, seed);                 \
   }
 ADAMW(float, f32, float, f32)
 ADAMW(bf16, bf16, float, f32)

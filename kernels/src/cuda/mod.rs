@@ -10,7 +10,10 @@ mod optim;
 mod rows;
 
 pub use attention::{fused_attention, fused_attention_supported};
-pub use optim::{adamw_fused, round_stochastic_bf16, sum_squares, unscale_check, AdamWStep};
+pub use optim::{
+    adamw8bit_fused, adamw_fused, round_stochastic_bf16, sum_squares, unscale_check, AdamWStep,
+    Moments8bit,
+};
 pub(crate) use rows::{norm_backward, norm_forward, softmax_backward, softmax_forward};
 pub(crate) use rows::{
     pool_backward, pool_forward, upsample2x_backward, upsample2x_forward, PoolSpec,
@@ -203,6 +206,7 @@ pub(crate) fn dptr(s: &CudaStorage, l: &Layout) -> Result<u64> {
         CudaStorageSlice::F16(x) => (x.device_ptr(&stream).0, 2),
         CudaStorageSlice::I32(x) => (x.device_ptr(&stream).0, 4),
         CudaStorageSlice::F64(x) => (x.device_ptr(&stream).0, 8),
+        CudaStorageSlice::U8(x) => (x.device_ptr(&stream).0, 1),
         _ => bail!("no CUDA kernel for {:?}", s.dtype()),
     };
     Ok(base + (start * size) as u64)

@@ -35,7 +35,7 @@ pub struct AdamWStep {
 fn check_f32_like(name: &str, t: &Tensor, n: usize) -> Result<()> {
     if t.dtype() != DType::F32 || t.elem_count() != n || !t.is_contiguous() {
         bail!(
-            "adamw_fused: {name} must be a contiguous f32 tensor of {n} elements, got {:?} {:?}",
+            "AdamW kernel: {name} must be a contiguous f32 tensor of {n} elements, got {:?} {:?}",
             t.dtype(),
             t.dims()
         );
@@ -64,48 +64,135 @@ pub fn adamw_fused(
             grad.dims()
         );
     }
-    let (model_ptr, model_sfx) = match model {
-        Some(w) => {
-            if w.elem_count() != n || !w.is_contiguous() {
-                bail!(
-                    "adamw_fused: model weight {:?} does not match {n}",
-                    w.dims()
-                );
-            }
-            (tensor_ptr(w)?, suffix(w.dtype())?)
-        }
-        None => (0, "f32"),
-    };
-    let seed = match model {
-        Some(w) if w.dtype() == DType::BF16 => s.seed,
-        _ => 0,
-    };
+    let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw_fused")?;
     let dev = device_of(master)?;
+    let mut args = vec![
+        Arg::Ptr(tensor_ptr(master)?),
+        Arg::Ptr(tensor_ptr(m)?),
+        Arg::Ptr(tensor_ptr(v)?),
+        Arg::Ptr(tensor_ptr(grad)?),
+        Arg::Ptr(model_ptr),
+        Arg::I64(n as i64),
+    ];
+    args.extend(step_args(s, seed));
     launch(
         &dev,
         &format!("adamw_{}_{model_sfx}", suffix(grad.dtype())?),
         (elem_grid(n), 1),
         256,
-        &[
-            Arg::Ptr(tensor_ptr(master)?),
-            Arg::Ptr(tensor_ptr(m)?),
-            Arg::Ptr(tensor_ptr(v)?),
-            Arg::Ptr(tensor_ptr(grad)?),
-            Arg::Ptr(model_ptr),
-            Arg::I64(n as i64),
-            Arg::F32(s.lr as f32),
-            Arg::F32(s.beta1 as f32),
-            Arg::F32(s.beta2 as f32),
-            Arg::F32((1.0 - s.beta1) as f32),
-            Arg::F32((1.0 - s.beta2) as f32),
-            Arg::F32(s.eps as f32),
-            Arg::F32(s.weight_decay as f32),
-            Arg::F32(s.step_size as f32),
-            Arg::F32(s.bc2_sqrt as f32),
-            Arg::F32(s.grad_mul as f32),
-            Arg::I32(s.first as i32),
-            Arg::U64(seed),
-        ],
+        &args,
+    )
+}
+
+/// The kernel arguments every AdamW entry point ends with, in order.
+fn step_args(s: &AdamWStep, seed: u64) -> [Arg; 12] {
+    [
+        Arg::F32(s.lr as f32),
+        Arg::F32(s.beta1 as f32),
+        Arg::F32(s.beta2 as f32),
+        Arg::F32((1.0 - s.beta1) as f32),
+        Arg::F32((1.0 - s.beta2) as f32),
+        Arg::F32(s.eps as f32),
+        Arg::F32(s.weight_decay as f32),
+        Arg::F32(s.step_size as f32),
+        Arg::F32(s.bc2_sqrt as f32),
+        Arg::F32(s.grad_mul as f32),
+        Arg::I32(s.first as i32),
+        Arg::U64(seed),
+    ]
+}
+
+/// The model weight's pointer and dtype suffix (null and `f32` when there is none), and the
+/// stochastic-rounding seed that applies to it (bf16 weights only).
+fn model_arg(
+    model: Option<&Tensor>,
+    n: usize,
+    s: &AdamWStep,
+    who: &str,
+) -> Result<(u64, &'static str, u64)> {
+    Ok(match model {
+        Some(w) => {
+            if w.elem_count() != n || !w.is_contiguous() {
+                bail!("{who}: model weight {:?} does not match {n}", w.dims());
+            }
+            let seed = if w.dtype() == DType::BF16 { s.seed } else { 0 };
+            (tensor_ptr(w)?, suffix(w.dtype())?, seed)
+        }
+        None => (0, "f32", 0),
+    })
+}
+
+/// Blockwise 8-bit AdamW moments on one CUDA device, as `ft_memory::adamw8bit` lays them out:
+/// one byte per value indexing a 256-value map, one fp32 absolute maximum per 256 values.
+pub struct Moments8bit<'a> {
+    /// First-moment codes (U8, one per weight) into the signed map.
+    pub m: &'a Tensor,
+    /// Second-moment codes (U8) into the unsigned map.
+    pub v: &'a Tensor,
+    /// First-moment block maxima (F32, one per 256 weights).
+    pub m_max: &'a Tensor,
+    /// Second-moment block maxima (F32).
+    pub v_max: &'a Tensor,
+    /// The signed map, then the unsigned one: 512 F32 values, ascending within each.
+    pub maps: &'a Tensor,
+}
+
+/// One 8-bit AdamW step on CUDA, in place: the fp32 `master` and all of `q` are updated, and the
+/// model weight written when given, in one pass (one CUDA block per 256 weights; the new moments
+/// are quantized against their block's new maximum). `grad` is f32/bf16/f16. With
+/// `s.first` the previous codes and maxima are ignored.
+pub fn adamw8bit_fused(
+    master: &Tensor,
+    q: &Moments8bit<'_>,
+    grad: &Tensor,
+    model: Option<&Tensor>,
+    s: &AdamWStep,
+) -> Result<()> {
+    let n = master.elem_count();
+    let blocks = n.div_ceil(256);
+    check_f32_like("master", master, n)?;
+    check_f32_like("exp_avg_absmax", q.m_max, blocks)?;
+    check_f32_like("exp_avg_sq_absmax", q.v_max, blocks)?;
+    check_f32_like("quantization maps", q.maps, 512)?;
+    for (name, t) in [("exp_avg", q.m), ("exp_avg_sq", q.v)] {
+        if t.dtype() != DType::U8 || t.elem_count() != n || !t.is_contiguous() {
+            bail!(
+                "adamw8bit_fused: {name} must be contiguous u8 codes of {n} elements, got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            );
+        }
+    }
+    if grad.elem_count() != n || !grad.is_contiguous() {
+        bail!(
+            "adamw8bit_fused: gradient {:?} does not match {n} weights",
+            grad.dims()
+        );
+    }
+    let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw8bit_fused")?;
+    let dev = device_of(master)?;
+    let grid = u32::try_from(blocks).map_err(|_| {
+        candle_core::Error::Msg(format!("adamw8bit_fused: {n} weights in one tensor"))
+    })?;
+    let mut args = vec![
+        Arg::Ptr(tensor_ptr(master)?),
+        Arg::Ptr(tensor_ptr(q.m)?),
+        Arg::Ptr(tensor_ptr(q.v)?),
+        Arg::Ptr(tensor_ptr(q.m_max)?),
+        Arg::Ptr(tensor_ptr(q.v_max)?),
+        Arg::Ptr(tensor_ptr(grad)?),
+        Arg::Ptr(model_ptr),
+        Arg::Ptr(tensor_ptr(q.maps)?),
+        Arg::I64(n as i64),
+    ];
+    args.extend(step_args(s, seed));
+    // Exactly 256 threads a block: the kernel maps one thread to one value of a block.
+    launch(
+        &dev,
+        &format!("adamw8bit_{}_{model_sfx}", suffix(grad.dtype())?),
+        (grid, 1),
+        256,
+        &args,
     )
 }
 

@@ -344,6 +344,130 @@ static void adamw_case() {
   }
 }
 
+// Two ascending 256-value maps with 0 and 1 in them (signed, then unsigned), of dyadic values
+// so that the midpoint of two neighbours is exact: a tie.
+static std::vector<float> test_maps() {
+  std::vector<float> maps(512);
+  for (int k = 0; k < 256; k++) {
+    const float s = (float)(k - 127) / 128.f, u = (float)k / 256.f;
+    maps[k] = s * s * s;  // 0 at 127
+    maps[256 + k] = k == 255 ? 1.f : u * u;
+  }
+  return maps;
+}
+
+// The 8-bit code of `x` in a block of maximum `max` by a linear scan: the nearest map value,
+// the lowest index on a tie; NaN or a zero block gives the code of 0, an inf an extreme.
+static unsigned char ref_code(const float* map, float x, float max) {
+  x = (std::isnan(x) || max == 0.f) ? 0.f : std::clamp(x / max, -1.f, 1.f);
+  int best = 0;
+  for (int k = 1; k < 256; k++)
+    if (std::fabs(x - map[k]) < std::fabs(x - map[best])) best = k;
+  return (unsigned char)best;
+}
+
+// The kernel's code search against the scan on every map value, every midpoint (ties), points
+// just beside them, and the out-of-range and non-finite inputs.
+static void quantize_codes_case() {
+  const auto maps = test_maps();
+  int bad = 0, ties = 0;
+  for (int which = 0; which < 2; which++) {
+    const float* map = maps.data() + 256 * which;
+    std::vector<float> xs = {0.f, -0.f, 2.f, -2.f, INFINITY, -INFINITY, NAN};
+    for (int k = 0; k < 256; k++) {
+      xs.push_back(map[k]);
+      if (k == 255) continue;
+      const float mid = (map[k] + map[k + 1]) / 2;
+      ties += mid - map[k] == map[k + 1] - mid;
+      xs.insert(xs.end(), {mid, std::nextafter(mid, -1.f), std::nextafter(mid, 2.f)});
+    }
+    for (float x : xs) bad += quantize_code(map, x, 1.f) != ref_code(map, x, 1.f);
+    bad += quantize_code(map, 0.5f, 0.f) != ref_code(map, 0.f, 1.f);
+  }
+  const bool ok = bad == 0 && ties > 400;
+  std::printf("%-48s %d ties, %d mismatches %s\n", "8-bit codes: nearest, lower on a tie", ties,
+              bad, ok ? "ok" : "FAIL");
+  failures += !ok;
+}
+
+// 8-bit AdamW (adamw8bit_*): three steps on 4 full quantization blocks and a partial one, with
+// an inf and a NaN gradient in block 2 and an all-zero gradient in block 3, against a plain
+// per-block reference that finds each code by a linear scan (the kernel searches). Codes,
+// block maxima and masters must match exactly: both run the same float operations here.
+template <typename G, typename P>
+static void adamw8bit_case(const std::string& ty,
+                           void (*kernel)(float*, unsigned char*, unsigned char*, float*, float*,
+                                          const G*, P*, const float*, long long, float, float,
+                                          float, float, float, float, float, float, float, float,
+                                          int, unsigned long long)) {
+  const int n = 4 * 256 + 77, blocks = 5;
+  const auto maps = test_maps();
+  const auto code = ref_code;
+  auto master = rnd(n, 40);
+  std::vector<float> want = master, mmax(blocks), vmax(blocks), wmmax(blocks), wvmax(blocks);
+  std::vector<unsigned char> mq(n), vq(n), wmq(n), wvq(n);
+  std::vector<P> model(n);
+  const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, c1 = 0.1f, c2 = 0.001f, eps = 1e-8f,
+              wd = 0.01f, gm = 0.5f;
+  bool same = true;
+  for (int t = 1; t <= 3; t++) {
+    auto g32 = rnd(n, 40 + t);
+    g32[2 * 256 + 5] = INFINITY;
+    g32[2 * 256 + 9] = NAN;
+    for (int i = 3 * 256; i < 4 * 256; i++) g32[i] = 0.f;
+    auto g = to<G>(g32);
+    auto gf = back(g);
+    const float step = lr / (1.f - std::pow(b1, (float)t)),
+                bc2 = std::sqrt(1.f - std::pow(b2, (float)t));
+    const int first = t == 1;
+    launch({(unsigned)blocks}, {256}, [&] {
+      kernel(master.data(), mq.data(), vq.data(), mmax.data(), vmax.data(), g.data(),
+             std::is_same_v<P, float> ? nullptr : model.data(), maps.data(), n, lr, b1, b2, c1,
+             c2, eps, wd, step, bc2, gm, first, 0);
+    });
+    for (int b = 0; b < blocks; b++) {
+      const int lo = b * 256, hi = std::min(n, lo + 256);
+      std::vector<float> m(hi - lo), v(hi - lo);
+      float am = 0.f, av = 0.f;
+      for (int i = lo; i < hi; i++) {
+        float mi = first ? 0.f : maps[wmq[i]] * wmmax[b];
+        float vi = first ? 0.f : maps[256 + wvq[i]] * wvmax[b];
+        const float gi = gf[i] * gm;
+        mi = first ? c1 * gi : b1 * mi + c1 * gi;
+        vi = first ? c2 * gi * gi : b2 * vi + c2 * gi * gi;
+        want[i] = want[i] * (1.f - lr * wd) - step * mi / (std::sqrt(vi) / bc2 + eps);
+        m[i - lo] = mi;
+        v[i - lo] = vi;
+        if (std::isfinite(mi)) am = std::max(am, std::fabs(mi));
+        if (std::isfinite(vi)) av = std::max(av, std::fabs(vi));
+      }
+      wmmax[b] = am;
+      wvmax[b] = av;
+      for (int i = lo; i < hi; i++) {
+        wmq[i] = code(maps.data(), m[i - lo], am);
+        wvq[i] = code(maps.data() + 256, v[i - lo], av);
+      }
+    }
+    auto bits_eq = [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+    for (int i = 0; i < n; i++) same &= mq[i] == wmq[i] && vq[i] == wvq[i] && bits_eq(master[i], want[i]);
+    for (int b = 0; b < blocks; b++) same &= mmax[b] == wmmax[b] && vmax[b] == wvmax[b];
+    if constexpr (!std::is_same_v<P, float>) {
+      auto mf = back(model);
+      for (int i = 0; i < n; i++) same &= bits_eq(mf[i], back(to<P>({master[i]}))[0]);
+    }
+  }
+  // What the blocks must show: the inf stays an extreme code, the NaN the zero code, the zero
+  // block keeps a zero maximum, and the finite elements of block 2 stay finite.
+  const unsigned char zero = code(maps.data(), 0.f, 1.f);
+  bool shape = mq[2 * 256 + 5] == 255 && vq[2 * 256 + 5] == 255 && mq[2 * 256 + 9] == zero &&
+               mmax[3] == 0.f && vmax[3] == 0.f && mmax[2] > 0.f;
+  for (int i = 2 * 256; i < 3 * 256; i++)
+    if (i != 2 * 256 + 5 && i != 2 * 256 + 9) shape &= std::isfinite(master[i]);
+  const bool ok = same && shape;
+  std::printf("%-48s %s\n", ("adamw 8-bit, 3 steps, " + ty).c_str(), ok ? "ok" : "FAIL");
+  failures += !ok;
+}
+
 // Stochastic rounding (standalone and inside AdamW): each result is one of the two bf16
 // neighbours of the fp32 value, exact values stay exact, and the mean is unbiased.
 static void stochastic_case() {
@@ -477,6 +601,9 @@ int main(int argc, char** argv) {
     attention_case<bf16>("bf16 tc fwd+bwd", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
                          attn_bwd_q_tc_bf16, attn_bwd_kv_tc_bf16, 128);
   adamw_case();
+  quantize_codes_case();
+  adamw8bit_case<bf16, bf16>("bf16 gradient, bf16 weight", adamw8bit_bf16_bf16);
+  adamw8bit_case<float, float>("f32 gradient, masters only", adamw8bit_f32_f32);
   stochastic_case();
   sum_squares_case();
   atomic_add_f64_case();
