@@ -45,10 +45,18 @@ impl LossNorm {
 
 /// Sums gradients over micro-batches in fp32, on the gradients' own device or on a given one
 /// (the host, when the optimizer state is offloaded: the device then frees each micro-batch's
-/// gradients as soon as they are added).
+/// gradients as soon as they are added). The first micro-batch's gradients are kept as they
+/// come (bf16 for a bf16 model) and widened only when a second one is added: a step of one
+/// micro-batch never holds fp32 gradients of the whole model (4 bytes per parameter: 10.6 GiB
+/// for FLAN-T5-XL), and the optimizers widen each gradient as they read it, exactly.
 #[derive(Default)]
 pub struct GradAccumulator {
     sums: Vec<Option<Tensor>>,
+    /// Whether `sums[i]` is an fp32 sum of the accumulator's own, which later micro-batches may
+    /// be added into in place; not while it is a micro-batch's gradient as it came (which may
+    /// share storage with another parameter's: backprop hands one tensor to both sides of an
+    /// addition).
+    owned: Vec<bool>,
     micro_batches: usize,
     device: Option<Device>,
 }
@@ -71,6 +79,7 @@ impl GradAccumulator {
     pub fn add(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
         if self.sums.is_empty() {
             self.sums = vec![None; grads.len()];
+            self.owned = vec![false; grads.len()];
         }
         if grads.len() != self.sums.len() {
             return Err(Error::Invalid(format!(
@@ -79,7 +88,7 @@ impl GradAccumulator {
                 self.sums.len()
             )));
         }
-        for (s, g) in self.sums.iter_mut().zip(grads) {
+        for ((s, owned), g) in self.sums.iter_mut().zip(&mut self.owned).zip(grads) {
             let Some(g) = g else { continue };
             let g = match &self.device {
                 Some(d) => g.to_device(d)?,
@@ -90,12 +99,16 @@ impl GradAccumulator {
             // the accumulator's own tensors). Elsewhere candle's ops, which on a GPU are one
             // kernel each anyway.
             *s = Some(match s.take() {
-                Some(prev) if crate::host::add_into(&prev, &g)? => prev,
-                Some(prev) => (prev + g.to_dtype(DType::F32)?)?.detach(),
-                None => match crate::host::widened(&g) {
-                    Some(w) => w?,
-                    None => g.to_dtype(DType::F32)?,
-                },
+                None => g,
+                Some(prev) => {
+                    let prev = if *owned { prev } else { as_f32_sum(&prev)? };
+                    *owned = true;
+                    if crate::host::add_into(&prev, &g)? {
+                        prev
+                    } else {
+                        (prev + g.to_dtype(DType::F32)?)?.detach()
+                    }
+                }
             });
         }
         self.micro_batches += 1;
@@ -114,7 +127,7 @@ impl GradAccumulator {
         self.micro_batches
     }
 
-    /// Bytes held by the running sums (fp32 gradients: the ledger's `gradients`).
+    /// Bytes held by the running sums (the ledger's `gradients`).
     pub fn bytes(&self) -> u64 {
         self.sums
             .iter()
@@ -126,6 +139,17 @@ impl GradAccumulator {
     /// The summed gradients; the accumulator starts empty again.
     pub fn take(&mut self) -> Vec<Option<Tensor>> {
         self.micro_batches = 0;
+        self.owned.clear();
         std::mem::take(&mut self.sums)
     }
+}
+
+/// A micro-batch's gradient as the start of an fp32 sum: on the host a new tensor, which
+/// `add_into` may then write into; elsewhere (or strided) its fp32 cast, which is only ever
+/// read, as the sum that follows is candle's new tensor.
+fn as_f32_sum(t: &Tensor) -> Result<Tensor> {
+    Ok(match crate::host::widened(t) {
+        Some(w) => w?,
+        None => t.to_dtype(DType::F32)?,
+    })
 }

@@ -156,10 +156,11 @@ impl AdamW8bit {
         params: &[Var],
         grads: &[Option<Tensor>],
         lr: f64,
+        grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
         self.t += 1;
-        let base = crate::optim::cuda_step(&self.cfg, self.t, lr);
+        let base = crate::optim::cuda_step(&self.cfg, self.t, lr, grad_mul);
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let (n, dev) = (p.elem_count(), p.device());
@@ -319,8 +320,17 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
     (np, mq, mmax, vq, vmax)
 }
 
-impl Optimizer for AdamW8bit {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+impl AdamW8bit {
+    /// The update behind `step`, `step_into` and `step_scaled`: the CUDA kernels for
+    /// contiguous fp32 CUDA parameters, the threaded host passes for host ones.
+    fn update(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
         if params.len() != grads.len() || params.len() != self.slots.len() {
             return Err(Error::Invalid(format!(
                 "optimizer built for {} parameters got {} parameters and {} gradients",
@@ -331,8 +341,28 @@ impl Optimizer for AdamW8bit {
         }
         #[cfg(feature = "cuda")]
         if crate::optim::fusable(params) {
-            return self.step_cuda(params, grads, lr, None);
+            let into = model.filter(|m| crate::optim::fusable_into(params, m));
+            self.step_cuda(params, grads, lr, grad_mul, into)?;
+            return match (model, into) {
+                (Some(m), None) => crate::optim::write_back(params, m),
+                _ => Ok(()),
+            };
         }
+        self.step_host(params, grads, lr, grad_mul)?;
+        match model {
+            Some(m) => crate::optim::write_back(params, m),
+            None => Ok(()),
+        }
+    }
+
+    /// The update on the host: every parameter must be there.
+    fn step_host(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+    ) -> Result<()> {
         if let Some(p) = params.iter().find(|p| !p.device().is_cpu()) {
             return Err(Error::Invalid(format!(
                 "8-bit AdamW: a parameter of shape {:?} is on {:?}, where its update needs this \
@@ -353,6 +383,7 @@ impl Optimizer for AdamW8bit {
             weight_decay: c.weight_decay,
             step_size: lr / (1.0 - c.beta1.powi(self.t as i32)),
             bc2_sqrt: (1.0 - c.beta2.powi(self.t as i32)).sqrt(),
+            grad_mul,
         };
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
@@ -380,6 +411,12 @@ impl Optimizer for AdamW8bit {
         }
         Ok(())
     }
+}
+
+impl Optimizer for AdamW8bit {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        self.update(params, grads, lr, 1.0, None)
+    }
 
     fn step_into(
         &mut self,
@@ -388,15 +425,18 @@ impl Optimizer for AdamW8bit {
         lr: f64,
         model: &[Var],
     ) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if params.len() == grads.len()
-            && params.len() == self.slots.len()
-            && crate::optim::fusable_into(params, model)
-        {
-            return self.step_cuda(params, grads, lr, Some(model));
-        }
-        self.step(params, grads, lr)?;
-        crate::optim::write_back(params, model)
+        self.update(params, grads, lr, 1.0, Some(model))
+    }
+
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        self.update(params, grads, lr, grad_mul, model)
     }
 
     fn state_bytes(&self) -> u64 {

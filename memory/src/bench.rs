@@ -93,6 +93,8 @@ pub fn model_states_table(n: u64) -> String {
             &precision,
             placement,
             crate::config::OptimKind::AdamW,
+            // Accumulation: fp32 gradient sums, the "at most" of the table.
+            2,
             true,
         )
     };

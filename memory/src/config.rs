@@ -343,6 +343,7 @@ impl CommonArgs {
             &precision,
             crate::mixed::StatePlacement::offload(self.offload_optimizer),
             self.optim_kind()?,
+            self.accum,
             self.device != "cpu",
         ))
     }

@@ -23,6 +23,9 @@ pub(crate) struct HostStep {
     pub weight_decay: f64,
     pub step_size: f64,
     pub bc2_sqrt: f64,
+    /// Factor on every gradient (a clipping coefficient; 1 for none), applied as candle's
+    /// `affine` applies it, so that the result equals clipping a copy first.
+    pub grad_mul: f64,
 }
 
 /// One AdamW update of `p` with gradient `g` and moments `m`, `v` (`None` at the first step),
@@ -106,6 +109,11 @@ pub(crate) fn element(
     s: &HostStep,
 ) -> (f32, f32, f32) {
     let affine = |x: f32, mul: f64, add: f64| x * mul as f32 + add as f32;
+    let g = if s.grad_mul != 1.0 {
+        affine(g, s.grad_mul, 0.0)
+    } else {
+        g
+    };
     let (b1, b2) = (s.beta1, s.beta2);
     let m = match m {
         Some(m) => affine(m, b1, 0.0) + affine(g, 1.0 - b1, 0.0),

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::error::Result;
 use crate::ledger::{tensor_bytes, Category, Ledger};
 use crate::optim::Optimizer;
-use crate::precision::{clip_grad_norm, LossScaler, Precision};
+use crate::precision::{clip_coefficient, LossScaler, Precision};
 
 /// What one call to [`MixedOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -238,15 +238,21 @@ impl MixedOptimizer {
                 });
             }
         }
-        let grad_norm = match self.max_grad_norm {
-            Some(max) => Some(clip_grad_norm(&mut grads, max)?),
-            None => None,
+        // Clipping's factor is applied as the optimizer reads each gradient: no scaled copy of
+        // the gradients (an fp32 one of each bf16 gradient of a single micro-batch).
+        let (grad_norm, coef) = match self.max_grad_norm {
+            Some(max) => {
+                let (norm, coef) = clip_coefficient(&grads, max)?;
+                (Some(norm), coef)
+            }
+            None => (None, 1.0),
         };
         if self.masters.is_empty() {
-            self.optimizer.step(&self.model, &grads, lr)?;
+            self.optimizer
+                .step_scaled(&self.model, &grads, lr, coef, None)?;
         } else {
             self.optimizer
-                .step_into(&self.masters, &grads, lr, &self.model)?;
+                .step_scaled(&self.masters, &grads, lr, coef, Some(&self.model))?;
         }
         Ok(StepOutcome {
             applied: true,

@@ -34,6 +34,43 @@ pub trait Optimizer: Send {
         self.step(params, grads, lr)?;
         write_back(params, model)
     }
+
+    /// [`Optimizer::step`] (or, with `model`, [`Optimizer::step_into`]) with every gradient
+    /// multiplied by `grad_mul` first: a clipping factor (1 for none). This default scales fp32
+    /// copies of the gradients; the AdamW optimizers override it to apply the factor as their
+    /// one pass reads each gradient, which gives the same bits without the copies.
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        let scaled: Vec<Option<Tensor>>;
+        let grads = if grad_mul != 1.0 {
+            scaled = grads
+                .iter()
+                .map(|g| g.as_ref().map(|g| scaled_f32(g, grad_mul)).transpose())
+                .collect::<Result<_>>()?;
+            &scaled
+        } else {
+            grads
+        };
+        match model {
+            Some(m) => self.step_into(params, grads, lr, m),
+            None => self.step(params, grads, lr),
+        }
+    }
+}
+
+/// `g * mul` in fp32, as candle's `affine` computes it (`x * mul + 0.0`).
+fn scaled_f32(g: &Tensor, mul: f64) -> Result<Tensor> {
+    let g = g.to_dtype(DType::F32)?;
+    Ok(match crate::host::scaled(&g, mul) {
+        Some(t) => t?,
+        None => (g * mul)?,
+    })
 }
 
 /// Writes each updated master into the model weight it shadows: rounded to the weight's dtype
@@ -183,10 +220,11 @@ impl AdamW {
         params: &[Var],
         grads: &[Option<Tensor>],
         lr: f64,
+        grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
         self.t += 1;
-        let base = cuda_step(&self.cfg, self.t, lr);
+        let base = cuda_step(&self.cfg, self.t, lr, grad_mul);
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             self.place_moments(i, p.device())?;
@@ -216,10 +254,15 @@ pub(crate) fn fusable_into(params: &[Var], model: &[Var]) -> bool {
         && model.iter().all(|m| m.as_tensor().is_contiguous())
 }
 
-/// The scalars of AdamW's step `t` at learning rate `lr` for the CUDA kernels (not yet the
-/// first step of any moments; no gradient factor; round-to-nearest weights).
+/// The scalars of AdamW's step `t` at learning rate `lr`, gradients multiplied by `grad_mul`,
+/// for the CUDA kernels (not yet the first step of any moments; round-to-nearest weights).
 #[cfg(feature = "cuda")]
-pub(crate) fn cuda_step(c: &AdamWConfig, t: u64, lr: f64) -> ft_kernels::cuda::AdamWStep {
+pub(crate) fn cuda_step(
+    c: &AdamWConfig,
+    t: u64,
+    lr: f64,
+    grad_mul: f64,
+) -> ft_kernels::cuda::AdamWStep {
     ft_kernels::cuda::AdamWStep {
         lr,
         beta1: c.beta1,
@@ -228,7 +271,7 @@ pub(crate) fn cuda_step(c: &AdamWConfig, t: u64, lr: f64) -> ft_kernels::cuda::A
         weight_decay: c.weight_decay,
         step_size: lr / (1.0 - c.beta1.powi(t as i32)),
         bc2_sqrt: (1.0 - c.beta2.powi(t as i32)).sqrt(),
-        grad_mul: 1.0,
+        grad_mul,
         first: false,
         seed: 0,
     }
@@ -266,29 +309,43 @@ pub(crate) fn fused_fp32_moments(
     Ok(())
 }
 
-impl Optimizer for AdamW {
-    fn step_into(
+impl AdamW {
+    /// The update behind `step`, `step_into` and `step_scaled`: the fused CUDA kernel for
+    /// contiguous fp32 CUDA parameters, else the one-pass host update or the op-by-op one.
+    fn update(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
         lr: f64,
-        model: &[Var],
+        grad_mul: f64,
+        model: Option<&[Var]>,
     ) -> Result<()> {
         check_len(params, grads, self.m.len())?;
         #[cfg(feature = "cuda")]
-        if fusable_into(params, model) {
-            return self.step_fused(params, grads, lr, Some(model));
+        if fusable(params) {
+            let into = model.filter(|m| fusable_into(params, m));
+            self.step_fused(params, grads, lr, grad_mul, into)?;
+            return match (model, into) {
+                (Some(m), None) => write_back(params, m),
+                _ => Ok(()),
+            };
         }
-        self.step(params, grads, lr)?;
-        write_back(params, model)
+        self.step_host(params, grads, lr, grad_mul)?;
+        match model {
+            Some(m) => write_back(params, m),
+            None => Ok(()),
+        }
     }
 
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        check_len(params, grads, self.m.len())?;
-        #[cfg(feature = "cuda")]
-        if fusable(params) {
-            return self.step_fused(params, grads, lr, None);
-        }
+    /// The update off the fused kernels: one threaded pass per contiguous fp32 host
+    /// parameter, the op-by-op reference otherwise (and everywhere with `op_by_op`).
+    fn step_host(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+    ) -> Result<()> {
         self.t += 1;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(self.t as i32);
@@ -303,6 +360,7 @@ impl Optimizer for AdamW {
             weight_decay: c.weight_decay,
             step_size,
             bc2_sqrt,
+            grad_mul,
         };
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
@@ -320,6 +378,7 @@ impl Optimizer for AdamW {
                     continue;
                 }
             }
+            let g = if grad_mul != 1.0 { (g * grad_mul)? } else { g };
             let m = match &self.m[i] {
                 Some(m) => ((m * c.beta1)? + (&g * (1.0 - c.beta1))?)?,
                 None => (&g * (1.0 - c.beta1))?,
@@ -342,6 +401,33 @@ impl Optimizer for AdamW {
             self.v[i] = Some(v.detach());
         }
         Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        self.update(params, grads, lr, 1.0, None)
+    }
+
+    fn step_into(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        model: &[Var],
+    ) -> Result<()> {
+        self.update(params, grads, lr, 1.0, Some(model))
+    }
+
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        self.update(params, grads, lr, grad_mul, model)
     }
 
     fn state_bytes(&self) -> u64 {

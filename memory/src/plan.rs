@@ -57,6 +57,7 @@ pub fn state_plan(
     precision: &Precision,
     placement: StatePlacement,
     optim: OptimKind,
+    accum: usize,
     gpu: bool,
 ) -> StatePlan {
     let n: u64 = numels.iter().map(|v| *v as u64).sum();
@@ -65,17 +66,23 @@ pub fn state_plan(
     let dt = dtype_name(precision.storage);
     let mut rows = vec![
         (format!("weights ({dt})"), w * n, false),
-        (
-            format!("one micro-batch's gradients ({dt}), during backward"),
-            w * n,
-            false,
-        ),
-        (
+        (format!("one micro-batch's gradients ({dt})"), w * n, false),
+    ];
+    // One micro-batch a step: its gradients are what the optimizer reads (`GradAccumulator`
+    // widens only from the second), moved to the host in their dtype when the state is there.
+    if accum > 1 {
+        rows.push((
             "gradient sums (fp32, accumulated across micro-batches)".into(),
             4 * n,
             host,
-        ),
-    ];
+        ));
+    } else if host && gpu {
+        rows.push((
+            format!("the step's gradients ({dt}), moved to the host"),
+            w * n,
+            true,
+        ));
+    }
     if host || (precision.master_weights && precision.storage != DType::F32) {
         rows.push(("fp32 master weights".into(), 4 * n, host));
     }

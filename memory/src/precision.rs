@@ -149,6 +149,15 @@ pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
             sq += s;
             continue;
         }
+        // A bf16/f16 host gradient (one micro-batch kept in its dtype) or a strided one, widened
+        // one tensor at a time: the same values, so the same norm, as its fp32 sum gives.
+        if g.device().is_cpu() {
+            let w = g.to_dtype(DType::F32)?.contiguous()?;
+            if let Some(s) = crate::host::sum_squares(&w) {
+                sq += s;
+                continue;
+            }
+        }
         sq += g
             .to_dtype(DType::F32)?
             .sqr()?
@@ -162,8 +171,7 @@ pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
 /// coefficient `max_norm / (norm + 1e-6)`, applied only when below 1). Returns the norm before
 /// clipping.
 pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64> {
-    let norm = global_norm(grads)?;
-    let coef = max_norm / (norm + 1e-6);
+    let (norm, coef) = clip_coefficient(grads, max_norm)?;
     if coef < 1.0 {
         for g in grads.iter_mut().flatten() {
             *g = match crate::host::scaled(g, coef) {
@@ -173,4 +181,14 @@ pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64
         }
     }
     Ok(norm)
+}
+
+/// The global norm of `grads` and the factor `clip_grad_norm` would scale them by (1 when the
+/// norm is within `max_norm`), without scaling anything: the optimizers apply the factor as
+/// they read each gradient (`Optimizer::step_scaled`), which saves a pass writing a scaled copy
+/// of every gradient, and an fp32 copy of each bf16 one.
+pub fn clip_coefficient(grads: &[Option<Tensor>], max_norm: f64) -> Result<(f64, f64)> {
+    let norm = global_norm(grads)?;
+    let coef = max_norm / (norm + 1e-6);
+    Ok((norm, if coef < 1.0 { coef } else { 1.0 }))
 }

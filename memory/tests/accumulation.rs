@@ -126,3 +126,55 @@ fn sample_normalised_image_accumulation_equals_one_big_batch() -> anyhow::Result
         .is_err());
     Ok(())
 }
+
+fn bits(t: &Tensor) -> anyhow::Result<Vec<u32>> {
+    Ok(t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .collect())
+}
+
+/// One micro-batch's bf16 gradients are kept as they came (2 bytes per value, no fp32 copy of
+/// the model's gradients for a step without accumulation); from the second micro-batch on the
+/// sum is fp32 and equals adding the widened gradients, also when a parameter skips the first
+/// micro-batch and when two parameters' gradients are one shared tensor (as backprop hands an
+/// addition's gradient to both operands), which an in-place add into the first would corrupt.
+#[test]
+fn first_micro_batch_stays_in_its_dtype_and_sums_are_exact() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let g = |seed: u64| -> anyhow::Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, (64, 33), &dev)?
+            .affine(1.0, seed as f64 * 0.1)?
+            .to_dtype(DType::BF16)?)
+    };
+    let mut acc = GradAccumulator::new();
+    let shared = g(1)?;
+    acc.add(vec![Some(shared.clone()), Some(shared.clone()), None])?;
+    assert_eq!(acc.bytes(), 2 * 2 * 64 * 33, "bf16 as it came");
+    let one = {
+        let mut a = GradAccumulator::new();
+        a.add(vec![Some(shared.clone())])?;
+        a.take()
+    };
+    assert_eq!(one[0].as_ref().map(|t| t.dtype()), Some(DType::BF16));
+    assert_eq!(bits(one[0].as_ref().expect("kept"))?, bits(&shared)?);
+
+    let (g2, g3) = (g(2)?, g(3)?);
+    acc.add(vec![Some(g2.clone()), Some(g3.clone()), Some(g2.clone())])?;
+    acc.add(vec![Some(g3.clone()), Some(g2.clone()), Some(g3.clone())])?;
+    let sums = acc.take();
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let want = [
+        ((f(&shared)? + f(&g2)?)? + f(&g3)?)?,
+        ((f(&shared)? + f(&g3)?)? + f(&g2)?)?,
+        (f(&g2)? + f(&g3)?)?,
+    ];
+    for (i, (s, w)) in sums.iter().zip(&want).enumerate() {
+        let s = s.as_ref().expect("summed");
+        assert_eq!(s.dtype(), DType::F32, "sum {i}");
+        assert_eq!(bits(s)?, bits(w)?, "sum {i}");
+    }
+    Ok(())
+}

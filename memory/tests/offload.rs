@@ -241,6 +241,7 @@ fn plan_warns_when_the_host_state_does_not_fit() {
         &precision,
         StatePlacement::Host,
         OptimKind::AdamW,
+        2,
         true,
     );
     assert_eq!(plan.host_bytes(), 16 << 45);
@@ -254,6 +255,7 @@ fn plan_warns_when_the_host_state_does_not_fit() {
         &precision,
         StatePlacement::Host,
         OptimKind::AdamW,
+        2,
         true,
     );
     assert!(small.host_warning().is_none());
@@ -262,7 +264,16 @@ fn plan_warns_when_the_host_state_does_not_fit() {
         &precision,
         StatePlacement::Host,
         OptimKind::AdamW,
+        2,
         false,
     );
     assert_eq!((cpu.host_bytes(), cpu.device_bytes()), (0, 20_000));
+    // One micro-batch a step: no fp32 sums; offloaded, its bf16 gradients cross to the host.
+    let one = |placement, gpu| state_plan(&[1000], &precision, placement, OptimKind::AdamW, 1, gpu);
+    let near = one(StatePlacement::WithModel, true);
+    assert_eq!((near.device_bytes(), near.host_bytes()), (16_000, 0));
+    let off = one(StatePlacement::Host, true);
+    assert_eq!((off.device_bytes(), off.host_bytes()), (4_000, 14_000));
+    let cpu = one(StatePlacement::Host, false);
+    assert_eq!((cpu.device_bytes(), cpu.host_bytes()), (16_000, 0));
 }

@@ -1,6 +1,6 @@
 //! AdamW and SGD follow torch's update rules; schedules follow transformers'.
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::optim::{AdamW, AdamWConfig, Optimizer, Sgd};
 use ft_memory::schedule::{LrSchedule, ScheduleKind};
 
@@ -152,4 +152,81 @@ fn schedules_follow_transformers() {
     assert_eq!(s(ScheduleKind::Constant).lr_at(1000), 1.0);
     assert!("cosine".parse::<ScheduleKind>().is_ok());
     assert!("exp".parse::<ScheduleKind>().is_err());
+}
+
+/// Clipping's factor folded into the update (`Optimizer::step_scaled`, what MixedOptimizer
+/// uses) gives the bits of scaling copies of the gradients first (what clipping did before),
+/// for the one-pass host AdamW, the op-by-op AdamW, 8-bit AdamW and SGD (the trait's default),
+/// with bf16 gradients as a single micro-batch leaves them, into fp32 masters and a bf16 model.
+#[test]
+fn folded_clip_factor_equals_scaling_the_gradients_first() -> anyhow::Result<()> {
+    use ft_kernels::gradcheck::random_tensor;
+    use ft_memory::adamw8bit::AdamW8bit;
+    let dev = Device::Cpu;
+    let shapes: [&[usize]; 2] = [&[80, 64], &[37]];
+    let coef = 0.3173;
+    let make: [fn(usize) -> Box<dyn Optimizer>; 4] = [
+        |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        |n| Box::new(AdamW::new(n, AdamWConfig::default()).op_by_op()),
+        |n| Box::new(AdamW8bit::new(n, AdamWConfig::default())),
+        |n| Box::new(Sgd::new(n, 0.9, 0.01, false)),
+    ];
+    let bits = |vs: &[Var]| -> anyhow::Result<Vec<Vec<u32>>> {
+        vs.iter()
+            .map(|v| {
+                Ok(v.as_tensor()
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect())
+            })
+            .collect()
+    };
+    for (k, make) in make.iter().enumerate() {
+        type Bits = Vec<Vec<u32>>;
+        let run = |folded: bool| -> anyhow::Result<(Bits, Bits)> {
+            let masters: Vec<Var> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    Var::from_tensor(&random_tensor(s, i as u64, &dev)?.to_dtype(DType::F32)?)
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let model: Vec<Var> = masters
+                .iter()
+                .map(|m| Var::from_tensor(&m.as_tensor().to_dtype(DType::BF16)?))
+                .collect::<candle_core::Result<_>>()?;
+            let mut opt = make(masters.len());
+            for step in 0..3u64 {
+                let grads: Vec<Option<Tensor>> = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let g = random_tensor(s, 10 + 10 * step + i as u64, &dev)?;
+                        Ok(Some((g * (1.0 + step as f64))?.to_dtype(DType::BF16)?))
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                if folded {
+                    opt.step_scaled(&masters, &grads, 1e-2, coef, Some(&model))?;
+                } else {
+                    let scaled: Vec<Option<Tensor>> = grads
+                        .iter()
+                        .map(|g| {
+                            g.as_ref()
+                                .map(|g| g.to_dtype(DType::F32)?.affine(coef, 0.0))
+                        })
+                        .map(|g| g.transpose())
+                        .collect::<candle_core::Result<_>>()?;
+                    opt.step_into(&masters, &scaled, 1e-2, &model)?;
+                }
+            }
+            Ok((bits(&masters)?, bits(&model)?))
+        };
+        let (a, b) = (run(true)?, run(false)?);
+        assert_eq!(a.0, b.0, "optimizer {k}: masters");
+        assert_eq!(a.1, b.1, "optimizer {k}: model weights");
+    }
+    Ok(())
 }

@@ -159,3 +159,104 @@ fn clipping_scales_to_max_norm_and_reports_the_norm() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The global norm of a single micro-batch's bf16 gradients (kept in their dtype) and of strided
+/// ones is exactly that of their fp32 copies, which is what the norm was computed from when the
+/// gradients were always widened first; `clip_coefficient` gives clipping's factor without
+/// scaling anything.
+#[test]
+fn norm_of_bf16_and_strided_gradients_equals_their_fp32_norm() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let a = (Tensor::randn(0f32, 3.0, (300, 70), &dev)?).to_dtype(DType::BF16)?;
+    let b = Tensor::randn(0f32, 1.0, (40, 50), &dev)?.t()?;
+    assert!(!b.is_contiguous());
+    let low = vec![Some(a.clone()), Some(b.clone())];
+    let wide = vec![Some(a.to_dtype(DType::F32)?), Some(b.contiguous()?)];
+    assert_eq!(global_norm(&low)?.to_bits(), global_norm(&wide)?.to_bits());
+    let (norm, coef) = ft_memory::precision::clip_coefficient(&low, 1.0)?;
+    assert_eq!(norm.to_bits(), global_norm(&wide)?.to_bits());
+    assert_eq!(coef, 1.0 / (norm + 1e-6));
+    assert_eq!(
+        ft_memory::precision::clip_coefficient(&low, 1e9)?.1,
+        1.0,
+        "no clipping within the bound"
+    );
+    assert_eq!(
+        low[0].as_ref().map(|t| t.dtype()),
+        Some(DType::BF16),
+        "left as it was"
+    );
+    Ok(())
+}
+
+/// A step from one micro-batch's bf16 gradients as `MixedOptimizer` now takes it (kept in bf16,
+/// clipping's factor folded into AdamW's read) gives the bits of the earlier pipeline: widen
+/// every gradient to fp32, scale the copies by `clip_grad_norm`, then step.
+#[test]
+fn bf16_step_with_clipping_equals_widen_clip_then_step() -> anyhow::Result<()> {
+    use ft_memory::optim::AdamW;
+    let dev = Device::Cpu;
+    let shapes: [&[usize]; 2] = [&[64, 48], &[48]];
+    let params = || -> anyhow::Result<Vec<(String, Var)>> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let t = (Tensor::arange(0f32, s.iter().product::<usize>() as f32, &dev)?
+                    .reshape(*s)?
+                    * (0.013 * (i + 1) as f64))?
+                    .sin()?
+                    .to_dtype(DType::BF16)?;
+                Ok((format!("p{i}"), Var::from_tensor(&t)?))
+            })
+            .collect()
+    };
+    let grads = |step: usize| -> anyhow::Result<Vec<Option<Tensor>>> {
+        shapes
+            .iter()
+            .map(|s| {
+                let n = s.iter().product::<usize>() as f32;
+                let g = ((Tensor::arange(0f32, n, &dev)?.reshape(*s)? * (0.7 + step as f64))?
+                    .cos()?
+                    * 3.0)?;
+                Ok(Some(g.to_dtype(DType::BF16)?))
+            })
+            .collect()
+    };
+    let adamw = |n| -> Box<dyn Optimizer> { Box::new(AdamW::new(n, AdamWConfig::default())) };
+    let bf16 = Precision::parse("bf16")?;
+    let mut opt =
+        MixedOptimizer::new(params()?, bf16, StatePlacement::WithModel, adamw, Some(1.0))?;
+    let masters: Vec<Var> = params()?
+        .iter()
+        .map(|(_, v)| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?))
+        .collect::<candle_core::Result<_>>()?;
+    let model: Vec<Var> = params()?.into_iter().map(|(_, v)| v).collect();
+    let mut reference = AdamW::new(2, AdamWConfig::default());
+    for step in 0..3 {
+        let norm = opt
+            .step(grads(step)?, 1e-2)?
+            .grad_norm
+            .expect("clipping on");
+        let mut wide: Vec<Option<Tensor>> = grads(step)?
+            .into_iter()
+            .map(|g| g.map(|g| g.to_dtype(DType::F32)).transpose())
+            .collect::<candle_core::Result<_>>()?;
+        let want = clip_grad_norm(&mut wide, 1.0)?;
+        assert!(norm > 1.0, "the step clips ({norm})");
+        assert_eq!(norm.to_bits(), want.to_bits());
+        reference.step_into(&masters, &wide, 1e-2, &model)?;
+        for (a, b) in opt.masters().iter().zip(&masters) {
+            let bits = |v: &Var| -> anyhow::Result<Vec<u32>> {
+                Ok(v.as_tensor()
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect())
+            };
+            assert_eq!(bits(a)?, bits(b)?, "step {step}");
+        }
+    }
+    Ok(())
+}

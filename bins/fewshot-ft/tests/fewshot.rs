@@ -266,8 +266,12 @@ fn plan_counts_what_the_run_builds() -> anyhow::Result<()> {
     let s = setup(&demo(&out, &[]))?;
     let (n, _) = s.task.store.count(true);
     assert_eq!(plan.params, n as u64);
-    // The demo trains in f32 on the CPU: weights, gradients, sums and moments, no masters.
-    assert_eq!(plan.device_bytes(), (4 + 4 + 4 + 8) * n as u64);
+    // The demo trains in f32 on the CPU, one episode a step: weights, gradients and moments,
+    // no masters, no separate sums.
+    assert_eq!(args.common.accum, 1);
+    assert_eq!(plan.device_bytes(), (4 + 4 + 8) * n as u64);
+    let accumulated = fewshot_ft::run::plan(&demo(&out, &["--plan", "--accum", "4"]))?;
+    assert_eq!(accumulated.device_bytes(), (4 + 4 + 4 + 8) * n as u64);
     assert_eq!(plan.host_bytes(), 0);
     Ok(())
 }

@@ -353,7 +353,11 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     let out = dir.join("out");
     let out_arg = out.display().to_string();
     let plan = |extra: &[&str]| -> anyhow::Result<ft_memory::plan::StatePlan> {
+        // Seed 002's accumulation (configs/flan_t5_xl.toml), fp32 gradient sums, unless given.
         let mut v = vec!["t5-ft", "--model", &model, "--device", "cuda", "--plan"];
+        if !extra.contains(&"--accum") {
+            v.extend(["--accum", "16"]);
+        }
         v.extend(["--output-dir", &out_arg]);
         v.extend(extra);
         t5_ft::run::plan(&Args::parse_from(v))
@@ -392,5 +396,13 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
         q8_gpu.table()
     );
     assert!((gib(q8_gpu.device_bytes()) - 37.24).abs() < 0.01);
+    // One micro-batch a step: no fp32 sums, the bf16 gradients are what AdamW reads (4 bytes a
+    // parameter less; offloaded, 2 bytes of them cross to the host instead of 4).
+    let one = plan(&["--accum", "1"])?;
+    assert_eq!(near.device_bytes() - one.device_bytes(), 4 * near.params);
+    assert!((gib(one.device_bytes()) - 42.46).abs() < 0.01);
+    let one_host = plan(&["--accum", "1", "--offload-optimizer"])?;
+    assert_eq!(one_host.device_bytes(), host.device_bytes());
+    assert_eq!(host.host_bytes() - one_host.host_bytes(), 2 * near.params);
     Ok(())
 }
