@@ -2,7 +2,8 @@
 //! `src/cuda/kernels.cu` as C++ under a host emulation of the CUDA features it uses (block
 //! barriers, warp shuffles, shared memory, atomics: `tests/emulated/emu.h`) and checks every
 //! kernel against a double-precision reference: softmax, norms, upsample, pooling, attention
-//! forward and backward with and without bias or masks, AdamW, unscale, stochastic rounding.
+//! forward and backward with and without bias or masks, AdamW and 8-bit AdamW (with its code
+//! search on exact ties), unscale, stochastic rounding.
 //! Skips, saying so, where no C++ compiler (`$CXX`, default `g++`) runs. Real-GPU numerics are
 //! checked by `tests/cuda.rs`.
 

@@ -10,9 +10,9 @@
 //! `--offload-optimizer`) are updated in threaded passes over blocks; parameters on a GPU by
 //! one CUDA kernel launch per tensor (`ft_kernels::cuda::adamw8bit_fused`, one CUDA block per
 //! quantization block), with the codes and maxima beside the weights, as bitsandbytes keeps
-//! them. The two paths quantize alike (same map, same nearest-value rule); the kernel's
-//! update rounds as the fp32 CUDA AdamW does, so codes may differ where a moment sits within
-//! f32 rounding of the midpoint between two map values.
+//! them. The two paths compute alike: the same map and nearest-value rule, and the kernel's
+//! per-element arithmetic is the host's operation for operation (rounded intrinsics, no FMA
+//! contraction), so a GPU step is meant to give the host's bits.
 
 use std::sync::OnceLock;
 
@@ -234,21 +234,19 @@ fn codes_on(slot: &mut Slot, i: usize, n: usize, dev: &Device) -> Result<bool> {
     {
         return Ok(false);
     }
-    let (m, m_max, v, v_max, first) = match restored_q8(slot, i, n)? {
-        Some((m, m_max, v, v_max)) => (m, m_max, v, v_max, false),
-        None => (
-            vec![0; n],
-            vec![0.0; blocks],
-            vec![0; n],
-            vec![0.0; blocks],
-            true,
-        ),
+    let Some((m, m_max, v, v_max)) = restored_q8(slot, i, n)? else {
+        // Zeros the kernel ignores at the first step (allocated on the device, no host copy).
+        slot.m = Some(Tensor::zeros(n, DType::U8, dev)?);
+        slot.v = Some(Tensor::zeros(n, DType::U8, dev)?);
+        slot.m_max = Some(Tensor::zeros(blocks, DType::F32, dev)?);
+        slot.v_max = Some(Tensor::zeros(blocks, DType::F32, dev)?);
+        return Ok(true);
     };
     slot.m = Some(Tensor::from_vec(m, n, dev)?);
     slot.v = Some(Tensor::from_vec(v, n, dev)?);
     slot.m_max = Some(Tensor::from_vec(m_max, blocks, dev)?);
     slot.v_max = Some(Tensor::from_vec(v_max, blocks, dev)?);
-    Ok(first)
+    Ok(false)
 }
 
 fn host_f32(t: &Tensor) -> Result<Vec<f32>> {

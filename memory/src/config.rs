@@ -172,8 +172,8 @@ pub struct CommonArgs {
     #[arg(long)]
     pub gradient_checkpointing: bool,
     /// Optimizer: adamw (fp32 moments) or adamw8bit (bitsandbytes-style blockwise 8-bit
-    /// moments, about 2 bytes per parameter instead of 8; updated on the host, so a GPU model
-    /// needs --offload-optimizer with it).
+    /// moments, about 2 bytes per parameter instead of 8; on a GPU updated by a CUDA kernel
+    /// beside the model, with --offload-optimizer on the host).
     #[arg(long, default_value = "adamw")]
     pub optim: String,
     /// Keep the fp32 master weights, the AdamW moments and the accumulated gradients in host

@@ -321,7 +321,8 @@ fn optimizer(eight_bit: bool) -> impl FnOnce(usize) -> Box<dyn Optimizer> {
 #[test]
 fn state_moves_between_gpu_and_host_placements() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    let shape = [80, 64];
+    // 5,360 weights: 20 full quantization blocks and a partial one.
+    let shape = [80, 67];
     for eight_bit in [false, true] {
         let make = |placement: StatePlacement| -> anyhow::Result<MixedOptimizer> {
             let w = random_tensor(&shape, 1, &Device::Cpu)?.to_dtype(DType::BF16)?;
@@ -372,23 +373,13 @@ fn state_moves_between_gpu_and_host_placements() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Codes of two runs of the 8-bit AdamW: at most a few differ, each by one map step (a value
-/// within f32 rounding of the midpoint between two map entries may go either way).
-fn codes_close(what: &str, a: &[u8], b: &[u8]) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
-    let far = a.iter().zip(b).filter(|(x, y)| x.abs_diff(**y) > 1).count();
-    assert!(
-        differ <= a.len() / 1000 + 2 && far == 0,
-        "{what}: {differ} codes differ, {far} by more than one step"
-    );
-}
-
 /// The 8-bit AdamW kernel against the host update, through MixedOptimizer (bf16 model, fp32
-/// masters, clipping) over four steps: a quantized parameter (5,120 weights, 20 blocks, the
-/// last gradient strided) and a small one with fp32 moments. Masters within 1e-4, codes equal
-/// but for rounding ties, block maxima within f32 rounding, model weights their rounded
-/// masters; the GPU run keeps every state tensor on the GPU and adds no host state.
+/// masters) over four steps: a quantized parameter (5,360 weights: 20 full blocks and a partial
+/// one; its gradient strided) and a small one with fp32 moments. The kernels do the host's
+/// arithmetic operation for operation (rounded intrinsics, no FMA contraction), so masters,
+/// codes, block maxima and fp32 moments must be equal bit for bit, and the model weights their
+/// rounded masters. No clipping here: the GPU's global norm sums in another order, and its
+/// factor may differ in the last bit. The GPU run keeps every state tensor on the GPU.
 #[test]
 fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -396,8 +387,8 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
         eprintln!("skipped: FT_CUDA_KERNELS is off, and the 8-bit step on a GPU needs them");
         return Ok(());
     }
-    let shapes: [&[usize]; 2] = [&[80, 64], &[300]];
-    let run = |d: &Device| -> anyhow::Result<(MixedOptimizer, Vec<f64>)> {
+    let shapes: [&[usize]; 2] = [&[80, 67], &[300]];
+    let run = |d: &Device| -> anyhow::Result<MixedOptimizer> {
         let params = shapes
             .iter()
             .enumerate()
@@ -411,39 +402,42 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
             Precision::parse("bf16")?,
             StatePlacement::WithModel,
             optimizer(true),
-            Some(1.0),
+            None,
         )?;
-        let mut norms = Vec::new();
         for step in 0..4u64 {
             let grads = shapes
                 .iter()
                 .enumerate()
                 .map(|(i, s)| {
-                    let g = random_tensor(s, 100 + 10 * step + i as u64, &Device::Cpu)?
-                        .to_dtype(DType::BF16)?
-                        .to_device(d)?;
-                    Ok(Some(if i == 0 { g.t()?.contiguous()?.t()? } else { g }))
+                    let g = (random_tensor(s, 100 + 10 * step + i as u64, &Device::Cpu)? * 0.05)?
+                        .to_dtype(DType::BF16)?;
+                    let g = if i == 0 { g.t()?.contiguous()?.t()? } else { g };
+                    Ok(Some(g.to_device(d)?))
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            norms.push(opt.step(grads, 1e-2)?.grad_norm.unwrap_or(0.0));
+            opt.step(grads, 1e-2)?;
         }
-        Ok((opt, norms))
+        Ok(opt)
     };
-    let (cpu, cpu_norms) = run(&Device::Cpu)?;
+    let cpu = run(&Device::Cpu)?;
     let launched = ft_kernels::cuda::launches();
-    let (gpu_opt, gpu_norms) = run(&dev)?;
+    let gpu_opt = run(&dev)?;
     assert!(ft_kernels::cuda::launches() > launched, "no kernel ran");
-    for (a, b) in gpu_norms.iter().zip(&cpu_norms) {
-        assert!((a - b).abs() <= 1e-5 * b, "gradient norm {a} vs {b}");
+    let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
+        Ok(match t.dtype() {
+            DType::U8 => t
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<u8>()?
+                .into_iter()
+                .map(u32::from)
+                .collect(),
+            _ => host(t)?.iter().map(|v| v.to_bits()).collect(),
+        })
+    };
+    for (i, (g, c)) in gpu_opt.masters().iter().zip(cpu.masters()).enumerate() {
+        assert_eq!(bits(g.as_tensor())?, bits(c.as_tensor())?, "master {i}");
     }
-    let all =
-        |vs: &[Var]| -> anyhow::Result<Values> { vs.iter().map(|v| host(v.as_tensor())).collect() };
-    close(
-        "master",
-        &all(gpu_opt.masters())?,
-        &all(cpu.masters())?,
-        1e-4,
-    );
     let (gs, cs) = (gpu_opt.optimizer().state(), cpu.optimizer().state());
     assert_eq!(gs.0, 4);
     let names = |s: &[(String, Tensor)]| s.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
@@ -455,16 +449,11 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
     for ((name, g), (_, c)) in gs.1.iter().zip(&cs.1) {
         assert!(g.device().same_device(&dev), "{name} left the GPU");
         assert_eq!((g.dtype(), g.dims()), (c.dtype(), c.dims()), "{name}");
-        if g.dtype() == DType::U8 {
-            let v = |t: &Tensor| -> anyhow::Result<Vec<u8>> {
-                Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?)
-            };
-            codes_close(name, &v(g)?, &v(c)?);
-        } else {
-            close(name, &vec![host(g)?], &vec![host(c)?], 1e-4);
-        }
+        let (a, b) = (bits(g)?, bits(c)?);
+        let differ = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        assert_eq!(differ, 0, "{name}: {differ} of {} values differ", a.len());
     }
-    let n8: usize = 80 * 64;
+    let n8: usize = 80 * 67;
     assert_eq!(
         gpu_opt.optimizer().state_bytes(),
         (2 * n8 + 2 * 4 * n8.div_ceil(256) + 2 * 4 * 300) as u64,

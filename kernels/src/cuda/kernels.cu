@@ -278,20 +278,33 @@ __device__ __forceinline__ void st_model(bf16* p, long long i, float v, unsigned
   p[i].x = seed ? bf16_bits_stochastic(v, rand_bits(seed, i)) : bf16_bits(v);
 }
 
-// One AdamW step's scalars. `c1`, `c2` are 1 - b1 and 1 - b2 computed in double on the host
-// (1 - 0.999f in float is off by 1.3e-5); `grad_mul` unscales the gradient (1 / loss scale, or
-// a clipping factor).
+// One AdamW step's scalars, each rounded to f32 on the host from its f64 value as the host
+// update rounds them: `decay` = 1 - lr * wd (1 without weight decay), `c1`, `c2` = 1 - b1,
+// 1 - b2 (1 - 0.999f in float is off by 1.3e-5), `inv_bc2` = 1 / sqrt(1 - b2^t); `grad_mul`
+// unscales the gradient (1 / loss scale, or a clipping factor).
 struct AdamWArgs {
-  float lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt, grad_mul;
+  float decay, b1, b2, c1, c2, eps, step_size, inv_bc2, grad_mul;
 };
 
-// torch.optim.AdamW's update of one element: returns the new weight; `m`, `v` are updated
-// (their incoming values are ignored on the first step). Shared by the fp32 and 8-bit kernels.
+// `x * a + 0` as candle's `affine` computes it, with rounded intrinsics: the compiler may not
+// contract them into an FMA, which would round differently from the host.
+__device__ __forceinline__ float affine0(float x, float a) {
+  return __fadd_rn(__fmul_rn(x, a), 0.f);
+}
+
+// torch.optim.AdamW's update of one element, operation for operation as the host update
+// (memory/src/host_adamw.rs `element`), so that a GPU step gives the host's bits: returns the
+// new weight; `m`, `v` are updated (their incoming values are ignored on the first step).
+// Shared by the fp32 and 8-bit kernels.
 __device__ __forceinline__ float adamw_element(float w, float g, float& m, float& v, int first,
                                                const AdamWArgs& a) {
-  m = first ? a.c1 * g : a.b1 * m + a.c1 * g;
-  v = first ? a.c2 * g * g : a.b2 * v + a.c2 * g * g;
-  return w * (1.f - a.lr * a.wd) - a.step_size * m / (sqrtf(v) / a.bc2_sqrt + a.eps);
+  if (a.grad_mul != 1.f) g = affine0(g, a.grad_mul);
+  const float gm = affine0(g, a.c1), gv = affine0(__fmul_rn(g, g), a.c2);
+  m = first ? gm : __fadd_rn(affine0(m, a.b1), gm);
+  v = first ? gv : __fadd_rn(affine0(v, a.b2), gv);
+  const float denom = __fadd_rn(affine0(__fsqrt_rn(v), a.inv_bc2), a.eps);
+  const float decayed = a.decay != 1.f ? affine0(w, a.decay) : w;
+  return __fsub_rn(decayed, affine0(__fdiv_rn(m, denom), a.step_size));
 }
 
 // AdamW on fp32 masters, moments updated in place, and the model's low-precision weight written
@@ -302,7 +315,7 @@ __device__ void adamw(float* master, float* m, float* v, const G* grad, P* model
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
     float mi = m[i], vi = v[i];
-    const float p = adamw_element(master[i], ld(grad, i) * a.grad_mul, mi, vi, first, a);
+    const float p = adamw_element(master[i], ld(grad, i), mi, vi, first, a);
     m[i] = mi;
     v[i] = vi;
     master[i] = p;
@@ -350,10 +363,10 @@ __device__ void adamw8bit(float* master, unsigned char* mq, unsigned char* vq, f
   float m = 0.f, v = 0.f;
   if (in) {
     if (!first) {
-      m = smap[mq[i]] * m_max[b];
-      v = umap[vq[i]] * v_max[b];
+      m = __fmul_rn(smap[mq[i]], m_max[b]);
+      v = __fmul_rn(umap[vq[i]], v_max[b]);
     }
-    const float p = adamw_element(master[i], ld(grad, i) * a.grad_mul, m, v, first, a);
+    const float p = adamw_element(master[i], ld(grad, i), m, v, first, a);
     master[i] = p;
     if (model) st_model(model, i, p, seed);
   }
@@ -697,20 +710,19 @@ ROWS(f16, f16)
 
 #define ADAMW(G, SG, P, SP)                                                                     \
   extern "C" __global__ void adamw_##SG##_##SP(float* master, float* m, float* v, const G* g,   \
-                                               P* model, long long n, float lr, float b1,       \
+                                               P* model, long long n, float decay, float b1,    \
                                                float b2, float c1, float c2, float eps,         \
-                                               float wd, float step_size, float bc2_sqrt,       \
-                                               float grad_mul, int first,                       \
-                                               unsigned long long seed) {                       \
-    const AdamWArgs a = {lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt, grad_mul};           \
+                                               float step_size, float inv_bc2, float grad_mul,  \
+                                               int first, unsigned long long seed) {            \
+    const AdamWArgs a = {decay, b1, b2, c1, c2, eps, step_size, inv_bc2, grad_mul};             \
     adamw(master, m, v, g, model, n, a, first, seed);                                           \
   }                                                                                             \
   extern "C" __global__ void adamw8bit_##SG##_##SP(                                             \
       float* master, unsigned char* mq, unsigned char* vq, float* m_max, float* v_max,          \
-      const G* g, P* model, const float* maps, long long n, float lr, float b1, float b2,       \
-      float c1, float c2, float eps, float wd, float step_size, float bc2_sqrt, float grad_mul, \
-      int first, unsigned long long seed) {                                                     \
-    const AdamWArgs a = {lr, b1, b2, c1, c2, eps, wd, step_size, bc2_sqrt, grad_mul};           \
+      const G* g, P* model, const float* maps, long long n, float decay, float b1, float b2,    \
+      float c1, float c2, float eps, float step_size, float inv_bc2, float grad_mul, int first, \
+      unsigned long long seed) {                                                                \
+    const AdamWArgs a = {decay, b1, b2, c1, c2, eps, step_size, inv_bc2, grad_mul};             \
     adamw8bit(master, mq, vq, m_max, v_max, g, model, maps, n, a, first, seed);                 \
   }
 ADAMW(float, f32, float, f32)

@@ -84,18 +84,24 @@ pub fn adamw_fused(
     )
 }
 
-/// The kernel arguments every AdamW entry point ends with, in order.
-fn step_args(s: &AdamWStep, seed: u64) -> [Arg; 12] {
+/// The kernel arguments every AdamW entry point ends with, in order: the scalars rounded to f32
+/// from their f64 values as the host update (`ft_memory`'s `host_adamw`) rounds them, so that
+/// the kernels' per-element arithmetic gives the host's bits.
+fn step_args(s: &AdamWStep, seed: u64) -> [Arg; 11] {
+    let decay = if s.weight_decay != 0.0 {
+        (1.0 - s.lr * s.weight_decay) as f32
+    } else {
+        1.0
+    };
     [
-        Arg::F32(s.lr as f32),
+        Arg::F32(decay),
         Arg::F32(s.beta1 as f32),
         Arg::F32(s.beta2 as f32),
         Arg::F32((1.0 - s.beta1) as f32),
         Arg::F32((1.0 - s.beta2) as f32),
         Arg::F32(s.eps as f32),
-        Arg::F32(s.weight_decay as f32),
         Arg::F32(s.step_size as f32),
-        Arg::F32(s.bc2_sqrt as f32),
+        Arg::F32((1.0 / s.bc2_sqrt) as f32),
         Arg::F32(s.grad_mul as f32),
         Arg::I32(s.first as i32),
         Arg::U64(seed),
@@ -171,9 +177,13 @@ pub fn adamw8bit_fused(
     }
     let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw8bit_fused")?;
     let dev = device_of(master)?;
-    let grid = u32::try_from(blocks).map_err(|_| {
-        candle_core::Error::Msg(format!("adamw8bit_fused: {n} weights in one tensor"))
-    })?;
+    // A grid's x dimension holds at most 2^31 - 1 blocks (5.5e11 weights in one tensor).
+    let grid = u32::try_from(blocks)
+        .ok()
+        .filter(|b| *b <= i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!("adamw8bit_fused: {n} weights in one tensor"))
+        })?;
     let mut args = vec![
         Arg::Ptr(tensor_ptr(master)?),
         Arg::Ptr(tensor_ptr(q.m)?),

@@ -135,6 +135,13 @@ inline unsigned __float_as_uint(float f) {
   std::memcpy(&i, &f, 4);
   return i;
 }
+// Rounded arithmetic intrinsics: on the host plain IEEE operations (an ISO C++ build does not
+// contract them into FMAs).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

@@ -332,8 +332,8 @@ static void adamw_case() {
       wp[i] = master[i] * (1 - lr * wd) - step * wm[i] / (std::sqrt(wv[i]) / bc2 + eps);
     }
     launch({2}, {256}, [&] {
-      adamw_bf16_bf16(master.data(), m.data(), v.data(), g.data(), model.data(), n, lr, b1, b2,
-                      1 - b1, 1 - b2, eps, wd, step, bc2, gm, first, 0);
+      adamw_bf16_bf16(master.data(), m.data(), v.data(), g.data(), model.data(), n,
+                      1 - lr * wd, b1, b2, 1 - b1, 1 - b2, eps, step, 1 / bc2, gm, first, 0);
     });
     for (int i = 0; i < n; i++) wmodel[i] = back(to<bf16>({master[i]}))[0];
     const std::string s = first ? "adamw first step" : "adamw later step";
@@ -392,14 +392,15 @@ static void quantize_codes_case() {
 
 // 8-bit AdamW (adamw8bit_*): three steps on 4 full quantization blocks and a partial one, with
 // an inf and a NaN gradient in block 2 and an all-zero gradient in block 3, against a plain
-// per-block reference that finds each code by a linear scan (the kernel searches). Codes,
-// block maxima and masters must match exactly: both run the same float operations here.
+// per-block reference that finds each code by a linear scan (the kernel searches) and updates
+// each element as the Rust host update does. Codes, block maxima and masters must match
+// exactly: the kernel's arithmetic is the host's, operation for operation.
 template <typename G, typename P>
 static void adamw8bit_case(const std::string& ty,
                            void (*kernel)(float*, unsigned char*, unsigned char*, float*, float*,
                                           const G*, P*, const float*, long long, float, float,
-                                          float, float, float, float, float, float, float, float,
-                                          int, unsigned long long)) {
+                                          float, float, float, float, float, float, float, int,
+                                          unsigned long long)) {
   const int n = 4 * 256 + 77, blocks = 5;
   const auto maps = test_maps();
   const auto code = ref_code;
@@ -407,8 +408,10 @@ static void adamw8bit_case(const std::string& ty,
   std::vector<float> want = master, mmax(blocks), vmax(blocks), wmmax(blocks), wvmax(blocks);
   std::vector<unsigned char> mq(n), vq(n), wmq(n), wvq(n);
   std::vector<P> model(n);
-  const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, c1 = 0.1f, c2 = 0.001f, eps = 1e-8f,
-              wd = 0.01f, gm = 0.5f;
+  // The constants as the Rust side derives them: in f64, then rounded to f32.
+  const double lr = 1e-2, b1d = 0.9, b2d = 0.999, wd = 0.01;
+  const float b1 = (float)b1d, b2 = (float)b2d, c1 = (float)(1 - b1d), c2 = (float)(1 - b2d),
+              eps = 1e-8f, decay = (float)(1 - lr * wd), gm = 0.37f;
   bool same = true;
   for (int t = 1; t <= 3; t++) {
     auto g32 = rnd(n, 40 + t);
@@ -417,13 +420,13 @@ static void adamw8bit_case(const std::string& ty,
     for (int i = 3 * 256; i < 4 * 256; i++) g32[i] = 0.f;
     auto g = to<G>(g32);
     auto gf = back(g);
-    const float step = lr / (1.f - std::pow(b1, (float)t)),
-                bc2 = std::sqrt(1.f - std::pow(b2, (float)t));
+    const float step = (float)(lr / (1 - std::pow(b1d, t))),
+                inv_bc2 = (float)(1 / std::sqrt(1 - std::pow(b2d, t)));
     const int first = t == 1;
     launch({(unsigned)blocks}, {256}, [&] {
       kernel(master.data(), mq.data(), vq.data(), mmax.data(), vmax.data(), g.data(),
-             std::is_same_v<P, float> ? nullptr : model.data(), maps.data(), n, lr, b1, b2, c1,
-             c2, eps, wd, step, bc2, gm, first, 0);
+             std::is_same_v<P, float> ? nullptr : model.data(), maps.data(), n, decay, b1, b2,
+             c1, c2, eps, step, inv_bc2, gm, first, 0);
     });
     for (int b = 0; b < blocks; b++) {
       const int lo = b * 256, hi = std::min(n, lo + 256);
@@ -432,10 +435,13 @@ static void adamw8bit_case(const std::string& ty,
       for (int i = lo; i < hi; i++) {
         float mi = first ? 0.f : maps[wmq[i]] * wmmax[b];
         float vi = first ? 0.f : maps[256 + wvq[i]] * wvmax[b];
-        const float gi = gf[i] * gm;
-        mi = first ? c1 * gi : b1 * mi + c1 * gi;
-        vi = first ? c2 * gi * gi : b2 * vi + c2 * gi * gi;
-        want[i] = want[i] * (1.f - lr * wd) - step * mi / (std::sqrt(vi) / bc2 + eps);
+        // memory/src/host_adamw.rs `element`, operation for operation (`affine` = x * a + 0).
+        auto affine = [](float x, float a) { return x * a + 0.f; };
+        const float gi = affine(gf[i], gm);
+        mi = first ? affine(gi, c1) : affine(mi, b1) + affine(gi, c1);
+        vi = first ? affine(gi * gi, c2) : affine(vi, b2) + affine(gi * gi, c2);
+        const float denom = affine(std::sqrt(vi), inv_bc2) + eps;
+        want[i] = affine(want[i], decay) - affine(mi / denom, step);
         m[i - lo] = mi;
         v[i - lo] = vi;
         if (std::isfinite(mi)) am = std::max(am, std::fabs(mi));
@@ -492,8 +498,8 @@ static void stochastic_case() {
   std::vector<float> master(n, v), m(n, 0.f), s2(n, 0.f);
   std::vector<bf16> g(n), w(n);
   launch({3}, {256}, [&] {
-    adamw_bf16_bf16(master.data(), m.data(), s2.data(), g.data(), w.data(), n, 0.f, 0.9f, 0.999f,
-                    0.1f, 0.001f, 1e-8f, 0.f, 0.f, 1.f, 1.f, 1, 5);
+    adamw_bf16_bf16(master.data(), m.data(), s2.data(), g.data(), w.data(), n, 1.f, 0.9f, 0.999f,
+                    0.1f, 0.001f, 1e-8f, 0.f, 1.f, 1.f, 1, 5);
   });
   auto wf = back(w);
   int up = 0;
