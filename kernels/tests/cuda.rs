@@ -83,6 +83,16 @@ fn compare(
     Ok(())
 }
 
+/// The PTX of one entry point: from its `.entry` line to the next entry (or the end).
+fn entry_body<'a>(ptx: &'a str, entry: &str) -> &'a str {
+    let Some(start) = ptx.find(&format!(".entry {entry}(")) else {
+        return "";
+    };
+    let rest = &ptx[start + 1..];
+    let end = rest.find(".entry ").unwrap_or(rest.len());
+    &rest[..end]
+}
+
 /// NVRTC compiles kernels.cu for the targets `kernel_arch` picks (needs libnvrtc, not a GPU):
 /// the sm_80 build holds the tensor-core attention, an older GPU's build compiles its body out.
 #[test]
@@ -94,6 +104,8 @@ fn kernels_compile_with_nvrtc() {
                     "softmax_fwd_bf16",
                     "attn_bwd_kv_f16",
                     "adamw_bf16_bf16",
+                    "adamw8bit_bf16_bf16",
+                    "adamw8bit_f32_f32",
                     "unscale_f32",
                     "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
@@ -102,6 +114,23 @@ fn kernels_compile_with_nvrtc() {
                 }
                 let tc = arch != "compute_75";
                 assert_eq!(ptx.contains("mma.sync"), tc, "{arch}: tensor cores {tc}");
+                // The AdamW kernels round every operation as the host update does: no
+                // multiply-add contracted into an FMA (which rounds once, not twice).
+                for entry in [
+                    "adamw_bf16_bf16",
+                    "adamw8bit_bf16_bf16",
+                    "adamw8bit_f32_f32",
+                ] {
+                    let body = entry_body(ptx, entry);
+                    assert!(
+                        body.contains("mul.rn.f32"),
+                        "{arch}: {entry} body not found"
+                    );
+                    assert!(
+                        !body.contains("fma."),
+                        "{arch}: {entry} contracts into an FMA"
+                    );
+                }
             }
             Err(e) if e.to_string().contains("could not be loaded") => {
                 eprintln!("skipped: {e}");
