@@ -87,9 +87,9 @@ pub fn model_states_table(n: u64) -> String {
     use crate::mixed::StatePlacement;
     let precision = crate::precision::Precision::for_dtype(candle_core::DType::BF16);
     let plan = |placement| {
-        let numels = [n as usize];
+        let shapes = [vec![n as usize]];
         crate::plan::state_plan(
-            &numels,
+            &shapes,
             &precision,
             placement,
             crate::config::OptimKind::AdamW,

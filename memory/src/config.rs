@@ -125,6 +125,8 @@ pub enum OptimKind {
     AdamW,
     /// AdamW with blockwise 8-bit moments (`crate::adamw8bit`).
     AdamW8bit,
+    /// Adafactor with HF Trainer's settings (`crate::adafactor`): factored second moments.
+    Adafactor,
 }
 
 /// Settings every trainer shares (flattened into each binary's arguments and config file).
@@ -328,18 +330,28 @@ impl CommonArgs {
                 |n| Box::new(crate::adamw8bit::AdamW8bit::new(n, cfg)),
                 clip,
             ),
+            OptimKind::Adafactor => crate::mixed::MixedOptimizer::new(
+                params,
+                precision,
+                placement,
+                |n| {
+                    let c = crate::adafactor::AdafactorConfig::trainer(self.weight_decay);
+                    Box::new(crate::adafactor::Adafactor::new(n, c))
+                },
+                clip,
+            ),
         }
     }
 
-    /// The memory plan of training tensors of `numels` values each (`ParamStore::sizes`, from a
-    /// loaded model or one built from shapes only) with these flags under `precision`.
+    /// The memory plan of training tensors of these shapes (`ParamStore::shapes`, from a loaded
+    /// model or one built from shapes only) with these flags under `precision`.
     pub fn state_plan(
         &self,
-        numels: &[usize],
+        shapes: &[Vec<usize>],
         precision: crate::precision::Precision,
     ) -> Result<crate::plan::StatePlan> {
         Ok(crate::plan::state_plan(
-            numels,
+            shapes,
             &precision,
             crate::mixed::StatePlacement::offload(self.offload_optimizer),
             self.optim_kind()?,
@@ -350,7 +362,7 @@ impl CommonArgs {
 
     /// For `--plan`: the precision the run will use and a builder that records the model's
     /// parameter shapes into the returned store without allocating them (on the CPU, nothing
-    /// opened). Build the model with it, then pass `store.sizes(true)` to [`Self::state_plan`].
+    /// opened). Build the model with it, then pass `store.shapes(true)` to [`Self::state_plan`].
     pub fn shapes_builder(
         &self,
     ) -> Result<(
@@ -380,8 +392,9 @@ impl CommonArgs {
         match self.optim.to_ascii_lowercase().as_str() {
             "adamw" | "adamw_torch" => Ok(OptimKind::AdamW),
             "adamw8bit" | "adamw_8bit" | "adamw_bnb_8bit" => Ok(OptimKind::AdamW8bit),
+            "adafactor" => Ok(OptimKind::Adafactor),
             other => Err(Error::Invalid(format!(
-                "--optim `{other}`: expected adamw or adamw8bit"
+                "--optim `{other}`: expected adamw, adamw8bit or adafactor"
             ))),
         }
     }

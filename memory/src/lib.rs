@@ -11,6 +11,7 @@
 //! - [`config`]: a TOML config file with command-line overrides, shared by the binaries.
 
 pub mod accumulate;
+pub mod adafactor;
 pub mod adamw8bit;
 pub mod alloc;
 pub mod bench;

@@ -30,11 +30,13 @@ pub struct StatePlan {
     pub gpu: bool,
 }
 
-/// Bytes of AdamW moments for one tensor of `numel` values.
-pub fn moment_bytes(optim: OptimKind, numel: usize) -> u64 {
+/// Bytes of optimizer state for one tensor of shape `dims`.
+pub fn optimizer_bytes(optim: OptimKind, dims: &[usize]) -> u64 {
     use crate::adamw8bit::{BLOCK, MIN_8BIT_SIZE};
+    let numel: usize = dims.iter().product();
     let n = numel as u64;
     match optim {
+        OptimKind::Adafactor => crate::adafactor::state_bytes_for(dims, false),
         OptimKind::AdamW8bit if numel >= MIN_8BIT_SIZE => {
             2 * n + 2 * 4 * numel.div_ceil(BLOCK) as u64
         }
@@ -53,14 +55,17 @@ fn dtype_name(d: DType) -> &'static str {
 
 /// The plan for trainable tensors of `numels` values each.
 pub fn state_plan(
-    numels: &[usize],
+    shapes: &[Vec<usize>],
     precision: &Precision,
     placement: StatePlacement,
     optim: OptimKind,
     accum: usize,
     gpu: bool,
 ) -> StatePlan {
-    let n: u64 = numels.iter().map(|v| *v as u64).sum();
+    let n: u64 = shapes
+        .iter()
+        .map(|s| s.iter().product::<usize>() as u64)
+        .sum();
     let w = precision.storage.size_in_bytes() as u64;
     let host = placement == StatePlacement::Host;
     let dt = dtype_name(precision.storage);
@@ -86,10 +91,11 @@ pub fn state_plan(
     if host || (precision.master_weights && precision.storage != DType::F32) {
         rows.push(("fp32 master weights".into(), 4 * n, host));
     }
-    let moments = numels.iter().map(|v| moment_bytes(optim, *v)).sum();
+    let moments = shapes.iter().map(|s| optimizer_bytes(optim, s)).sum();
     let kind = match optim {
         OptimKind::AdamW => "AdamW moments (fp32)",
         OptimKind::AdamW8bit => "AdamW moments (8-bit blocks, fp32 under 4,096 values)",
+        OptimKind::Adafactor => "Adafactor second moments (fp32, factored over the last two dims)",
     };
     rows.push((kind.into(), moments, host));
     StatePlan {

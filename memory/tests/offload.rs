@@ -235,7 +235,7 @@ fn plan_warns_when_the_host_state_does_not_fit() {
     use ft_memory::config::OptimKind;
     use ft_memory::plan::{host_available, state_plan};
     let precision = Precision::for_dtype(DType::BF16);
-    let huge = [1usize << 45]; // 35 trillion parameters: 512 TiB of host state
+    let huge = [vec![1usize << 45]]; // 35 trillion parameters: 512 TiB of host state
     let plan = state_plan(
         &huge,
         &precision,
@@ -251,7 +251,7 @@ fn plan_warns_when_the_host_state_does_not_fit() {
         assert!(w.contains("host memory") && w.contains("available"), "{w}");
     }
     let small = state_plan(
-        &[1000],
+        &[vec![1000]],
         &precision,
         StatePlacement::Host,
         OptimKind::AdamW,
@@ -260,7 +260,7 @@ fn plan_warns_when_the_host_state_does_not_fit() {
     );
     assert!(small.host_warning().is_none());
     let cpu = state_plan(
-        &[1000],
+        &[vec![1000]],
         &precision,
         StatePlacement::Host,
         OptimKind::AdamW,
@@ -269,7 +269,16 @@ fn plan_warns_when_the_host_state_does_not_fit() {
     );
     assert_eq!((cpu.host_bytes(), cpu.device_bytes()), (0, 20_000));
     // One micro-batch a step: no fp32 sums; offloaded, its bf16 gradients cross to the host.
-    let one = |placement, gpu| state_plan(&[1000], &precision, placement, OptimKind::AdamW, 1, gpu);
+    let one = |placement, gpu| {
+        state_plan(
+            &[vec![1000]],
+            &precision,
+            placement,
+            OptimKind::AdamW,
+            1,
+            gpu,
+        )
+    };
     let near = one(StatePlacement::WithModel, true);
     assert_eq!((near.device_bytes(), near.host_bytes()), (16_000, 0));
     let off = one(StatePlacement::Host, true);

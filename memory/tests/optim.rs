@@ -156,7 +156,8 @@ fn schedules_follow_transformers() {
 
 /// Clipping's factor folded into the update (`Optimizer::step_scaled`, what MixedOptimizer
 /// uses) gives the bits of scaling copies of the gradients first (what clipping did before),
-/// for the one-pass host AdamW, the op-by-op AdamW, 8-bit AdamW and SGD (the trait's default),
+/// for the one-pass host AdamW, Adafactor, the op-by-op AdamW, 8-bit AdamW and SGD (the trait's
+/// default),
 /// with bf16 gradients as a single micro-batch leaves them, into fp32 masters and a bf16 model.
 #[test]
 fn folded_clip_factor_equals_scaling_the_gradients_first() -> anyhow::Result<()> {
@@ -165,8 +166,12 @@ fn folded_clip_factor_equals_scaling_the_gradients_first() -> anyhow::Result<()>
     let dev = Device::Cpu;
     let shapes: [&[usize]; 2] = [&[80, 64], &[37]];
     let coef = 0.3173;
-    let make: [fn(usize) -> Box<dyn Optimizer>; 4] = [
+    let make: [fn(usize) -> Box<dyn Optimizer>; 5] = [
         |n| Box::new(AdamW::new(n, AdamWConfig::default())),
+        |n| {
+            let c = ft_memory::adafactor::AdafactorConfig::trainer(0.01);
+            Box::new(ft_memory::adafactor::Adafactor::new(n, c))
+        },
         |n| Box::new(AdamW::new(n, AdamWConfig::default()).op_by_op()),
         |n| Box::new(AdamW8bit::new(n, AdamWConfig::default())),
         |n| Box::new(Sgd::new(n, 0.9, 0.01, false)),

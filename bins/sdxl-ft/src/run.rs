@@ -57,7 +57,7 @@ fn unet_plan(
     store: &ParamStore,
     precision: ft_memory::precision::Precision,
 ) -> Result<ft_memory::plan::StatePlan> {
-    let plan = args.common.state_plan(&store.sizes(true), precision)?;
+    let plan = args.common.state_plan(&store.shapes(true), precision)?;
     let (n, _) = store.count(true);
     Ok(if args.ema {
         plan.with("EMA (fp32)", 4 * n as u64, args.ema_device == "cpu")

@@ -46,7 +46,7 @@ pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
     let cfg = T5Config::from_file(&repo.get("config.json")?)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     T5::new(&pb, &cfg)?;
-    Ok(args.common.state_plan(&store.sizes(true), precision)?)
+    Ok(args.common.state_plan(&store.shapes(true), precision)?)
 }
 
 /// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
@@ -126,7 +126,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     task.eval_limit = args.eval_limit;
 
     args.common
-        .announce_plan(&args.common.state_plan(&store.sizes(true), precision)?);
+        .announce_plan(&args.common.state_plan(&store.shapes(true), precision)?);
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let loop_config = LoopConfig {
         eval_every: args.eval_every,

@@ -337,6 +337,52 @@ fn eight_bit_adamw_trains_and_resumes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--optim adafactor` (HF Trainer's settings): the demo's loss falls, the checkpoint holds the
+/// factored second moments by transformers' names, and resuming continues the same curve.
+#[test]
+fn adafactor_trains_and_resumes() -> anyhow::Result<()> {
+    let dir = tmp("adafactor");
+    let steps = [
+        "--max-steps",
+        "6",
+        "--eval-limit",
+        "4",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "3",
+        "--optim",
+        "adafactor",
+    ];
+    let run = train_run(&demo_args(&dir, &steps))?;
+    let l = &run.losses;
+    assert!(
+        l[3..].iter().sum::<f64>() < l[..3].iter().sum::<f64>(),
+        "{l:?}"
+    );
+    let ckpt = dir.join("checkpoint-3");
+    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    let names: Vec<&str> = files.names().collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("exp_avg_sq_row.")),
+        "{names:?}"
+    );
+    assert!(
+        names.iter().any(|n| n.starts_with("exp_avg_sq_col.")),
+        "{names:?}"
+    );
+    assert!(
+        !names.iter().any(|n| n.starts_with("exp_avg.")),
+        "no first moment: {names:?}"
+    );
+    let mut resume = steps.to_vec();
+    let ck = ckpt.display().to_string();
+    resume.extend(["--resume", &ck]);
+    let resumed = train_run(&demo_args(&dir, &resume))?;
+    assert_eq!(resumed.losses, run.losses[3..], "resumed Adafactor run");
+    Ok(())
+}
+
 /// `--plan` from FLAN-T5-XL's config.json alone (no weights, no tokenizer, no GPU opened): the
 /// model states of seed 002's setup on the GPU and in host memory, with and without offload.
 #[test]
@@ -401,6 +447,22 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     let one = plan(&["--accum", "1"])?;
     assert_eq!(near.device_bytes() - one.device_bytes(), 4 * near.params);
     assert!((gib(one.device_bytes()) - 42.46).abs() < 0.01);
+    // Adafactor: one value per row and per column of each matrix, 9.65 MiB for the model,
+    // beside 21.23 GiB of AdamW moments.
+    let af = plan(&["--optim", "adafactor"])?;
+    let states = |p: &ft_memory::plan::StatePlan, what: &str| {
+        p.rows
+            .iter()
+            .find(|r| r.component.contains(what))
+            .map_or(0, |r| r.bytes)
+    };
+    assert!(states(&af, "Adafactor") < 10 << 20, "{}", af.table());
+    assert!((gib(states(&near, "AdamW moments")) - 21.23).abs() < 0.01);
+    assert!(
+        (gib(af.device_bytes()) - 31.86).abs() < 0.01,
+        "{}",
+        af.table()
+    );
     let one_host = plan(&["--accum", "1", "--offload-optimizer"])?;
     assert_eq!(one_host.device_bytes(), host.device_bytes());
     assert_eq!(host.host_bytes() - one_host.host_bytes(), 2 * near.params);

@@ -81,13 +81,13 @@ impl ParamStore {
             .map(|e| e.tensor.clone())
     }
 
-    /// Element counts of the trainable (or frozen) tensors, in order, without touching them
-    /// (a shapes-only model has nothing to copy).
-    pub fn sizes(&self, trainable: bool) -> Vec<usize> {
+    /// Shapes of the trainable (or frozen) tensors, in order, without touching them (a
+    /// shapes-only model has nothing to copy): what the memory plan counts from.
+    pub fn shapes(&self, trainable: bool) -> Vec<Vec<usize>> {
         self.lock()
             .iter()
             .filter(|e| e.trainable == trainable)
-            .map(|e| e.tensor.elem_count())
+            .map(|e| e.tensor.dims().to_vec())
             .collect()
     }
 

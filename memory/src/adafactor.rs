@@ -1,0 +1,350 @@
+//! Adafactor (Shazeer & Stern, 2018) as `transformers.optimization.Adafactor` computes it.
+//!
+//! The second moment of a matrix (and of any tensor of two or more dimensions, over its last
+//! two) is kept factored: one fp32 value per row and one per column, so the optimizer state of
+//! the SDXL UNet is a few megabytes instead of AdamW's 19 GiB, and there is no first moment
+//! unless `beta1` asks for one. This is the optimizer kohya's sd-scripts recommends for full
+//! SDXL fine-tunes, and what HF Trainer's `--optim adafactor` builds
+//! ([`AdafactorConfig::trainer`]: the schedule's learning rate, no relative step, no parameter
+//! scale). Per step, with `g` the gradient and `t` the step:
+//!
+//! ```text
+//! beta2t = 1 - t^decay_rate
+//! row    <- beta2t row + (1 - beta2t) mean_cols(g^2 + eps1)      (factored)
+//! col    <- beta2t col + (1 - beta2t) mean_rows(g^2 + eps1)
+//! u      = g / sqrt(row / mean(row) (x) col)                      (v <- ... ; u = g / sqrt(v) unfactored)
+//! u      <- u / max(1, rms(u) / clip_threshold) * lr
+//! m      <- beta1 m + (1 - beta1) u ; u = m                        (with beta1)
+//! p      <- p - wd lr p - u
+//! ```
+//!
+//! `lr` is the schedule's, or with `relative_step` `min(1e-2, 1/sqrt(t))` (times
+//! `max(eps2, rms(p))` with `scale_parameter`). Everything runs as tensor ops on the parameter's
+//! device, so a GPU model's step reads no scalar back. The step count is one for the optimizer,
+//! as in this crate's AdamW (transformers counts per parameter; they differ only for a
+//! parameter that went without a gradient for a step).
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::error::{Error, Result};
+use crate::optim::Optimizer;
+
+/// Adafactor's hyper-parameters (`transformers.optimization.Adafactor`'s names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdafactorConfig {
+    /// Added to the squared gradient (`eps[0]`).
+    pub eps1: f64,
+    /// Lower bound of the parameter scale (`eps[1]`).
+    pub eps2: f64,
+    /// Bound on the update's RMS before the learning rate.
+    pub clip_threshold: f64,
+    /// Exponent of the second moment's decay: `beta2t = 1 - t^decay_rate`.
+    pub decay_rate: f64,
+    /// First-moment coefficient; `None` keeps no first moment.
+    pub beta1: Option<f64>,
+    pub weight_decay: f64,
+    /// Multiply the step size by the parameter's RMS (at least `eps2`).
+    pub scale_parameter: bool,
+    /// Ignore the learning rate given and use `min(1e-2, 1/sqrt(t))`.
+    pub relative_step: bool,
+    /// With `relative_step`: `min(1e-6 t, 1/sqrt(t))` instead.
+    pub warmup_init: bool,
+}
+
+impl AdafactorConfig {
+    /// The paper's setting (transformers' defaults): relative step, parameter scale.
+    pub fn paper() -> Self {
+        AdafactorConfig {
+            eps1: 1e-30,
+            eps2: 1e-3,
+            clip_threshold: 1.0,
+            decay_rate: -0.8,
+            beta1: None,
+            weight_decay: 0.0,
+            scale_parameter: true,
+            relative_step: true,
+            warmup_init: false,
+        }
+    }
+
+    /// What HF Trainer's `--optim adafactor` builds (and kohya's recommended SDXL arguments
+    /// `scale_parameter=False relative_step=False warmup_init=False`): the schedule's learning
+    /// rate as it is.
+    pub fn trainer(weight_decay: f64) -> Self {
+        AdafactorConfig {
+            weight_decay,
+            scale_parameter: false,
+            relative_step: false,
+            ..Self::paper()
+        }
+    }
+}
+
+/// One parameter's state: factored second moment (row, col) or a full one, and the optional
+/// first moment.
+#[derive(Default, Clone)]
+struct Slot {
+    row: Option<Tensor>,
+    col: Option<Tensor>,
+    full: Option<Tensor>,
+    m: Option<Tensor>,
+}
+
+/// Adafactor over a fixed list of parameters.
+pub struct Adafactor {
+    cfg: AdafactorConfig,
+    t: u64,
+    slots: Vec<Slot>,
+}
+
+/// The shapes of a tensor's factored second moment: its dims without the last, and without the
+/// second-to-last (transformers' `exp_avg_sq_row`, `exp_avg_sq_col`); `None` below two dims.
+pub fn factored_shapes(dims: &[usize]) -> Option<(Vec<usize>, Vec<usize>)> {
+    let r = dims.len();
+    if r < 2 {
+        return None;
+    }
+    let row = dims[..r - 1].to_vec();
+    let mut col = dims[..r - 2].to_vec();
+    col.push(dims[r - 1]);
+    Some((row, col))
+}
+
+/// Bytes of Adafactor state for a tensor of shape `dims` (fp32; `beta1` adds a full moment).
+pub fn state_bytes_for(dims: &[usize], beta1: bool) -> u64 {
+    let n: usize = dims.iter().product();
+    let second = match factored_shapes(dims) {
+        Some((r, c)) => r.iter().product::<usize>() + c.iter().product::<usize>(),
+        None => n,
+    };
+    4 * (second + if beta1 { n } else { 0 }) as u64
+}
+
+impl Adafactor {
+    pub fn new(n_params: usize, cfg: AdafactorConfig) -> Self {
+        Adafactor {
+            cfg,
+            t: 0,
+            slots: vec![Slot::default(); n_params],
+        }
+    }
+
+    /// The step size of this step for a parameter whose fp32 values are `p` (transformers'
+    /// `_get_lr`), as a one-element tensor on `p`'s device when it depends on `p`.
+    fn step_size(&self, p: &Tensor, lr: f64) -> Result<Tensor> {
+        let c = &self.cfg;
+        let t = self.t as f64;
+        let rel = if c.relative_step {
+            let min_step = if c.warmup_init { 1e-6 * t } else { 1e-2 };
+            min_step.min(1.0 / t.sqrt())
+        } else {
+            lr
+        };
+        let one = Tensor::new(&[rel as f32], p.device())?;
+        if !c.scale_parameter {
+            return Ok(one);
+        }
+        Ok(rms(p)?.maximum(c.eps2)?.broadcast_mul(&one)?)
+    }
+}
+
+/// `norm(x) / sqrt(numel)` as a one-element tensor.
+fn rms(x: &Tensor) -> Result<Tensor> {
+    let n = x.elem_count().max(1) as f64;
+    Ok((x.sqr()?.sum_all()?.sqrt()? / n.sqrt())?.reshape(1)?)
+}
+
+/// `t` on `device`, moved there when it is elsewhere (state restored on the host).
+fn placed(t: &Option<Tensor>, device: &Device) -> Result<Option<Tensor>> {
+    Ok(match t {
+        Some(t) if !t.device().same_device(device) => Some(t.to_device(device)?),
+        t => t.clone(),
+    })
+}
+
+/// A restored state tensor checked against the shape this parameter needs.
+fn check(i: usize, name: &str, t: &Option<Tensor>, dims: &[usize]) -> Result<()> {
+    match t {
+        Some(t) if t.dims() != dims => Err(Error::Invalid(format!(
+            "optimizer state `{name}.{i}`: shape {:?}, parameter {i} needs {dims:?} (a \
+             checkpoint of another model or optimizer?)",
+            t.dims()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+impl Adafactor {
+    /// One step, each gradient multiplied by `grad_mul` as it is read (a clipping factor):
+    /// no scaled copy of every gradient at once.
+    fn update(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+    ) -> Result<()> {
+        if params.len() != grads.len() || params.len() != self.slots.len() {
+            return Err(Error::Invalid(format!(
+                "optimizer built for {} parameters got {} parameters and {} gradients",
+                self.slots.len(),
+                params.len(),
+                grads.len()
+            )));
+        }
+        self.t += 1;
+        let c = self.cfg;
+        let beta2t = 1.0 - (self.t as f64).powf(c.decay_rate);
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let dev = p.device();
+            let g = g.to_device(dev)?.to_dtype(DType::F32)?.detach();
+            let g = if grad_mul != 1.0 { (g * grad_mul)? } else { g };
+            let dims = p.dims().to_vec();
+            if g.dims() != dims.as_slice() {
+                return Err(Error::Invalid(format!(
+                    "parameter {i}: gradient of shape {:?} for weights of shape {dims:?}",
+                    g.dims()
+                )));
+            }
+            let w = p.as_tensor().to_dtype(DType::F32)?.detach();
+            let lr_t = self.step_size(&w, lr)?;
+            let slot = &mut self.slots[i];
+            let decay = |x: &Option<Tensor>, fresh: Tensor| -> Result<Tensor> {
+                let fresh = (fresh * (1.0 - beta2t))?;
+                Ok(match x {
+                    Some(x) => ((x * beta2t)? + fresh)?,
+                    None => fresh,
+                })
+            };
+            let sq = (g.sqr()? + c.eps1)?;
+            let update = match factored_shapes(&dims) {
+                Some((row_dims, col_dims)) => {
+                    check(i, "exp_avg_sq_row", &slot.row, &row_dims)?;
+                    check(i, "exp_avg_sq_col", &slot.col, &col_dims)?;
+                    let r = dims.len() - 1;
+                    let row = decay(&placed(&slot.row, dev)?, sq.mean(r)?)?;
+                    let col = decay(&placed(&slot.col, dev)?, sq.mean(r - 1)?)?;
+                    let r_factor = row
+                        .broadcast_div(&row.mean_keepdim(r - 1)?)?
+                        .sqrt()?
+                        .recip()?
+                        .unsqueeze(r)?;
+                    let c_factor = col.unsqueeze(r - 1)?.sqrt()?.recip()?;
+                    let u = r_factor.broadcast_mul(&c_factor)?.mul(&g)?;
+                    slot.row = Some(row.detach());
+                    slot.col = Some(col.detach());
+                    u
+                }
+                None => {
+                    check(i, "exp_avg_sq", &slot.full, &dims)?;
+                    let v = decay(&placed(&slot.full, dev)?, sq)?;
+                    let u = v.sqrt()?.recip()?.mul(&g)?;
+                    slot.full = Some(v.detach());
+                    u
+                }
+            };
+            // u / max(1, rms(u) / clip), then the step size: all on the device.
+            let denom = (rms(&update)? / c.clip_threshold)?.maximum(1.0)?;
+            let mut update = update.broadcast_div(&denom)?.broadcast_mul(&lr_t)?;
+            if let Some(b1) = c.beta1 {
+                check(i, "exp_avg", &slot.m, &dims)?;
+                let fresh = (&update * (1.0 - b1))?;
+                let m = match placed(&slot.m, dev)? {
+                    Some(m) => ((m * b1)? + fresh)?,
+                    None => fresh,
+                };
+                slot.m = Some(m.detach());
+                update = m;
+            }
+            let w = if c.weight_decay != 0.0 {
+                let wd = lr_t.affine(-c.weight_decay, 0.0)?;
+                (&w + w.broadcast_mul(&wd)?)?
+            } else {
+                w
+            };
+            p.set(&(w - update)?.to_dtype(p.dtype())?)?;
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for Adafactor {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        self.update(params, grads, lr, 1.0)
+    }
+
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        self.update(params, grads, lr, grad_mul)?;
+        match model {
+            Some(m) => crate::optim::write_back(params, m),
+            None => Ok(()),
+        }
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .flat_map(|s| [&s.row, &s.col, &s.full, &s.m])
+            .flatten()
+            .map(crate::ledger::tensor_bytes)
+            .sum()
+    }
+
+    fn state(&self) -> (u64, Vec<(String, Tensor)>) {
+        let mut out = Vec::new();
+        for (name, part) in [
+            ("exp_avg_sq_row", 0),
+            ("exp_avg_sq_col", 1),
+            ("exp_avg_sq", 2),
+            ("exp_avg", 3),
+        ] {
+            for (i, s) in self.slots.iter().enumerate() {
+                if let Some(t) = [&s.row, &s.col, &s.full, &s.m][part] {
+                    out.push((format!("{name}.{i}"), t.clone()));
+                }
+            }
+        }
+        (self.t, out)
+    }
+
+    fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
+        self.t = step;
+        let n = self.slots.len();
+        for (name, t) in tensors {
+            let Some((kind, idx)) = name.rsplit_once('.') else {
+                continue;
+            };
+            let i: usize = idx
+                .parse()
+                .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
+            let slot = self.slots.get_mut(i).ok_or_else(|| {
+                Error::Invalid(format!("optimizer state `{name}`: no parameter {i} of {n}"))
+            })?;
+            let part = match kind {
+                "exp_avg_sq_row" => &mut slot.row,
+                "exp_avg_sq_col" => &mut slot.col,
+                "exp_avg_sq" => &mut slot.full,
+                "exp_avg" => &mut slot.m,
+                _ => continue,
+            };
+            if t.dtype() != DType::F32 {
+                return Err(Error::Invalid(format!(
+                    "optimizer state `{name}`: {:?}, Adafactor keeps fp32 (a checkpoint of \
+                     another optimizer?)",
+                    t.dtype()
+                )));
+            }
+            // A copy of its own: nothing of the caller's is kept.
+            *part = Some(t.copy()?);
+        }
+        Ok(())
+    }
+}
