@@ -95,6 +95,8 @@ pub struct Adafactor {
     cfg: AdafactorConfig,
     t: u64,
     slots: Vec<Slot>,
+    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
+    sr: Option<u64>,
 }
 
 /// The shapes of a tensor's factored second moment: its dims without the last, and without the
@@ -126,6 +128,7 @@ impl Adafactor {
             cfg,
             t: 0,
             slots: vec![Slot::default(); n_params],
+            sr: None,
         }
     }
 
@@ -263,7 +266,7 @@ impl Adafactor {
             } else {
                 w
             };
-            p.set(&(w - update)?.to_dtype(p.dtype())?)?;
+            crate::optim::write_param(p, &(w - update)?, self.sr, self.t, i)?;
         }
         Ok(())
     }
@@ -287,6 +290,10 @@ impl Optimizer for Adafactor {
             Some(m) => crate::optim::write_back(params, m),
             None => Ok(()),
         }
+    }
+
+    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
+        self.sr = seed;
     }
 
     fn state_bytes(&self) -> u64 {

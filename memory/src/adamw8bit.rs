@@ -128,6 +128,8 @@ pub struct AdamW8bit {
     cfg: AdamWConfig,
     t: u64,
     slots: Vec<Slot>,
+    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
+    sr: Option<u64>,
     /// Both maps on the GPU (signed, then unsigned: 512 fp32 values) once a CUDA step ran.
     #[cfg(feature = "cuda")]
     device_maps: Option<Tensor>,
@@ -139,6 +141,7 @@ impl AdamW8bit {
             cfg,
             t: 0,
             slots: vec![Slot::default(); n_params],
+            sr: None,
             #[cfg(feature = "cuda")]
             device_maps: None,
         }
@@ -405,7 +408,8 @@ impl AdamW8bit {
             })
             .flatten()
             .ok_or_else(|| Error::Invalid(format!("parameter {i}: not host fp32 values")))??;
-            p.set(&Tensor::from_vec(new_w, &shape, &dev)?.to_dtype(p.dtype())?)?;
+            let new_w = Tensor::from_vec(new_w, &shape, &dev)?.to_device(p.device())?;
+            crate::optim::write_param(p, &new_w, self.sr, self.t, i)?;
         }
         Ok(())
     }
@@ -435,6 +439,10 @@ impl Optimizer for AdamW8bit {
         model: Option<&[Var]>,
     ) -> Result<()> {
         self.update(params, grads, lr, grad_mul, model)
+    }
+
+    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
+        self.sr = seed;
     }
 
     fn state_bytes(&self) -> u64 {

@@ -183,6 +183,11 @@ pub struct CommonArgs {
     /// micro-batch's gradients and the activations; the step runs on the CPU.
     #[arg(long)]
     pub offload_optimizer: bool,
+    /// bf16 weights without fp32 master copies (kohya's --full_bf16): 4 bytes per parameter
+    /// less; every updated weight is rounded stochastically so that small updates survive on
+    /// average. Implies --precision bf16.
+    #[arg(long)]
+    pub full_bf16: bool,
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -218,7 +223,22 @@ impl CommonArgs {
             return bad("--max-grad-norm must be >= 0");
         }
         if let Some(p) = &self.precision {
-            crate::precision::Precision::parse(p)?;
+            let parsed = crate::precision::Precision::parse(p)?;
+            if self.full_bf16 && parsed.storage != candle_core::DType::BF16 {
+                return bad("--full-bf16 trains bf16 weights: it cannot go with --precision other than bf16");
+            }
+        }
+        if self.full_bf16 && self.offload_optimizer {
+            return bad(
+                "--full-bf16 keeps no fp32 master weights, and --offload-optimizer keeps them on \
+                 the host: use one of the two",
+            );
+        }
+        if self.full_bf16 && self.device != "cpu" && self.optim_kind()? == OptimKind::AdamW8bit {
+            return bad(
+                "--optim adamw8bit's GPU kernel updates fp32 master weights: with --full-bf16 use \
+                 --optim adafactor or adamw",
+            );
         }
         self.schedule.parse::<crate::schedule::ScheduleKind>()?;
         let cuda_n = |s: &str| {
@@ -289,6 +309,9 @@ impl CommonArgs {
     }
 
     fn precision_for(&self, cpu: bool) -> Result<crate::precision::Precision> {
+        if self.full_bf16 {
+            return Ok(crate::precision::Precision::full_bf16());
+        }
         match &self.precision {
             Some(p) => crate::precision::Precision::parse(p),
             None if cpu => crate::precision::Precision::parse("f32"),

@@ -56,6 +56,9 @@ pub struct MixedOptimizer {
     max_grad_norm: Option<f64>,
 }
 
+/// Seed of the stochastic rounding of bf16 weights trained without masters.
+const STOCHASTIC_ROUNDING_SEED: u64 = 0x5EED_0B16;
+
 impl MixedOptimizer {
     /// The usual case: AdamW with `cfg` over `params` under `precision`, its state placed by
     /// `placement`, clipping at `max_grad_norm`.
@@ -103,7 +106,12 @@ impl MixedOptimizer {
         } else {
             Vec::new()
         };
-        let optimizer = make_optimizer(model.len());
+        let mut optimizer = make_optimizer(model.len());
+        // Without masters, bf16 weights are what the optimizer writes: stochastically rounded
+        // when the precision asks (a fixed seed: the streams vary with the step and parameter).
+        if precision.stochastic_rounding && masters.is_empty() {
+            optimizer.set_stochastic_rounding(Some(STOCHASTIC_ROUNDING_SEED));
+        }
         Ok(MixedOptimizer {
             names,
             model,

@@ -21,6 +21,11 @@ pub trait Optimizer: Send {
     /// Restores what [`Optimizer::state`] returned.
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;
 
+    /// Write bf16 parameters with stochastic rounding from `seed` (a different stream per
+    /// step and parameter, the same after a resume), or to nearest with `None`: for bf16
+    /// weights trained without fp32 masters ([`crate::precision::Precision::full_bf16`]).
+    fn set_stochastic_rounding(&mut self, seed: Option<u64>);
+
     /// One update of the fp32 `params` (master weights), then each updated value written into
     /// `model[i]`, the bf16/f16 weights the forward reads (on the model's device: the masters
     /// may live on the host). Optimizers that can do both in one pass over memory override this.
@@ -62,6 +67,25 @@ pub trait Optimizer: Send {
             None => self.step(params, grads, lr),
         }
     }
+}
+
+/// Writes the updated fp32 values `w` into parameter `p` (index `i`) at step `t`: cast to its
+/// dtype, or for a bf16 parameter with a stochastic-rounding seed rounded stochastically from a
+/// stream of its own.
+pub(crate) fn write_param(p: &Var, w: &Tensor, sr: Option<u64>, t: u64, i: usize) -> Result<()> {
+    let w = match (p.dtype(), sr) {
+        (DType::BF16, Some(seed)) => {
+            let mut r = crate::rng::SplitMix64::new(seed ^ t.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let stream = r.next_u64() ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ft_kernels::rounding::round_stochastic_bf16(
+                w,
+                crate::rng::SplitMix64::new(stream).next_u64(),
+            )?
+        }
+        (dt, _) => w.to_dtype(dt)?,
+    };
+    p.set(&w)?;
+    Ok(())
 }
 
 /// `g * mul` in fp32, as candle's `affine` computes it (`x * mul + 0.0`).
@@ -131,6 +155,8 @@ pub struct AdamW {
     /// Contiguous fp32 CPU parameters take the one-pass threaded update (`host_adamw`); off,
     /// every parameter takes the op-by-op reference (the tests compare the two).
     host_fused: bool,
+    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
+    sr: Option<u64>,
 }
 
 impl AdamW {
@@ -149,6 +175,7 @@ impl AdamW {
             v: vec![None; n_params],
             // FT_HOST_ADAMW=0 turns the one-pass host update off, like the CUDA switches.
             host_fused: std::env::var("FT_HOST_ADAMW").map_or(true, |v| v != "0"),
+            sr: None,
         }
     }
 }
@@ -396,7 +423,7 @@ impl AdamW {
                 p32
             };
             let update = ((&m / denom)? * step_size)?;
-            p.set(&(decayed - update)?.to_dtype(p.dtype())?)?;
+            write_param(p, &(decayed - update)?, self.sr, self.t, i)?;
             self.m[i] = Some(m.detach());
             self.v[i] = Some(v.detach());
         }
@@ -430,6 +457,10 @@ impl Optimizer for AdamW {
         self.update(params, grads, lr, grad_mul, model)
     }
 
+    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
+        self.sr = seed;
+    }
+
     fn state_bytes(&self) -> u64 {
         self.m
             .iter()
@@ -460,6 +491,8 @@ pub struct Sgd {
     nesterov: bool,
     t: u64,
     buf: Vec<Option<Tensor>>,
+    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
+    sr: Option<u64>,
 }
 
 impl Sgd {
@@ -470,6 +503,7 @@ impl Sgd {
             nesterov,
             t: 0,
             buf: vec![None; n_params],
+            sr: None,
         }
     }
 }
@@ -497,9 +531,13 @@ impl Optimizer for Sgd {
                 };
                 self.buf[i] = Some(b.detach());
             }
-            p.set(&(p32 - (g * lr)?)?.to_dtype(p.dtype())?)?;
+            write_param(p, &(p32 - (g * lr)?)?, self.sr, self.t, i)?;
         }
         Ok(())
+    }
+
+    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
+        self.sr = seed;
     }
 
     fn state_bytes(&self) -> u64 {

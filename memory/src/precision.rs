@@ -20,6 +20,10 @@ pub struct Precision {
     pub compute: DType,
     pub master_weights: bool,
     pub loss_scaling: bool,
+    /// bf16 weights without fp32 masters are written with stochastic rounding (kohya's
+    /// `--full_bf16`): an update below half a bf16 step then survives on average instead of
+    /// never.
+    pub stochastic_rounding: bool,
 }
 
 impl Precision {
@@ -31,6 +35,17 @@ impl Precision {
             compute: storage,
             master_weights: matches!(storage, DType::BF16 | DType::F16),
             loss_scaling: storage == DType::F16,
+            stochastic_rounding: false,
+        }
+    }
+
+    /// bf16 weights updated in place, no fp32 master copies (4 bytes per parameter less), every
+    /// updated weight rounded stochastically (`--full-bf16`).
+    pub fn full_bf16() -> Self {
+        Precision {
+            master_weights: false,
+            stochastic_rounding: true,
+            ..Self::for_dtype(DType::BF16)
         }
     }
 

@@ -146,3 +146,45 @@ fn eight_bit_adamw_on_a_gpu_needs_the_kernels_or_offload() {
         assert!(e.contains("--offload-optimizer"), "{e}");
     }
 }
+
+/// `--full-bf16` gives bf16 weights without masters on any device, and refuses the flags it
+/// contradicts by name.
+#[test]
+fn full_bf16_is_checked_with_the_flags() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: ft_memory::config::CommonArgs,
+    }
+    let parse = |extra: &[&str]| {
+        let mut args = vec!["t", "--full-bf16"];
+        args.extend(extra);
+        Cli::parse_from(args).common
+    };
+    let c = parse(&[]);
+    assert!(c.validate().is_ok());
+    let p = c.planned_precision().expect("precision");
+    assert_eq!(p.storage, candle_core::DType::BF16);
+    assert!(!p.master_weights && p.stochastic_rounding);
+    for (extra, word) in [
+        (&["--precision", "f16"][..], "--precision"),
+        (&["--offload-optimizer"][..], "--offload-optimizer"),
+        (
+            &["--device", "cuda", "--optim", "adamw8bit"][..],
+            "adamw8bit",
+        ),
+    ] {
+        let e = parse(extra)
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains(word) && e.contains("--full-bf16"),
+            "{extra:?}: {e}"
+        );
+    }
+    assert!(parse(&["--precision", "bf16", "--optim", "adafactor"])
+        .validate()
+        .is_ok());
+}

@@ -54,6 +54,31 @@ fn bf16_weights_need_fp32_masters_for_small_updates() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `Precision::full_bf16` (no masters, `--full-bf16`): the same 100 updates below bf16's
+/// resolution move the weights on average, by stochastic rounding, where rounding to nearest
+/// kept every one at 1.0; and no fp32 copy of the weights exists.
+#[test]
+fn full_bf16_rounds_stochastically_so_small_updates_survive() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::ones(256, DType::BF16, &dev)?)?;
+    let mut opt = plain_sgd(&w, Precision::full_bf16())?;
+    assert!(opt.masters().is_empty());
+    for _ in 0..100 {
+        opt.step(vec![Some(Tensor::ones(256, DType::BF16, &dev)?)], 1e-4)?;
+    }
+    let v = w.as_tensor().to_dtype(DType::F32)?;
+    let mean = v.mean_all()?.to_scalar::<f32>()?;
+    assert!(
+        (mean - 0.99).abs() < 0.002,
+        "mean {mean}, expected about 0.99"
+    );
+    // Each weight is a bf16 value near 0.99, not all the same one: the noise is per element.
+    let distinct: std::collections::BTreeSet<u32> =
+        v.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect();
+    assert!(distinct.len() > 2, "{distinct:?}");
+    Ok(())
+}
+
 #[test]
 fn f32_models_have_no_masters() -> anyhow::Result<()> {
     let w = Var::from_tensor(&Tensor::ones(4, DType::F32, &Device::Cpu)?)?;

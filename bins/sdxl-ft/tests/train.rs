@@ -318,6 +318,23 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
         "{}",
         af.table()
     );
+    // configs/sdxl_24gb.toml, with --full-bf16 (no fp32 masters, stochastic rounding): 10.5
+    // GiB, kohya's ~10 GB, and nothing on the host.
+    let low = root.join("sdxl_24gb.toml").display().to_string();
+    let pure: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+        ["sdxl-ft", "--config", &low, "--model", &model, "--plan"],
+        |a: &sdxl_ft::cli::Args| a.config.clone(),
+    )?;
+    pure.validate()?;
+    assert!(pure.common.full_bf16 && pure.common.accum == 1);
+    let pure = sdxl_ft::run::plan(&pure)?;
+    assert_eq!(pure.host_bytes(), 0);
+    eprintln!("{}", pure.table());
+    assert!(
+        (gib(pure.device_bytes()) - 10.47).abs() < 0.01,
+        "{}",
+        pure.table()
+    );
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }

@@ -383,6 +383,51 @@ fn adafactor_trains_and_resumes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--full-bf16 --optim adafactor` (kohya's low-memory recipe): bf16 weights without masters,
+/// stochastically rounded; the demo's loss falls, the checkpoint holds no masters, and the
+/// rounding streams follow the step, so resuming continues the same curve.
+#[test]
+fn full_bf16_trains_and_resumes() -> anyhow::Result<()> {
+    let dir = tmp("full-bf16");
+    let steps = [
+        "--max-steps",
+        "6",
+        "--eval-limit",
+        "4",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "3",
+        "--optim",
+        "adafactor",
+        "--full-bf16",
+    ];
+    let run = train_run(&demo_args(&dir, &steps))?;
+    let l = &run.losses;
+    assert!(
+        l[3..].iter().sum::<f64>() < l[..3].iter().sum::<f64>(),
+        "{l:?}"
+    );
+    let ckpt = dir.join("checkpoint-3");
+    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    assert!(
+        !files.names().any(|n| n.starts_with("master.")),
+        "masters saved"
+    );
+    let model = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("model.safetensors")])?;
+    let dtypes: std::collections::BTreeSet<String> = model
+        .names()
+        .filter_map(|n| model.meta(n).map(|m| format!("{:?}", m.dtype)))
+        .collect();
+    assert!(dtypes.contains("BF16"), "{dtypes:?}");
+    let mut resume = steps.to_vec();
+    let ck = ckpt.display().to_string();
+    resume.extend(["--resume", &ck]);
+    let resumed = train_run(&demo_args(&dir, &resume))?;
+    assert_eq!(resumed.losses, run.losses[3..], "resumed full-bf16 run");
+    Ok(())
+}
+
 /// `--plan` from FLAN-T5-XL's config.json alone (no weights, no tokenizer, no GPU opened): the
 /// model states of seed 002's setup on the GPU and in host memory, with and without offload.
 #[test]
@@ -463,6 +508,9 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
         "{}",
         af.table()
     );
+    // --full-bf16: no fp32 masters, 4 bytes a parameter less.
+    let pure = plan(&["--full-bf16"])?;
+    assert_eq!(near.device_bytes() - pure.device_bytes(), 4 * near.params);
     let one_host = plan(&["--accum", "1", "--offload-optimizer"])?;
     assert_eq!(one_host.device_bytes(), host.device_bytes());
     assert_eq!(host.host_bytes() - one_host.host_bytes(), 2 * near.params);
