@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads the JSON lines of `gpu_bench` and `gpu_bench_torch.py` (stdin or files) and prints the
 markdown tables of docs/benchmarks.md: per model run, step time and its ratio to PyTorch's
-same-settings run (`pytorch-amp`), and GPU memory by component (model states between steps, the
+same-settings run (`pytorch-amp`; `pytorch-bf16-adafactor` for the Adafactor runs), and GPU memory by component (model states between steps, the
 gradients and activations on top at the peak); per attention shape, time and peak memory."""
 import fileinput
 import json
@@ -13,20 +13,26 @@ def gib(b):
     return "-" if b is None else f"{b / GIB:.2f} GiB"
 
 
+def reference(impl):
+    """The PyTorch run a row is compared with: the same recipe where one ran (Adafactor on bf16
+    weights without masters), else PyTorch amp."""
+    return "pytorch-bf16-adafactor" if impl.endswith("adafactor") else "pytorch-amp"
+
+
 def model_rows(rows, key):
     ref = {}
     for r in rows:
-        if r["impl"] == "pytorch-amp" and "step_s" in r:
-            ref[key(r)] = r
-    out = ["| run | setting | step time | ratio to PyTorch amp | peak GPU memory | between steps "
+        if r["impl"].startswith("pytorch") and "step_s" in r:
+            ref[(r["impl"], key(r))] = r
+    out = ["| run | setting | step time | ratio to PyTorch | peak GPU memory | between steps "
            "(weights, masters, optimizer) | peak above that (gradients, activations, temporaries) "
-           "| peak vs PyTorch amp |", "|---|---|---|---|---|---|---|---|"]
+           "| peak vs PyTorch |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         setting = key(r)
         if "error" in r:
             out.append(f"| {r['impl']} | {setting} | {r['error']} | | | | | |")
             continue
-        p = ref.get(setting)
+        p = ref.get((reference(r["impl"]), setting))
         ratio = f"{r['step_s'] / p['step_s']:.2f}x" if p else "-"
         mem = f"{r['peak'] / p['peak']:.2f}x" if p else "-"
         out.append(f"| {r['impl']} | {setting} | {r['step_s']:.3f} s | {ratio} | {gib(r['peak'])} "
@@ -64,11 +70,11 @@ def main():
     att = [r for r in rows if r["bench"] == "attention"]
     ck = lambda r: ", checkpointing" if r.get("checkpointing") else ""  # noqa: E731
     if sdxl:
-        print("\nFull SDXL UNet train step, batch 1, AdamW\n")
+        print("\nFull SDXL UNet train step, batch 1, AdamW (Adafactor where the run says so)\n")
         print("\n".join(model_rows(sdxl, lambda r: f"{r['px']} px{ck(r)}")))
         print("\n".join(states_rows(sdxl) + phase_rows(sdxl, lambda r: f"{r['px']} px")))
     if t5:
-        print("\nFLAN-T5-XL-shaped train step, AdamW\n")
+        print("\nFLAN-T5-XL-shaped train step, AdamW (Adafactor where the run says so)\n")
         print("\n".join(model_rows(
             t5, lambda r: f"batch {r['batch']}, {r['src']}+{r['tgt']} tokens{ck(r)}")))
         print("\n".join(states_rows(t5) + phase_rows(t5, lambda r: f"batch {r['batch']}")))

@@ -11,7 +11,10 @@
 Model runs use the settings of the Rust side as PyTorch users run them: `amp` is fp32 weights
 with bf16 autocast (diffusers' and HF Trainer's `--mixed_precision bf16`: the fp32 weights are the
 masters), AdamW (torch's default foreach implementation); `bf16` is the model cast to bf16 with
-AdamW on bf16 state (kohya's `--full_bf16`), a lower bound without master weights. Memory is
+AdamW on bf16 state (kohya's `--full_bf16`), a lower bound without master weights;
+`bf16-adafactor` the same model with transformers' Adafactor as HF Trainer builds it (kohya's
+low-memory SDXL recipe; the Rust side's `FT_FULL_BF16=1 FT_OPTIM=adafactor`). `TORCH_MODES`
+(default "amp bf16") picks the modes. Memory is
 `torch.cuda.memory_allocated` between steps (`base`) and `max_memory_allocated` during the
 measured steps (`peak`): the same pool counters the Rust side reads.
 """
@@ -25,6 +28,18 @@ import torch
 WARMUP = 1
 STEPS = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def modes():
+    return os.environ.get("TORCH_MODES", "amp bf16").split()
+
+
+def optimizer(params, mode):
+    if mode == "bf16-adafactor":
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=1e-5, scale_parameter=False, relative_step=False,
+                         warmup_init=False)
+    return torch.optim.AdamW(params, lr=1e-5)
 
 
 def measure(step):
@@ -74,16 +89,16 @@ def sdxl(pxs, ck):
     with open(os.path.join(HERE, "..", "configs", "sdxl", "unet_config.json")) as f:
         cfg = json.load(f)
     pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
-    for mode in ["amp", "bf16"]:
+    for mode in modes():
         torch.manual_seed(0)
         with torch.device("cuda"):
             unet = UNet2DConditionModel.from_config(cfg)
-        if mode == "bf16":
+        if mode != "amp":
             unet = unet.to(torch.bfloat16)
         unet.train()
         if ck:
             unet.enable_gradient_checkpointing()
-        opt = torch.optim.AdamW(unet.parameters(), lr=1e-5)
+        opt = optimizer(unet.parameters(), mode)
         dt = torch.float32 if mode == "amp" else torch.bfloat16
         for px in pxs:
             lat = px // 8
@@ -116,7 +131,7 @@ def t5(batch, src, tgt, ck):
                    num_decoder_layers=24, num_heads=32, feed_forward_proj="gated-gelu",
                    tie_word_embeddings=False, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
                    decoder_start_token_id=0)
-    for mode in ["amp", "bf16"]:
+    for mode in modes():
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = T5ForConditionalGeneration(cfg)
@@ -124,13 +139,13 @@ def t5(batch, src, tgt, ck):
         # versions tie it to the embedding regardless of the config, which hides 66M parameters.
         if model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr():
             model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
-        if mode == "bf16":
+        if mode != "amp":
             model = model.to(torch.bfloat16)
         model.train()
         if ck:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        opt = optimizer(model.parameters(), mode)
         ids = torch.randint(2, 32128, (batch, src), device="cuda")
         labels = torch.randint(2, 32128, (batch, tgt), device="cuda")
 

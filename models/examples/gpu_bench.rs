@@ -11,7 +11,9 @@
 //!
 //! Model runs: bf16 weights, fp32 master weights, AdamW, one micro-batch per step; with
 //! `FT_OFFLOAD=1` masters and moments live on the host (`StatePlacement::Host`); with
-//! `FT_OPTIM=adamw8bit` the moments are 8-bit blocks (`ft_memory::adamw8bit`). Memory comes
+//! `FT_OPTIM=adamw8bit` the moments are 8-bit blocks (`ft_memory::adamw8bit`), with
+//! `FT_OPTIM=adafactor` the state is Adafactor's, and with `FT_FULL_BF16=1` the bf16 weights
+//! train without fp32 masters (`Precision::full_bf16`). Memory comes
 //! from the device's memory pool (exact bytes of live tensors and their peak, see
 //! `ft_memory::measure`): `base` is what stays allocated between steps (weights, masters, AdamW
 //! moments), `peak` the highest allocation during the measured steps.
@@ -20,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor, Var};
+use ft_memory::adafactor::{Adafactor, AdafactorConfig};
 use ft_memory::adamw8bit::AdamW8bit;
 use ft_memory::checkpoint::Checkpointer;
 use ft_memory::measure;
@@ -38,25 +41,37 @@ fn offload() -> bool {
     std::env::var("FT_OFFLOAD").is_ok_and(|v| v == "1")
 }
 
-/// Whether `FT_OPTIM=adamw8bit` asks for 8-bit AdamW moments.
-fn eight_bit() -> bool {
-    std::env::var("FT_OPTIM").is_ok_and(|v| v == "adamw8bit")
+/// `FT_OPTIM`: adamw (default), adamw8bit or adafactor.
+fn optim() -> String {
+    std::env::var("FT_OPTIM").unwrap_or_else(|_| "adamw".into())
 }
 
-/// The run's label: `candle`, `candle-offload` with `FT_OFFLOAD=1`, `-8bit` appended with
-/// `FT_OPTIM=adamw8bit`, or `candle-ops` with `FT_CUDA_KERNELS=0` (candle's own ops in place
-/// of this project's kernels).
-fn label() -> &'static str {
+/// Whether `FT_FULL_BF16=1` asks for bf16 weights without masters.
+fn full_bf16() -> bool {
+    std::env::var("FT_FULL_BF16").is_ok_and(|v| v == "1")
+}
+
+/// The run's label: `candle`, then `-ops` with `FT_CUDA_KERNELS=0` (candle's own ops in place
+/// of this project's kernels), `-offload` with `FT_OFFLOAD=1`, `-full-bf16` with
+/// `FT_FULL_BF16=1`, and `-8bit` or `-adafactor` for `FT_OPTIM`.
+fn label() -> String {
+    let mut l = String::from("candle");
     #[cfg(feature = "cuda")]
     if !ft_kernels::cuda::enabled() {
-        return "candle-ops";
+        l.push_str("-ops");
     }
-    match (offload(), eight_bit()) {
-        (false, false) => "candle",
-        (true, false) => "candle-offload",
-        (false, true) => "candle-8bit",
-        (true, true) => "candle-offload-8bit",
+    if offload() {
+        l.push_str("-offload");
     }
+    if full_bf16() {
+        l.push_str("-full-bf16");
+    }
+    match optim().as_str() {
+        "adamw8bit" => l.push_str("-8bit"),
+        "adafactor" => l.push_str("-adafactor"),
+        _ => {}
+    }
+    l
 }
 
 const WARMUP: usize = 1;
@@ -123,15 +138,21 @@ fn randn(rng: &mut SplitMix64, shape: &[usize], dt: DType, dev: &Device) -> anyh
 
 fn optimizer(store: &ParamStore) -> anyhow::Result<MixedOptimizer> {
     let cfg = AdamWConfig::default();
+    let precision = if full_bf16() {
+        Precision::full_bf16()
+    } else {
+        Precision::parse("bf16")?
+    };
+    let kind = optim();
     Ok(MixedOptimizer::new(
         store.trainable()?,
-        Precision::parse("bf16")?,
+        precision,
         StatePlacement::offload(offload()),
         |n| -> Box<dyn Optimizer> {
-            if eight_bit() {
-                Box::new(AdamW8bit::new(n, cfg))
-            } else {
-                Box::new(AdamW::new(n, cfg))
+            match kind.as_str() {
+                "adamw8bit" => Box::new(AdamW8bit::new(n, cfg)),
+                "adafactor" => Box::new(Adafactor::new(n, AdafactorConfig::trainer(0.0))),
+                _ => Box::new(AdamW::new(n, cfg)),
             }
         },
         None,
