@@ -152,7 +152,8 @@ pub struct CommonArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-4)]
     pub lr: f64,
-    /// AdamW weight decay.
+    /// Decoupled weight decay (AdamW's and Adafactor's), applied to every trainable tensor
+    /// (HF Trainer exempts biases and norm weights; this does not).
     #[arg(long, default_value_t = 0.01)]
     pub weight_decay: f64,
     /// Learning-rate schedule after warmup: constant, linear or cosine.
@@ -173,9 +174,10 @@ pub struct CommonArgs {
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub gradient_checkpointing: bool,
-    /// Optimizer: adamw (fp32 moments) or adamw8bit (bitsandbytes-style blockwise 8-bit
+    /// Optimizer: adamw (fp32 moments), adamw8bit (bitsandbytes-style blockwise 8-bit
     /// moments, about 2 bytes per parameter instead of 8; on a GPU updated by a CUDA kernel
-    /// beside the model, with --offload-optimizer on the host).
+    /// beside the model, with --offload-optimizer on the host) or adafactor (transformers'
+    /// Adafactor as HF Trainer builds it: factored second moments, no first moment).
     #[arg(long, default_value = "adamw")]
     pub optim: String,
     /// Keep the fp32 master weights, the AdamW moments and the accumulated gradients in host

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::error::Result;
 use crate::ledger::{tensor_bytes, Category, Ledger};
 use crate::optim::Optimizer;
-use crate::precision::{clip_coefficient, LossScaler, Precision};
+use crate::precision::{clip_coefficient, clip_factor, sum_of_squares, LossScaler, Precision};
 
 /// What one call to [`MixedOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -235,9 +235,18 @@ impl MixedOptimizer {
     }
 
     /// Applies one optimizer step with the summed, still loss-scaled gradients of the step.
-    pub fn step(&mut self, mut grads: Vec<Option<Tensor>>, lr: f64) -> Result<StepOutcome> {
+    pub fn step(&mut self, grads: Vec<Option<Tensor>>, lr: f64) -> Result<StepOutcome> {
+        // The loss scale's inverse and clipping's factor are applied as the optimizer reads
+        // each gradient: no fp32 or scaled copy of the gradients (of a single micro-batch's
+        // f16/bf16 ones, or of the sums). With a loss scale, one read-only sum of squares is the
+        // overflow check and the norm: the scale is a power of two, so the norm and the factor
+        // have the bits of unscaling first.
+        let mut unscaled_norm = None;
+        let mut grad_mul = 1.0;
         if let Some(scaler) = self.scaler.as_mut() {
-            let found_inf = scaler.unscale(&mut grads)?;
+            let inv = 1.0 / scaler.scale;
+            let sq = sum_of_squares(&grads)?;
+            let found_inf = !sq.is_finite();
             scaler.update(found_inf);
             if found_inf {
                 return Ok(StepOutcome {
@@ -245,16 +254,21 @@ impl MixedOptimizer {
                     grad_norm: None,
                 });
             }
+            unscaled_norm = Some(sq.sqrt() * inv);
+            grad_mul = inv;
         }
-        // Clipping's factor is applied as the optimizer reads each gradient: no scaled copy of
-        // the gradients (an fp32 one of each bf16 gradient of a single micro-batch).
-        let (grad_norm, coef) = match self.max_grad_norm {
+        let grad_norm = match self.max_grad_norm {
             Some(max) => {
-                let (norm, coef) = clip_coefficient(&grads, max)?;
-                (Some(norm), coef)
+                let (norm, coef) = match unscaled_norm {
+                    Some(norm) => (norm, clip_factor(norm, max)),
+                    None => clip_coefficient(&grads, max)?,
+                };
+                grad_mul *= coef;
+                Some(norm)
             }
-            None => (None, 1.0),
+            None => None,
         };
+        let coef = grad_mul;
         if self.masters.is_empty() {
             self.optimizer
                 .step_scaled(&self.model, &grads, lr, coef, None)?;

@@ -41,9 +41,10 @@ pub trait Optimizer: Send {
     }
 
     /// [`Optimizer::step`] (or, with `model`, [`Optimizer::step_into`]) with every gradient
-    /// multiplied by `grad_mul` first: a clipping factor (1 for none). This default scales fp32
-    /// copies of the gradients; the AdamW optimizers override it to apply the factor as their
-    /// one pass reads each gradient, which gives the same bits without the copies.
+    /// multiplied by `grad_mul` first: a clipping factor (1 for none). This default is a
+    /// fallback that costs memory (fp32 copies of every gradient at once); every optimizer of
+    /// this crate overrides it to apply the factor as it reads each gradient, the same bits
+    /// without the copies.
     fn step_scaled(
         &mut self,
         params: &[Var],
@@ -508,13 +509,23 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+impl Sgd {
+    /// One step, each gradient multiplied by `grad_mul` as it is read (a clipping factor).
+    fn update(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+    ) -> Result<()> {
         check_len(params, grads, self.buf.len())?;
         self.t += 1;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let mut g = grad_for(p, g)?;
+            if grad_mul != 1.0 {
+                g = (g * grad_mul)?;
+            }
             let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
             if self.weight_decay != 0.0 {
                 g = (g + (&p32 * self.weight_decay)?)?;
@@ -534,6 +545,27 @@ impl Optimizer for Sgd {
             write_param(p, &(p32 - (g * lr)?)?, self.sr, self.t, i)?;
         }
         Ok(())
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        self.update(params, grads, lr, 1.0)
+    }
+
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        self.update(params, grads, lr, grad_mul)?;
+        match model {
+            Some(m) => write_back(params, m),
+            None => Ok(()),
+        }
     }
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {

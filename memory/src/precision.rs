@@ -10,7 +10,8 @@ use crate::error::{Error, Result};
 /// `storage` is the dtype of the model's weights (and so of its activations and gradients).
 /// When it is bf16 or f16 the optimizer updates fp32 master copies and writes them back rounded:
 /// a bf16 weight has 8 bits of mantissa, so updates smaller than 1/256 of the weight would
-/// vanish (measured: pure-bf16 AdamW at lr 1e-5 changed only 14.9% of the weights).
+/// vanish (measured: pure-bf16 AdamW at lr 1e-5 changed only 14.9% of the weights). The
+/// exception is [`Precision::full_bf16`]: no masters, and stochastic rounding instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Precision {
     /// Dtype of the stored weights (and of their gradients).
@@ -148,6 +149,13 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
 
 /// Global L2 norm of all gradients, computed in fp32 per tensor and summed in f64.
 pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
+    Ok(sum_of_squares(grads)?.sqrt())
+}
+
+/// The sum of the squares of every element of every gradient, in f64: not finite exactly when
+/// some element is inf or NaN (the squares of finite f32 values cannot overflow an f64 sum),
+/// which makes it the loss scaler's overflow check and the clipping norm in one read-only pass.
+pub fn sum_of_squares(grads: &[Option<Tensor>]) -> Result<f64> {
     // On CUDA: one kernel per gradient and a single read-back for all of them.
     #[cfg(feature = "cuda")]
     if ft_kernels::cuda::enabled()
@@ -156,7 +164,7 @@ pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
             g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
         })
     {
-        return Ok(ft_kernels::cuda::sum_squares(grads)?.sqrt());
+        return Ok(ft_kernels::cuda::sum_squares(grads)?);
     }
     let mut sq = 0f64;
     for g in grads.iter().flatten() {
@@ -179,7 +187,7 @@ pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
             .sum_all()?
             .to_scalar::<f32>()? as f64;
     }
-    Ok(sq.sqrt())
+    Ok(sq)
 }
 
 /// Scales gradients so their global norm is at most `max_norm` (`torch.nn.utils.clip_grad_norm_`:
@@ -189,9 +197,11 @@ pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64
     let (norm, coef) = clip_coefficient(grads, max_norm)?;
     if coef < 1.0 {
         for g in grads.iter_mut().flatten() {
-            *g = match crate::host::scaled(g, coef) {
+            // In fp32 whatever the gradient's dtype (a bf16 one scaled in bf16 would round).
+            let g32 = g.to_dtype(DType::F32)?;
+            *g = match crate::host::scaled(&g32, coef) {
                 Some(t) => t?,
-                None => (&*g * coef)?,
+                None => (g32 * coef)?,
             };
         }
     }
@@ -204,6 +214,16 @@ pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64
 /// of every gradient, and an fp32 copy of each bf16 one.
 pub fn clip_coefficient(grads: &[Option<Tensor>], max_norm: f64) -> Result<(f64, f64)> {
     let norm = global_norm(grads)?;
+    Ok((norm, clip_factor(norm, max_norm)))
+}
+
+/// `clip_grad_norm_`'s factor for a global norm `norm`: `max_norm / (norm + 1e-6)` when that is
+/// below 1, else 1.
+pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
     let coef = max_norm / (norm + 1e-6);
-    Ok((norm, if coef < 1.0 { coef } else { 1.0 }))
+    if coef < 1.0 {
+        coef
+    } else {
+        1.0
+    }
 }

@@ -178,3 +178,29 @@ fn first_micro_batch_stays_in_its_dtype_and_sums_are_exact() -> anyhow::Result<(
     }
     Ok(())
 }
+
+/// The same with fp32 gradients, whose sums the host adds into in place: a gradient shared by
+/// two parameters (and the caller's tensor) must not be written into.
+#[test]
+fn shared_fp32_gradients_are_never_added_into() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let g = |seed: f64| (Tensor::arange(0f32, 120.0, &dev)?.reshape((10, 12))? * seed)?.sin();
+    let shared = g(0.1)?;
+    let before = bits(&shared)?;
+    let mut acc = GradAccumulator::new();
+    acc.add(vec![Some(shared.clone()), Some(shared.clone())])?;
+    let (a, b) = (g(0.2)?, g(0.3)?);
+    acc.add(vec![Some(a.clone()), Some(b.clone())])?;
+    acc.add(vec![Some(b.clone()), Some(a.clone())])?;
+    let sums = acc.take();
+    let want = [((&shared + &a)? + &b)?, ((&shared + &b)? + &a)?];
+    for (i, (s, w)) in sums.iter().zip(&want).enumerate() {
+        assert_eq!(bits(s.as_ref().expect("summed"))?, bits(w)?, "sum {i}");
+    }
+    assert_eq!(
+        bits(&shared)?,
+        before,
+        "the shared gradient was written into"
+    );
+    Ok(())
+}

@@ -465,3 +465,62 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The fused kernels against the host update with a gradient factor (clipping's, folded into
+/// the read: `Optimizer::step_scaled`), for AdamW and 8-bit AdamW: fp32 masters and the bf16
+/// weights they write, bit for bit, over three steps with weight decay.
+#[test]
+fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    if !ft_kernels::cuda::enabled() {
+        eprintln!("skipped: FT_CUDA_KERNELS is off");
+        return Ok(());
+    }
+    let shapes: [&[usize]; 2] = [&[80, 67], &[300]];
+    type Bits = Vec<Vec<u32>>;
+    let bits = |vs: &[Var]| -> anyhow::Result<Bits> {
+        vs.iter()
+            .map(|v| Ok(host(v.as_tensor())?.iter().map(|x| x.to_bits()).collect()))
+            .collect()
+    };
+    for eight_bit in [false, true] {
+        let run = |d: &Device| -> anyhow::Result<(Bits, Bits)> {
+            let init = |i: usize, s: &[usize]| random_tensor(s, i as u64, &Device::Cpu);
+            let masters: Vec<Var> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    Ok(Var::from_tensor(
+                        &init(i, s)?.to_dtype(DType::F32)?.to_device(d)?,
+                    )?)
+                })
+                .collect::<anyhow::Result<_>>()?;
+            let model: Vec<Var> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    Ok(Var::from_tensor(
+                        &init(i, s)?.to_dtype(DType::BF16)?.to_device(d)?,
+                    )?)
+                })
+                .collect::<anyhow::Result<_>>()?;
+            let mut opt = optimizer(eight_bit)(shapes.len());
+            for step in 0..3u64 {
+                let grads = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let g = random_tensor(s, 50 + 10 * step + i as u64, &Device::Cpu)?;
+                        Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                opt.step_scaled(&masters, &grads, 1e-2, 0.3173, Some(&model))?;
+            }
+            Ok((bits(&masters)?, bits(&model)?))
+        };
+        let (cpu, gpu) = (run(&Device::Cpu)?, run(&dev)?);
+        assert_eq!(gpu.0, cpu.0, "8-bit {eight_bit}: masters");
+        assert_eq!(gpu.1, cpu.1, "8-bit {eight_bit}: bf16 weights");
+    }
+    Ok(())
+}

@@ -79,6 +79,132 @@ fn full_bf16_rounds_stochastically_so_small_updates_survive() -> anyhow::Result<
     Ok(())
 }
 
+/// Every optimizer writes bf16 weights stochastically under `full_bf16`: AdamW, Adafactor and
+/// 8-bit AdamW (a tensor large enough for 8-bit moments) move sub-resolution steps on average.
+#[test]
+fn every_optimizer_rounds_full_bf16_weights_stochastically() -> anyhow::Result<()> {
+    use ft_memory::adafactor::{Adafactor, AdafactorConfig};
+    use ft_memory::adamw8bit::AdamW8bit;
+    use ft_memory::optim::AdamW;
+    let dev = Device::Cpu;
+    let no_decay = AdamWConfig {
+        weight_decay: 0.0,
+        ..Default::default()
+    };
+    type Make = Box<dyn Fn(usize) -> Box<dyn Optimizer>>;
+    let make: [(&str, Make); 3] = [
+        (
+            "adamw",
+            Box::new(move |n| Box::new(AdamW::new(n, no_decay))),
+        ),
+        (
+            "adafactor",
+            Box::new(|n| Box::new(Adafactor::new(n, AdafactorConfig::trainer(0.0)))),
+        ),
+        (
+            "adamw8bit",
+            Box::new(move |n| Box::new(AdamW8bit::new(n, no_decay))),
+        ),
+    ];
+    for (name, make) in make {
+        let w = Var::from_tensor(&Tensor::ones(4096, DType::BF16, &dev)?)?;
+        let mut opt = MixedOptimizer::new(
+            vec![("w".into(), w.clone())],
+            Precision::full_bf16(),
+            StatePlacement::WithModel,
+            make,
+            None,
+        )?;
+        // Steps of about 1e-4 (Adam-like updates are lr times a unit ratio), each below half a
+        // bf16 step at 1.0.
+        for _ in 0..100 {
+            opt.step(vec![Some(Tensor::ones(4096, DType::BF16, &dev)?)], 1e-4)?;
+        }
+        let mean = w
+            .as_tensor()
+            .to_dtype(DType::F32)?
+            .mean_all()?
+            .to_scalar::<f32>()?;
+        assert!(
+            (mean - 0.99).abs() < 0.002,
+            "{name}: mean {mean}, expected about 0.99"
+        );
+    }
+    Ok(())
+}
+
+/// An f16 step with loss scaling and clipping, as `MixedOptimizer` now takes it (one read-only
+/// sum of squares for the overflow check and the norm, the loss scale's inverse and the clip
+/// factor folded into AdamW's read), gives the bits of unscaling to fp32 copies, clipping them,
+/// then stepping.
+#[test]
+fn f16_step_equals_unscale_clip_then_step() -> anyhow::Result<()> {
+    use ft_memory::optim::AdamW;
+    let dev = Device::Cpu;
+    let shape = (48, 40);
+    let weights = || -> anyhow::Result<Tensor> {
+        Ok(
+            (Tensor::arange(0f32, 1920.0, &dev)?.reshape(shape)? * 0.01)?
+                .sin()?
+                .to_dtype(DType::F16)?,
+        )
+    };
+    let grad = |step: usize, scale: f64| -> anyhow::Result<Vec<Option<Tensor>>> {
+        let g = ((Tensor::arange(0f32, 1920.0, &dev)?.reshape(shape)? * (0.3 + step as f64))?
+            .cos()?
+            * (0.4 * scale))?;
+        Ok(vec![Some(g.to_dtype(DType::F16)?)])
+    };
+    let adamw = |n| -> Box<dyn Optimizer> { Box::new(AdamW::new(n, AdamWConfig::default())) };
+    let w = Var::from_tensor(&weights()?)?;
+    let f16 = Precision::parse("f16")?;
+    let mut opt = MixedOptimizer::new(
+        vec![("w".into(), w)],
+        f16,
+        StatePlacement::WithModel,
+        adamw,
+        Some(1.0),
+    )?;
+    let masters = [Var::from_tensor(&weights()?.to_dtype(DType::F32)?)?];
+    let model = [Var::from_tensor(&weights()?)?];
+    let mut reference = AdamW::new(1, AdamWConfig::default());
+    let scaler = LossScaler::default();
+    for step in 0..3 {
+        let scale = opt.loss_scale();
+        assert_eq!(scale, scaler.scale);
+        let norm = opt
+            .step(grad(step, scale)?, 1e-2)?
+            .grad_norm
+            .expect("clipping on");
+        let mut g = grad(step, scale)?;
+        assert!(!scaler.unscale(&mut g)?);
+        let want = clip_grad_norm(&mut g, 1.0)?;
+        assert!(norm > 1.0, "the step clips ({norm})");
+        assert_eq!(norm.to_bits(), want.to_bits(), "step {step}: norm");
+        reference.step_into(&masters, &g, 1e-2, &model)?;
+        let bits = |v: &Var| -> anyhow::Result<Vec<u32>> {
+            Ok(v.as_tensor()
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|x| x.to_bits())
+                .collect())
+        };
+        assert_eq!(
+            bits(&opt.masters()[0])?,
+            bits(&masters[0])?,
+            "step {step}: masters"
+        );
+        assert_eq!(
+            bits(&opt.params()[0])?,
+            bits(&model[0])?,
+            "step {step}: weights"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn f32_models_have_no_masters() -> anyhow::Result<()> {
     let w = Var::from_tensor(&Tensor::ones(4, DType::F32, &Device::Cpu)?)?;

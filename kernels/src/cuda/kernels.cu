@@ -279,7 +279,7 @@ __device__ __forceinline__ void st_model(bf16* p, long long i, float v, unsigned
 }
 
 // One AdamW step's scalars, each rounded to f32 on the host from its f64 value as the host
-// update rounds them: `decay` = 1 - lr * wd (1 without weight decay), `c1`, `c2` = 1 - b1,
+// update rounds them: `decay` = 1 - lr * wd (0 without weight decay), `c1`, `c2` = 1 - b1,
 // 1 - b2 (1 - 0.999f in float is off by 1.3e-5), `inv_bc2` = 1 / sqrt(1 - b2^t); `grad_mul`
 // unscales the gradient (1 / loss scale, or a clipping factor).
 struct AdamWArgs {
@@ -303,7 +303,7 @@ __device__ __forceinline__ float adamw_element(float w, float g, float& m, float
   m = first ? gm : __fadd_rn(affine0(m, a.b1), gm);
   v = first ? gv : __fadd_rn(affine0(v, a.b2), gv);
   const float denom = __fadd_rn(affine0(__fsqrt_rn(v), a.inv_bc2), a.eps);
-  const float decayed = a.decay != 1.f ? affine0(w, a.decay) : w;
+  const float decayed = a.decay != 0.f ? affine0(w, a.decay) : w;
   return __fsub_rn(decayed, affine0(__fdiv_rn(m, denom), a.step_size));
 }
 

@@ -88,10 +88,12 @@ pub fn adamw_fused(
 /// from their f64 values as the host update (`ft_memory`'s `host_adamw`) rounds them, so that
 /// the kernels' per-element arithmetic gives the host's bits.
 fn step_args(s: &AdamWStep, seed: u64) -> [Arg; 11] {
+    // 0 stands for "no weight decay" (a real factor is near 1): the host skips the multiply
+    // exactly when the f64 weight decay is 0, even where the f32 factor rounds to 1.
     let decay = if s.weight_decay != 0.0 {
         (1.0 - s.lr * s.weight_decay) as f32
     } else {
-        1.0
+        0.0
     };
     [
         Arg::F32(decay),

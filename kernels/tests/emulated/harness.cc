@@ -498,7 +498,7 @@ static void stochastic_case() {
   std::vector<float> master(n, v), m(n, 0.f), s2(n, 0.f);
   std::vector<bf16> g(n), w(n);
   launch({3}, {256}, [&] {
-    adamw_bf16_bf16(master.data(), m.data(), s2.data(), g.data(), w.data(), n, 1.f, 0.9f, 0.999f,
+    adamw_bf16_bf16(master.data(), m.data(), s2.data(), g.data(), w.data(), n, 0.f, 0.9f, 0.999f,
                     0.1f, 0.001f, 1e-8f, 0.f, 1.f, 1.f, 1, 5);
   });
   auto wf = back(w);
