@@ -76,17 +76,21 @@ pub trait Optimizer: Send {
 pub(crate) fn write_param(p: &Var, w: &Tensor, sr: Option<u64>, t: u64, i: usize) -> Result<()> {
     let w = match (p.dtype(), sr) {
         (DType::BF16, Some(seed)) => {
-            let mut r = crate::rng::SplitMix64::new(seed ^ t.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            let stream = r.next_u64() ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            ft_kernels::rounding::round_stochastic_bf16(
-                w,
-                crate::rng::SplitMix64::new(stream).next_u64(),
-            )?
+            ft_kernels::rounding::round_stochastic_bf16(w, rounding_seed(seed, t, i))?
         }
         (dt, _) => w.to_dtype(dt)?,
     };
     p.set(&w)?;
     Ok(())
+}
+
+/// The stochastic-rounding seed of parameter `i` at step `t` from the optimizer's `seed`: a
+/// stream of its own per step and parameter (the element index is hashed in by the rounding),
+/// the same on the CPU and in the fused CUDA update.
+pub(crate) fn rounding_seed(seed: u64, t: u64, i: usize) -> u64 {
+    let mut r = crate::rng::SplitMix64::new(seed ^ t.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let stream = r.next_u64() ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    crate::rng::SplitMix64::new(stream).next_u64()
 }
 
 /// `g * mul` in fp32, as candle's `affine` computes it (`x * mul + 0.0`).
@@ -257,7 +261,14 @@ impl AdamW {
             let Some(g) = g else { continue };
             self.place_moments(i, p.device())?;
             let w = model.map(|ms| ms[i].as_tensor());
-            fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &base)?;
+            // A bf16 weight without a master is rounded stochastically in the kernel, from the
+            // stream `write_param` would use on the CPU.
+            let seed = match (p.dtype(), self.sr) {
+                (DType::BF16, Some(s)) => rounding_seed(s, self.t, i),
+                _ => 0,
+            };
+            let step = ft_kernels::cuda::AdamWStep { seed, ..base };
+            fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &step)?;
         }
         Ok(())
     }
@@ -270,6 +281,18 @@ pub(crate) fn fusable(params: &[Var]) -> bool {
     ft_kernels::cuda::enabled()
         && params.iter().all(|p| {
             p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
+        })
+}
+
+/// Whether the fused CUDA AdamW can update `params` in place without masters: contiguous
+/// bf16/f16 on CUDA (`--full-bf16`), with the own kernels on.
+#[cfg(feature = "cuda")]
+fn fusable_in_place(params: &[Var]) -> bool {
+    ft_kernels::cuda::enabled()
+        && params.iter().all(|p| {
+            p.device().is_cuda()
+                && matches!(p.dtype(), DType::BF16 | DType::F16)
+                && p.as_tensor().is_contiguous()
         })
 }
 
@@ -307,7 +330,8 @@ pub(crate) fn cuda_step(
 
 /// One parameter's fused CUDA step with fp32 moments `m`, `v`, which are updated in place (or
 /// created, before the first step, or copied into a contiguous fp32 layout when restored in
-/// another), and the model weight `w` written when given.
+/// another): `p` an fp32 master, with the model weight `w` written when given, or a bf16/f16
+/// weight without a master, updated in place.
 #[cfg(feature = "cuda")]
 pub(crate) fn fused_fp32_moments(
     p: &Var,
@@ -323,7 +347,7 @@ pub(crate) fn fused_fp32_moments(
     let like = |t: &Option<Tensor>| -> Result<Tensor> {
         Ok(match t {
             Some(t) => t.to_dtype(DType::F32)?.contiguous()?.copy()?,
-            None => p.as_tensor().zeros_like()?,
+            None => Tensor::zeros(p.shape(), DType::F32, p.device())?,
         })
     };
     let (nm, nv) = match (&*m, &*v) {
@@ -331,7 +355,11 @@ pub(crate) fn fused_fp32_moments(
         (m, v) => (like(m)?, like(v)?),
     };
     let step = ft_kernels::cuda::AdamWStep { first, ..*base };
-    ft_kernels::cuda::adamw_fused(p.as_tensor(), &nm, &nv, &g, w, &step)?;
+    if p.dtype() == DType::F32 {
+        ft_kernels::cuda::adamw_fused(p.as_tensor(), &nm, &nv, &g, w, &step)?;
+    } else {
+        ft_kernels::cuda::adamw_fused_in_place(p.as_tensor(), &nm, &nv, &g, &step)?;
+    }
     *m = Some(nm);
     *v = Some(nv);
     Ok(())
@@ -350,7 +378,7 @@ impl AdamW {
     ) -> Result<()> {
         check_len(params, grads, self.m.len())?;
         #[cfg(feature = "cuda")]
-        if fusable(params) {
+        if fusable(params) || (model.is_none() && fusable_in_place(params)) {
             let into = model.filter(|m| fusable_into(params, m));
             self.step_fused(params, grads, lr, grad_mul, into)?;
             return match (model, into) {

@@ -308,17 +308,19 @@ __device__ __forceinline__ float adamw_element(float w, float g, float& m, float
 }
 
 // AdamW on fp32 masters, moments updated in place, and the model's low-precision weight written
-// in the same pass (round to nearest, or stochastic when seed != 0).
+// in the same pass (round to nearest, or stochastic when seed != 0). Without masters (a null
+// `master`: bf16 weights trained in place, `--full-bf16`) the weight is read from `model`.
 template <typename G, typename P>
 __device__ void adamw(float* master, float* m, float* v, const G* grad, P* model, long long n,
                       const AdamWArgs& a, int first, unsigned long long seed) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
     float mi = m[i], vi = v[i];
-    const float p = adamw_element(master[i], ld(grad, i), mi, vi, first, a);
+    const float w = master ? master[i] : ld(model, i);
+    const float p = adamw_element(w, ld(grad, i), mi, vi, first, a);
     m[i] = mi;
     v[i] = vi;
-    master[i] = p;
+    if (master) master[i] = p;
     if (model) st_model(model, i, p, seed);
   }
 }
@@ -366,8 +368,9 @@ __device__ void adamw8bit(float* master, unsigned char* mq, unsigned char* vq, f
       m = __fmul_rn(smap[mq[i]], m_max[b]);
       v = __fmul_rn(umap[vq[i]], v_max[b]);
     }
-    const float p = adamw_element(master[i], ld(grad, i), m, v, first, a);
-    master[i] = p;
+    const float w = master ? master[i] : ld(model, i);
+    const float p = adamw_element(w, ld(grad, i), m, v, first, a);
+    if (master) master[i] = p;
     if (model) st_model(model, i, p, seed);
   }
   const float mm = block_max(in && is_finite(m) ? fabsf(m) : 0.f);

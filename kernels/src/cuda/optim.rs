@@ -54,8 +54,42 @@ pub fn adamw_fused(
     model: Option<&Tensor>,
     s: &AdamWStep,
 ) -> Result<()> {
-    let n = master.elem_count();
-    check_f32_like("master", master, n)?;
+    adamw_launch(Some(master), m, v, grad, model, s)
+}
+
+/// One AdamW step on a bf16/f16 CUDA weight trained without an fp32 master (`--full-bf16`):
+/// read, updated and written back in place in the same pass as the moments, a bf16 weight
+/// rounded stochastically when `s.seed` is not 0 (the bits `ft_kernels::rounding` gives on the
+/// CPU for that seed).
+pub fn adamw_fused_in_place(
+    weight: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+    s: &AdamWStep,
+) -> Result<()> {
+    if !matches!(weight.dtype(), DType::BF16 | DType::F16) {
+        bail!(
+            "adamw_fused_in_place: a bf16/f16 weight, got {:?} (an fp32 one is its own master: \
+             adamw_fused)",
+            weight.dtype()
+        );
+    }
+    adamw_launch(None, m, v, grad, Some(weight), s)
+}
+
+fn adamw_launch(
+    master: Option<&Tensor>,
+    m: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+    model: Option<&Tensor>,
+    s: &AdamWStep,
+) -> Result<()> {
+    let n = m.elem_count();
+    if let Some(master) = master {
+        check_f32_like("master", master, n)?;
+    }
     check_f32_like("exp_avg", m, n)?;
     check_f32_like("exp_avg_sq", v, n)?;
     if grad.elem_count() != n || !grad.is_contiguous() {
@@ -65,9 +99,9 @@ pub fn adamw_fused(
         );
     }
     let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw_fused")?;
-    let dev = device_of(master)?;
+    let dev = device_of(m)?;
     let mut args = vec![
-        Arg::Ptr(tensor_ptr(master)?),
+        Arg::Ptr(master.map(tensor_ptr).transpose()?.unwrap_or(0)),
         Arg::Ptr(tensor_ptr(m)?),
         Arg::Ptr(tensor_ptr(v)?),
         Arg::Ptr(tensor_ptr(grad)?),

@@ -474,6 +474,47 @@ static void adamw8bit_case(const std::string& ty,
   failures += !ok;
 }
 
+// AdamW without masters (`--full-bf16`): a null master pointer, the bf16 weight read, updated and
+// written back stochastically in place, two steps; against the host `element` port and the
+// stochastic rounding of the same seed, bit for bit. With seed 0 it rounds to nearest.
+static void adamw_in_place_case() {
+  const int n = 600;
+  auto w = to<bf16>(rnd(n, 60));
+  std::vector<float> m(n), v(n), want_m(n), want_v(n);
+  auto want = back(w);
+  const double lr = 1e-2, b1d = 0.9, b2d = 0.999, wd = 0.01;
+  const float b1 = (float)b1d, b2 = (float)b2d, c1 = (float)(1 - b1d), c2 = (float)(1 - b2d),
+              eps = 1e-8f, decay = (float)(1 - lr * wd);
+  auto affine = [](float x, float a) { return x * a + 0.f; };
+  bool same = true;
+  for (int t = 1; t <= 2; t++) {
+    const auto g = to<bf16>(rnd(n, 60 + t));
+    const auto gf = back(g);
+    const float step = (float)(lr / (1 - std::pow(b1d, t))),
+                inv_bc2 = (float)(1 / std::sqrt(1 - std::pow(b2d, t)));
+    const unsigned long long seed = t == 1 ? 12345 : 0;
+    launch({3}, {256}, [&] {
+      adamw_bf16_bf16(nullptr, m.data(), v.data(), g.data(), w.data(), n, decay, b1, b2, c1, c2,
+                      eps, step, inv_bc2, 1.f, t == 1, seed);
+    });
+    for (int i = 0; i < n; i++) {
+      const float gi = gf[i];
+      want_m[i] = t == 1 ? affine(gi, c1) : affine(want_m[i], b1) + affine(gi, c1);
+      want_v[i] = t == 1 ? affine(gi * gi, c2) : affine(want_v[i], b2) + affine(gi * gi, c2);
+      const float denom = affine(std::sqrt(want_v[i]), inv_bc2) + eps;
+      const float p = affine(want[i], decay) - affine(want_m[i] / denom, step);
+      bf16 r;
+      r.x = seed ? bf16_bits_stochastic(p, rand_bits(seed, i)) : bf16_bits(p);
+      want[i] = back(std::vector<bf16>{r})[0];
+    }
+    const auto got = back(w);
+    for (int i = 0; i < n; i++)
+      same &= got[i] == want[i] && m[i] == want_m[i] && v[i] == want_v[i];
+  }
+  std::printf("%-48s %s\n", "adamw in place (no master), bf16", same ? "ok" : "FAIL");
+  failures += !same;
+}
+
 // Stochastic rounding (standalone and inside AdamW): each result is one of the two bf16
 // neighbours of the fp32 value, exact values stay exact, and the mean is unbiased.
 static void stochastic_case() {
@@ -607,6 +648,7 @@ int main(int argc, char** argv) {
     attention_case<bf16>("bf16 tc fwd+bwd", c, 1e-2, attn_fwd_tc_bf16, attn_delta_bf16,
                          attn_bwd_q_tc_bf16, attn_bwd_kv_tc_bf16, 128);
   adamw_case();
+  adamw_in_place_case();
   quantize_codes_case();
   adamw8bit_case<bf16, bf16>("bf16 gradient, bf16 weight", adamw8bit_bf16_bf16);
   adamw8bit_case<float, float>("f32 gradient, masters only", adamw8bit_f32_f32);
