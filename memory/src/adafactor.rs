@@ -296,7 +296,7 @@ impl Optimizer for Adafactor {
     ) -> Result<()> {
         self.update(params, grads, lr, grad_mul)?;
         match model {
-            Some(m) => crate::optim::write_back(params, m),
+            Some(m) => crate::optim::write_back(params, m, grads),
             None => Ok(()),
         }
     }

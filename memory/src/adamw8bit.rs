@@ -345,13 +345,13 @@ impl AdamW8bit {
             let into = model.filter(|m| crate::optim::fusable_into(params, m));
             self.step_cuda(params, grads, lr, grad_mul, into)?;
             return match (model, into) {
-                (Some(m), None) => crate::optim::write_back(params, m),
+                (Some(m), None) => crate::optim::write_back(params, m, grads),
                 _ => Ok(()),
             };
         }
         self.step_host(params, grads, lr, grad_mul)?;
         match model {
-            Some(m) => crate::optim::write_back(params, m),
+            Some(m) => crate::optim::write_back(params, m, grads),
             None => Ok(()),
         }
     }

@@ -25,13 +25,45 @@ use crate::error::Result;
 /// A segment: a function of 1 to 3 tensors (hidden state, encoder output, bias, ...).
 pub type SegmentFn = Arc<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync>;
 
-/// Parameter gradients produced while recomputing segments, summed per parameter.
+/// Takes a parameter's finished gradient during backward (a fused backward pass: the optimizer
+/// steps the parameter at once and the gradient is dropped). Returns whether it took it; if not,
+/// the gradient goes to the sink as usual.
+pub type EarlyStep = Arc<dyn Fn(&Var, Tensor) -> candle_core::Result<bool> + Send + Sync>;
+
+/// Parameter gradients produced while recomputing segments, summed per parameter; with an
+/// early step installed, the gradients of parameters that only one segment uses go to it
+/// instead (they are final when that segment's recomputation ends).
 #[derive(Clone, Default)]
-pub struct GradSink(Arc<Mutex<HashMap<TensorId, Tensor>>>);
+pub struct GradSink {
+    grads: Arc<Mutex<HashMap<TensorId, Tensor>>>,
+    /// Segments using each parameter in the current forward.
+    uses: Arc<Mutex<HashMap<TensorId, usize>>>,
+    early: Arc<Mutex<Option<EarlyStep>>>,
+    /// Parameters the early step took in this backward.
+    taken: Arc<Mutex<Vec<TensorId>>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 impl GradSink {
+    /// A segment's finished gradient of `p`: to the early step when one is installed and `p`
+    /// is used by this segment only, else summed in the sink.
+    fn finish(&self, p: &Var, g: Tensor) -> candle_core::Result<()> {
+        let early = locked(&self.early).clone();
+        if let Some(step) = early {
+            let exclusive = locked(&self.uses).get(&p.id()).copied() == Some(1);
+            if exclusive && step(p, g.clone())? {
+                locked(&self.taken).push(p.id());
+                return Ok(());
+            }
+        }
+        self.add(p.id(), g)
+    }
+
     fn add(&self, id: TensorId, g: Tensor) -> candle_core::Result<()> {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = locked(&self.grads);
         let sum = match m.remove(&id) {
             Some(prev) => prev.add(&g)?,
             None => g,
@@ -42,12 +74,14 @@ impl GradSink {
 
     /// Removes and returns the gradient gathered for `id`.
     pub fn take(&self, id: TensorId) -> Option<Tensor> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
+        locked(&self.grads).remove(&id)
     }
 
-    /// Forgets everything gathered (e.g. after a step skipped on overflow).
+    /// Forgets everything gathered (e.g. after a step skipped on overflow), and the uses counted
+    /// in the forward.
     pub fn clear(&self) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        locked(&self.grads).clear();
+        locked(&self.uses).clear();
     }
 }
 
@@ -70,6 +104,13 @@ impl Checkpointer {
         self.enabled
     }
 
+    /// Starts counting which segments use which parameters afresh: call before each forward
+    /// whose backward may take early steps (an evaluation forward is never backpropagated, and
+    /// its counts must not make every parameter look shared).
+    pub fn begin_forward(&self) {
+        locked(&self.sink.uses).clear();
+    }
+
     /// Evaluates `f(inputs)` (1 to 3 inputs). When checkpointing is on, only the inputs and the
     /// output stay alive; `params` are the trainable parameters `f` uses, whose gradients go to
     /// the sink when the segment is recomputed in backward.
@@ -84,6 +125,12 @@ impl Checkpointer {
         if !args.iter().any(|a| a.track_op()) {
             if let Some(first) = args.first_mut() {
                 *first = Var::from_tensor(first)?.into_inner();
+            }
+        }
+        {
+            let mut uses = locked(&self.sink.uses);
+            for p in params {
+                *uses.entry(p.id()).or_default() += 1;
             }
         }
         let op = SegmentOp {
@@ -110,6 +157,46 @@ impl Checkpointer {
     /// Backpropagates `loss` and returns the gradient of each of `params` (None where the loss
     /// does not depend on it), adding what recomputed segments put in the sink.
     pub fn gradients(&self, loss: &Tensor, params: &[Var]) -> Result<Vec<Option<Tensor>>> {
+        Ok(self.gradients_with(loss, params, None)?.0)
+    }
+
+    /// [`Self::gradients`] with `early` taking each parameter's gradient as soon as it is final
+    /// (a fused backward pass, kohya's `--fused_backward_pass`): a parameter used by exactly one
+    /// checkpointed segment, when that segment's recomputation ends. Returns the other
+    /// parameters' gradients (None for those taken) and how many were taken. A parameter taken
+    /// early that also gets a gradient from outside the segments is an error: its update came
+    /// from part of its gradient, and backprop may have read its new value.
+    pub fn gradients_with(
+        &self,
+        loss: &Tensor,
+        params: &[Var],
+        early: Option<EarlyStep>,
+    ) -> Result<(Vec<Option<Tensor>>, usize)> {
+        locked(&self.sink.taken).clear();
+        *locked(&self.sink.early) = early;
+        let result = self.collect(loss, params);
+        *locked(&self.sink.early) = None;
+        let taken: std::collections::HashSet<TensorId> =
+            locked(&self.sink.taken).drain(..).collect();
+        let grads = result?;
+        for (p, g) in params.iter().zip(&grads) {
+            if g.is_some() && taken.contains(&p.id()) {
+                return Err(crate::error::Error::Invalid(format!(
+                    "a parameter of shape {:?} is used inside a checkpointed segment and outside \
+                     it: a fused backward pass cannot update it early (turn --fused-backward off)",
+                    p.dims()
+                )));
+            }
+        }
+        let grads = grads
+            .into_iter()
+            .zip(params)
+            .map(|(g, p)| if taken.contains(&p.id()) { None } else { g })
+            .collect();
+        Ok((grads, taken.len()))
+    }
+
+    fn collect(&self, loss: &Tensor, params: &[Var]) -> Result<Vec<Option<Tensor>>> {
         let mut grads = loss.backward()?;
         let mut out = Vec::with_capacity(params.len());
         for p in params {
@@ -156,7 +243,7 @@ impl SegmentOp {
         let mut grads = surrogate.backward()?;
         for p in &self.params {
             if let Some(g) = grads.remove(p.as_tensor()) {
-                self.sink.add(p.id(), g.detach())?;
+                self.sink.finish(p, g.detach())?;
             }
         }
         Ok(vars

@@ -190,6 +190,11 @@ pub struct CommonArgs {
     /// average. Implies --precision bf16.
     #[arg(long)]
     pub full_bf16: bool,
+    /// Update each checkpointed segment's parameters as soon as the backward has produced their
+    /// gradients, then drop them (kohya's --fused_backward_pass): the model's gradients never
+    /// exist all at once. Needs --gradient-checkpointing and --accum 1; clipping is per tensor.
+    #[arg(long)]
+    pub fused_backward: bool,
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -228,6 +233,23 @@ impl CommonArgs {
             let parsed = crate::precision::Precision::parse(p)?;
             if self.full_bf16 && parsed.storage != candle_core::DType::BF16 {
                 return bad("--full-bf16 trains bf16 weights: it cannot go with --precision other than bf16");
+            }
+        }
+        if self.fused_backward {
+            if self.accum != 1 {
+                return bad(
+                    "--fused-backward updates the weights during one micro-batch's backward: it \
+                     cannot go with --accum above 1",
+                );
+            }
+            if !self.gradient_checkpointing {
+                return bad(
+                    "--fused-backward updates parameters as checkpointed segments are \
+                     recomputed: add --gradient-checkpointing",
+                );
+            }
+            if self.planned_precision()?.loss_scaling {
+                return bad("--fused-backward has no loss scaling: use bf16 or f32, not f16");
             }
         }
         if self.full_bf16 && self.offload_optimizer {
@@ -446,6 +468,7 @@ impl CommonArgs {
             progress: !self.quiet,
             resume: self.resume.clone(),
             best: None,
+            fused_backward: self.fused_backward,
         })
     }
 

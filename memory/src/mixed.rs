@@ -1,9 +1,12 @@
 //! The optimizer step as trainers see it: fp32 master weights, loss-scale check, clipping, update,
 //! and the rounded write-back into the model's bf16/f16 weights.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ledger::{tensor_bytes, Category, Ledger};
 use crate::optim::Optimizer;
 use crate::precision::{clip_coefficient, clip_factor, sum_of_squares, LossScaler, Precision};
@@ -281,4 +284,127 @@ impl MixedOptimizer {
             grad_norm,
         })
     }
+
+    /// Backward and update in one pass (kohya's `--fused_backward_pass`): each parameter that
+    /// one checkpointed segment uses is updated as soon as that segment's recomputation has
+    /// produced its gradient, and the gradient is dropped, so the model's gradients never exist
+    /// all at once (2 bytes per bf16 parameter: 4.8 GiB for the SDXL UNet); the others are
+    /// updated after the backward. One micro-batch a step, no loss scaling; clipping, as in
+    /// kohya's, is per tensor (each gradient's own norm against `max_grad_norm`). Each
+    /// parameter's update is the one `step` gives it, so without clipping the weights are those
+    /// of `checkpointer.gradients` followed by `step`, bit for bit. Returns how many parameters
+    /// were updated during the backward.
+    pub fn backward_and_step(
+        &mut self,
+        checkpointer: &crate::checkpoint::Checkpointer,
+        loss: &Tensor,
+        lr: f64,
+    ) -> Result<usize> {
+        if self.scaler.is_some() {
+            return Err(Error::Invalid(
+                "a fused backward pass has no loss scaling (f16): use bf16 or f32".into(),
+            ));
+        }
+        // The optimizer is lent to the early-step hook for the backward (it runs inside
+        // candle's backprop), then taken back.
+        let t0 = self.optimizer.state().0;
+        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(Lent));
+        let lent = Arc::new(Mutex::new(optimizer));
+        let stepper = ParamStepper {
+            optimizer: lent.clone(),
+            targets: if self.masters.is_empty() {
+                self.model.clone()
+            } else {
+                self.masters.clone()
+            },
+            model: (!self.masters.is_empty()).then(|| self.model.clone()),
+            t0,
+            lr,
+            max_grad_norm: self.max_grad_norm,
+        };
+        let index: HashMap<candle_core::TensorId, usize> = self
+            .model
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.id(), i))
+            .collect();
+        let stepper = Arc::new(stepper);
+        let hook = {
+            let stepper = stepper.clone();
+            Arc::new(move |p: &Var, g: Tensor| -> candle_core::Result<bool> {
+                let Some(&i) = index.get(&p.id()) else {
+                    return Ok(false);
+                };
+                stepper
+                    .step(i, g)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                Ok(true)
+            }) as crate::checkpoint::EarlyStep
+        };
+        let result = checkpointer.gradients_with(loss, &self.model, Some(hook));
+        let rest = result.and_then(|(grads, taken)| {
+            for (i, g) in grads.into_iter().enumerate() {
+                if let Some(g) = g {
+                    stepper.step(i, g)?;
+                }
+            }
+            Ok(taken)
+        });
+        // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
+        drop(stepper);
+        let optimizer = Arc::try_unwrap(lent)
+            .map_err(|_| Error::Invalid("the optimizer is still lent".into()))?
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner());
+        self.optimizer = optimizer;
+        rest
+    }
+}
+
+/// One parameter's update at a time for a fused backward pass: every update of the step gets
+/// the step count it would get in one `step` (the count is set back before each).
+struct ParamStepper {
+    optimizer: Arc<Mutex<Box<dyn Optimizer>>>,
+    targets: Vec<Var>,
+    model: Option<Vec<Var>>,
+    t0: u64,
+    lr: f64,
+    max_grad_norm: Option<f64>,
+}
+
+impl ParamStepper {
+    fn step(&self, i: usize, g: Tensor) -> Result<()> {
+        let coef = match self.max_grad_norm {
+            Some(max) => clip_factor(sum_of_squares(&[Some(g.clone())])?.sqrt(), max),
+            None => 1.0,
+        };
+        let mut grads: Vec<Option<Tensor>> = vec![None; self.targets.len()];
+        grads[i] = Some(g);
+        let mut opt = self.optimizer.lock().unwrap_or_else(|p| p.into_inner());
+        opt.load_state(self.t0, &[])?;
+        opt.step_scaled(&self.targets, &grads, self.lr, coef, self.model.as_deref())
+    }
+}
+
+/// Stands in for the optimizer while a fused backward pass has lent it out.
+struct Lent;
+
+impl Optimizer for Lent {
+    fn step(&mut self, _: &[Var], _: &[Option<Tensor>], _: f64) -> Result<()> {
+        Err(Error::Invalid(
+            "the optimizer is lent to a fused backward pass".into(),
+        ))
+    }
+    fn state_bytes(&self) -> u64 {
+        0
+    }
+    fn state(&self) -> (u64, Vec<(String, Tensor)>) {
+        (0, Vec::new())
+    }
+    fn load_state(&mut self, _: u64, _: &[(String, Tensor)]) -> Result<()> {
+        Err(Error::Invalid(
+            "the optimizer is lent to a fused backward pass".into(),
+        ))
+    }
+    fn set_stochastic_rounding(&mut self, _: Option<u64>) {}
 }

@@ -37,7 +37,7 @@ pub trait Optimizer: Send {
         model: &[Var],
     ) -> Result<()> {
         self.step(params, grads, lr)?;
-        write_back(params, model)
+        write_back(params, model, grads)
     }
 
     /// [`Optimizer::step`] (or, with `model`, [`Optimizer::step_into`]) with every gradient
@@ -104,8 +104,12 @@ fn scaled_f32(g: &Tensor, mul: f64) -> Result<Tensor> {
 
 /// Writes each updated master into the model weight it shadows: rounded to the weight's dtype
 /// on the master's device first, so an offloaded step moves 2 bytes per bf16 weight, not 4.
-pub(crate) fn write_back(params: &[Var], model: &[Var]) -> Result<()> {
-    for (m, p) in model.iter().zip(params) {
+/// Only parameters that got a gradient were updated, and only they are written.
+pub(crate) fn write_back(params: &[Var], model: &[Var], grads: &[Option<Tensor>]) -> Result<()> {
+    for ((m, p), g) in model.iter().zip(params).zip(grads) {
+        if g.is_none() {
+            continue;
+        }
         let w = match crate::host::narrowed(p, m.dtype()) {
             Some(w) => w?,
             None => p.as_tensor().to_dtype(m.dtype())?,
@@ -382,13 +386,13 @@ impl AdamW {
             let into = model.filter(|m| fusable_into(params, m));
             self.step_fused(params, grads, lr, grad_mul, into)?;
             return match (model, into) {
-                (Some(m), None) => write_back(params, m),
+                (Some(m), None) => write_back(params, m, grads),
                 _ => Ok(()),
             };
         }
         self.step_host(params, grads, lr, grad_mul)?;
         match model {
-            Some(m) => write_back(params, m),
+            Some(m) => write_back(params, m, grads),
             None => Ok(()),
         }
     }
@@ -591,7 +595,7 @@ impl Optimizer for Sgd {
     ) -> Result<()> {
         self.update(params, grads, lr, grad_mul)?;
         match model {
-            Some(m) => write_back(params, m),
+            Some(m) => write_back(params, m, grads),
             None => Ok(()),
         }
     }

@@ -83,6 +83,9 @@ pub struct LoopConfig {
     pub resume: Option<PathBuf>,
     /// Keep the best checkpoint by an evaluation metric in `output_dir/best`, and stop early.
     pub best: Option<BestConfig>,
+    /// Update each checkpointed segment's parameters during the backward
+    /// (`MixedOptimizer::backward_and_step`); needs `accum == 1`.
+    pub fused_backward: bool,
 }
 
 /// "Best checkpoint kept, early stopping": which metric decides and how long to wait.
@@ -259,6 +262,7 @@ pub fn run<T: Task>(
             Units::Samples => LossNorm::samples(&units),
         };
         let mut step_loss = 0f64;
+        let mut updated_in_backward = 0usize;
         for (micro, batch) in batches.iter().enumerate() {
             let ctx = StepCtx {
                 step,
@@ -266,6 +270,7 @@ pub fn run<T: Task>(
                 dropout_seed: mix(cfg.seed, step, micro),
                 checkpointer,
             };
+            checkpointer.begin_forward();
             let summed = task.summed_loss(batch, &ctx).map_err(task_err)?;
             let loss = norm.scale(&summed)?;
             step_loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
@@ -275,6 +280,13 @@ pub fn run<T: Task>(
                 loss
             };
             ledger.mark("forward", step)?;
+            if cfg.fused_backward {
+                // Backward and update together: no gradients of the whole model at once.
+                updated_in_backward +=
+                    opt.backward_and_step(checkpointer, &scaled, cfg.schedule.lr_at(step))?;
+                ledger.mark("backward", step)?;
+                continue;
+            }
             let grads = checkpointer.gradients(&scaled, &params)?;
             drop(scaled);
             acc.add(grads)?;
@@ -283,7 +295,14 @@ pub fn run<T: Task>(
         }
         drop(batches);
         let lr = cfg.schedule.lr_at(step);
-        let outcome = opt.step(acc.take(), lr)?;
+        let outcome = if cfg.fused_backward {
+            crate::mixed::StepOutcome {
+                applied: true,
+                grad_norm: None,
+            }
+        } else {
+            opt.step(acc.take(), lr)?
+        };
         ledger.remove(Category::Gradients, "model");
         opt.account(ledger, "model");
         step += 1;
@@ -302,6 +321,7 @@ pub fn run<T: Task>(
             "grad_norm": outcome.grad_norm, "skipped": !outcome.applied,
             "samples_per_s": samples as f64 / secs.max(1e-9), "step_time_s": secs,
             "memory_bytes": live,
+            "updated_in_backward": cfg.fused_backward.then_some(updated_in_backward),
         }))?;
         bar.set_message(format!(
             "loss {step_loss:.4} {:.1} samples/s mem {}",

@@ -171,6 +171,7 @@ fn run(
         progress: false,
         resume,
         best: None,
+        fused_backward: false,
     };
     let mut ledger = Ledger::new(&Device::Cpu);
     let s = train::run(

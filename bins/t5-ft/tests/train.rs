@@ -435,6 +435,64 @@ fn full_bf16_trains_and_resumes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--fused-backward` (kohya's fused backward pass): each checkpointed layer's parameters are
+/// updated during the backward, as soon as their gradients are final. Without clipping the run
+/// is the plain one, loss for loss and weight for weight; with clipping it is per tensor.
+#[test]
+fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
+    let flags = [
+        "--max-steps",
+        "4",
+        "--eval-limit",
+        "4",
+        "--eval-every",
+        "0",
+        "--accum",
+        "1",
+        "--gradient-checkpointing",
+        "--max-grad-norm",
+        "0",
+    ];
+    let plain_dir = tmp("plain-backward");
+    let plain = train_run(&demo_args(&plain_dir, &flags))?;
+    let mut fused_flags = flags.to_vec();
+    fused_flags.push("--fused-backward");
+    let fused_dir = tmp("fused-backward");
+    let fused = train_run(&demo_args(&fused_dir, &fused_flags))?;
+    assert_eq!(fused.losses, plain.losses);
+    let weights = |dir: &Path| -> anyhow::Result<Vec<u8>> {
+        Ok(std::fs::read(
+            dir.join("checkpoint-4").join("model.safetensors"),
+        )?)
+    };
+    assert_eq!(weights(&fused_dir)?, weights(&plain_dir)?, "final weights");
+    // The layers' parameters were updated during the backward (the embedding and final norm
+    // after it).
+    let metrics = std::fs::read_to_string(fused_dir.join("metrics.jsonl"))?;
+    let early: Vec<u64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["updated_in_backward"].as_u64())
+        .collect();
+    assert_eq!(early.len(), 4, "{metrics}");
+    assert!(early.iter().all(|n| *n > 10), "{early:?}");
+    // Refused where it cannot work.
+    for (extra, word) in [
+        (&["--accum", "2", "--gradient-checkpointing"][..], "--accum"),
+        (&["--accum", "1"][..], "--gradient-checkpointing"),
+    ] {
+        let mut v = vec!["--fused-backward"];
+        v.extend(extra);
+        let e = demo_args(&tmp("fused-refused"), &v)
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains(word), "{extra:?}: {e}");
+    }
+    Ok(())
+}
+
 /// `--plan` from FLAN-T5-XL's config.json alone (no weights, no tokenizer, no GPU opened): the
 /// model states of seed 002's setup on the GPU and in host memory, with and without offload.
 #[test]
