@@ -178,6 +178,10 @@ impl Checkpointer {
         *locked(&self.sink.early) = None;
         let taken: std::collections::HashSet<TensorId> =
             locked(&self.sink.taken).drain(..).collect();
+        if result.is_err() {
+            // A failed backward (or update) leaves nothing gathered for the next one.
+            self.sink.clear();
+        }
         let grads = result?;
         for (p, g) in params.iter().zip(&grads) {
             if g.is_some() && taken.contains(&p.id()) {

@@ -343,20 +343,24 @@ impl MixedOptimizer {
         };
         let result = checkpointer.gradients_with(loss, &self.model, Some(hook));
         let rest = result.and_then(|(grads, taken)| {
+            let mut stepped = taken;
             for (i, g) in grads.into_iter().enumerate() {
                 if let Some(g) = g {
                     stepper.step(i, g)?;
+                    stepped += 1;
                 }
+            }
+            // A step without any gradient still counts, as `step` counts it.
+            if stepped == 0 {
+                let mut opt = lent.lock().unwrap_or_else(|p| p.into_inner());
+                opt.load_state(t0 + 1, &[])?;
             }
             Ok(taken)
         });
         // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
         drop(stepper);
-        let optimizer = Arc::try_unwrap(lent)
-            .map_err(|_| Error::Invalid("the optimizer is still lent".into()))?
-            .into_inner()
-            .unwrap_or_else(|p| p.into_inner());
-        self.optimizer = optimizer;
+        let mut slot = lent.lock().unwrap_or_else(|p| p.into_inner());
+        self.optimizer = std::mem::replace(&mut *slot, Box::new(Lent));
         rest
     }
 }

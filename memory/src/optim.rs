@@ -90,7 +90,8 @@ pub(crate) fn write_param(p: &Var, w: &Tensor, sr: Option<u64>, t: u64, i: usize
 pub(crate) fn rounding_seed(seed: u64, t: u64, i: usize) -> u64 {
     let mut r = crate::rng::SplitMix64::new(seed ^ t.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let stream = r.next_u64() ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    crate::rng::SplitMix64::new(stream).next_u64()
+    // 0 means "to nearest" to the CUDA kernel.
+    crate::rng::SplitMix64::new(stream).next_u64().max(1)
 }
 
 /// `g * mul` in fp32, as candle's `affine` computes it (`x * mul + 0.0`).

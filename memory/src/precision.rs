@@ -152,9 +152,10 @@ pub fn global_norm(grads: &[Option<Tensor>]) -> Result<f64> {
     Ok(sum_of_squares(grads)?.sqrt())
 }
 
-/// The sum of the squares of every element of every gradient, in f64: not finite exactly when
-/// some element is inf or NaN (the squares of finite f32 values cannot overflow an f64 sum),
-/// which makes it the loss scaler's overflow check and the clipping norm in one read-only pass.
+/// The sum of the squares of every element of every gradient, in f64: not finite when some
+/// element is inf or NaN, and for f16/bf16 gradients (and fp32 ones below about 1e19, as the
+/// CUDA kernel and the fallback square in f32) only then, which makes it the loss scaler's
+/// overflow check and the clipping norm in one read-only pass.
 pub fn sum_of_squares(grads: &[Option<Tensor>]) -> Result<f64> {
     // On CUDA: one kernel per gradient and a single read-back for all of them.
     #[cfg(feature = "cuda")]

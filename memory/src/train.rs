@@ -230,6 +230,13 @@ pub fn run<T: Task>(
         indicatif::ProgressBar::hidden()
     };
 
+    if cfg.fused_backward && (cfg.accum != 1 || !checkpointer.enabled()) {
+        return Err(Error::Invalid(
+            "a fused backward pass needs one micro-batch a step and gradient checkpointing (this \
+             trainer's model has no checkpointed segments, or --accum is above 1)"
+                .into(),
+        ));
+    }
     let mut summary = RunSummary::default();
     let mut acc = GradAccumulator::on(&opt.state_device());
     let mut bad_evals = 0usize;

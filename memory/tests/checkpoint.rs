@@ -20,8 +20,16 @@ struct Layer {
 
 /// A deep residual MLP: `x + tanh(x W^T + b) * 0.5`, each layer one checkpoint segment.
 fn stack(depth: usize, width: usize) -> anyhow::Result<(Arc<ParamStore>, Vec<Layer>)> {
+    stack_of(DType::F32, depth, width)
+}
+
+fn stack_of(
+    dtype: DType,
+    depth: usize,
+    width: usize,
+) -> anyhow::Result<(Arc<ParamStore>, Vec<Layer>)> {
     let store = ParamStore::new();
-    let pb = ParamBuilder::new(store.clone(), DType::F32, &Device::Cpu, 7);
+    let pb = ParamBuilder::new(store.clone(), dtype, &Device::Cpu, 7);
     let mut layers = Vec::new();
     for i in 0..depth {
         let p = pb.pp(format!("layer.{i}"));
@@ -125,6 +133,93 @@ fn checkpointing_lowers_the_measured_peak_on_a_deep_stack() -> anyhow::Result<()
     assert!(
         (ckpt as f64) < 0.5 * plain as f64,
         "checkpointed peak {ckpt} not well below plain {plain}"
+    );
+    Ok(())
+}
+
+/// The fused backward pass (`MixedOptimizer::backward_and_step`) on a stack of checkpointed
+/// layers with bf16 weights, with fp32 masters and without (`full_bf16`, stochastic rounding):
+/// every layer's parameters are updated during the backward, and the weights after three steps
+/// equal those of backward-then-step bit for bit. A parameter used inside a segment and outside
+/// it is refused.
+#[test]
+fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()> {
+    use ft_memory::mixed::{MixedOptimizer, StatePlacement};
+    use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
+    use ft_memory::precision::Precision;
+    let _g = SERIAL.lock();
+    let adamw = |n| -> Box<dyn Optimizer> { Box::new(AdamW::new(n, AdamWConfig::default())) };
+    type Run = (Vec<Vec<u32>>, usize);
+    let run = |precision: Precision, fused: bool, outside: bool| -> anyhow::Result<Run> {
+        let (_store, layers) = stack_of(DType::BF16, 4, 16)?;
+        let named: Vec<(String, Var)> = layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| {
+                l.params
+                    .iter()
+                    .enumerate()
+                    .map(move |(k, v)| (format!("{i}.{k}"), v.clone()))
+            })
+            .collect();
+        let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
+        let mut opt =
+            MixedOptimizer::new(named, precision, StatePlacement::WithModel, adamw, None)?;
+        let ck = Checkpointer::new(true);
+        let mut taken = 0;
+        for step in 0..3 {
+            let x = (Tensor::arange(0f32, 48.0, &Device::Cpu)?.reshape((3, 16))?
+                * (0.1 + step as f64))?
+                .sin()?
+                .to_dtype(DType::BF16)?;
+            ck.begin_forward();
+            let mut h = x;
+            for l in &layers {
+                h = ck.run(layer_fn(l), &[&h], &l.params)?;
+            }
+            if outside {
+                // Layer 0's weight read again outside its segment.
+                h = h.matmul(&layers[0].w)?;
+            }
+            let loss = h.to_dtype(DType::F32)?.sqr()?.mean_all()?;
+            if fused {
+                taken += opt.backward_and_step(&ck, &loss, 1e-2)?;
+            } else {
+                let grads = ck.gradients(&loss, &vars)?;
+                opt.step(grads, 1e-2)?;
+            }
+        }
+        let bits = vars
+            .iter()
+            .map(|v| {
+                Ok(v.as_tensor()
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect())
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok((bits, taken))
+    };
+    for precision in [Precision::parse("bf16")?, Precision::full_bf16()] {
+        let (plain, _) = run(precision, false, false)?;
+        let (fused, taken) = run(precision, true, false)?;
+        assert_eq!(
+            taken,
+            3 * 8,
+            "every parameter of every layer, in each of three steps"
+        );
+        assert_eq!(fused, plain, "{precision:?}");
+    }
+    let e = run(Precision::parse("bf16")?, true, true)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("inside a checkpointed segment and outside"),
+        "{e}"
     );
     Ok(())
 }
