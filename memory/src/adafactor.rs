@@ -99,6 +99,7 @@ pub struct Adafactor {
     slots: Vec<Slot>,
     /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
     sr: Option<u64>,
+    decay: crate::optim::DecayMask,
 }
 
 /// The shapes of a tensor's factored second moment: its dims without the last, and without the
@@ -131,6 +132,7 @@ impl Adafactor {
             t: 0,
             slots: vec![Slot::default(); n_params],
             sr: None,
+            decay: crate::optim::DecayMask::default(),
         }
     }
 
@@ -269,8 +271,9 @@ impl Adafactor {
                 slot.m = Some(m.detach());
                 update = m;
             }
-            let w = if c.weight_decay != 0.0 {
-                let wd = lr_t.affine(-c.weight_decay, 0.0)?;
+            let wd = self.decay.wd(i, c.weight_decay);
+            let w = if wd != 0.0 {
+                let wd = lr_t.affine(-wd, 0.0)?;
                 (&w + w.broadcast_mul(&wd)?)?
             } else {
                 w
@@ -303,6 +306,10 @@ impl Optimizer for Adafactor {
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
         self.sr = seed;
+    }
+
+    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
+        self.decay = crate::optim::DecayMask::new(exempt);
     }
 
     fn state_bytes(&self) -> u64 {

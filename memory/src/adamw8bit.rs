@@ -130,6 +130,7 @@ pub struct AdamW8bit {
     slots: Vec<Slot>,
     /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
     sr: Option<u64>,
+    decay: crate::optim::DecayMask,
     /// Both maps on the GPU (signed, then unsigned: 512 fp32 values) once a CUDA step ran.
     #[cfg(feature = "cuda")]
     device_maps: Option<Tensor>,
@@ -142,6 +143,7 @@ impl AdamW8bit {
             t: 0,
             slots: vec![Slot::default(); n_params],
             sr: None,
+            decay: crate::optim::DecayMask::default(),
             #[cfg(feature = "cuda")]
             device_maps: None,
         }
@@ -174,6 +176,10 @@ impl AdamW8bit {
                 )));
             }
             let w = model.map(|ms| ms[i].as_tensor());
+            let base = ft_kernels::cuda::AdamWStep {
+                weight_decay: self.decay.wd(i, self.cfg.weight_decay),
+                ..base
+            };
             let slot = &mut self.slots[i];
             if n < MIN_8BIT_SIZE {
                 restored_fp32(slot, i, n)?;
@@ -402,6 +408,10 @@ impl AdamW8bit {
                     gt.elem_count()
                 )));
             }
+            let s = HostStep {
+                weight_decay: self.decay.wd(i, c.weight_decay),
+                ..s
+            };
             let slot = &mut self.slots[i];
             let new_w = crate::host::with_f32(&pt, |pv| {
                 crate::host::with_f32(&gt, |gv| update(slot, i, pv, gv, &shape, &s))
@@ -443,6 +453,10 @@ impl Optimizer for AdamW8bit {
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
         self.sr = seed;
+    }
+
+    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
+        self.decay = crate::optim::DecayMask::new(exempt);
     }
 
     fn state_bytes(&self) -> u64 {

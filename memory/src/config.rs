@@ -152,8 +152,9 @@ pub struct CommonArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-4)]
     pub lr: f64,
-    /// Decoupled weight decay (AdamW's and Adafactor's), applied to every trainable tensor
-    /// (HF Trainer exempts biases and norm weights; this does not).
+    /// Decoupled weight decay (AdamW's and Adafactor's). t5-ft exempts biases and layer norms,
+    /// as HF Trainer does; sdxl-ft and fewshot-ft decay every tensor, as diffusers' training
+    /// scripts and the FSCT code do.
     #[arg(long, default_value_t = 0.01)]
     pub weight_decay: f64,
     /// Learning-rate schedule after warmup: constant, linear or cosine.

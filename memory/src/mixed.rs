@@ -144,6 +144,15 @@ impl MixedOptimizer {
         self.optimizer.as_ref()
     }
 
+    /// Leaves the parameters whose names `exempt` picks out of weight decay (HF Trainer:
+    /// [`crate::optim::hf_trainer_no_decay`]); returns how many.
+    pub fn exempt_from_weight_decay(&mut self, exempt: impl Fn(&str) -> bool) -> usize {
+        let mask: Vec<bool> = self.names.iter().map(|n| exempt(n)).collect();
+        let count = mask.iter().filter(|e| **e).count();
+        self.optimizer.exempt_from_weight_decay(mask);
+        count
+    }
+
     pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
         self.optimizer.as_mut()
     }
@@ -411,4 +420,5 @@ impl Optimizer for Lent {
         ))
     }
     fn set_stochastic_rounding(&mut self, _: Option<u64>) {}
+    fn exempt_from_weight_decay(&mut self, _: Vec<bool>) {}
 }

@@ -26,6 +26,10 @@ pub trait Optimizer: Send {
     /// weights trained without fp32 masters ([`crate::precision::Precision::full_bf16`]).
     fn set_stochastic_rounding(&mut self, seed: Option<u64>);
 
+    /// Parameters weight decay skips (`exempt[i]`), as HF Trainer skips biases and norm
+    /// weights ([`hf_trainer_no_decay`]); by default every parameter decays.
+    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>);
+
     /// One update of the fp32 `params` (master weights), then each updated value written into
     /// `model[i]`, the bf16/f16 weights the forward reads (on the model's device: the masters
     /// may live on the host). Optimizers that can do both in one pass over memory override this.
@@ -66,6 +70,33 @@ pub trait Optimizer: Send {
         match model {
             Some(m) => self.step_into(params, grads, lr, m),
             None => self.step(params, grads, lr),
+        }
+    }
+}
+
+/// Whether HF Trainer's `get_decay_parameter_names` leaves a parameter out of weight decay: a
+/// name containing "bias" (T5's `relative_attention_bias` included, as in transformers) or a
+/// layer norm's (T5's `layer_norm`, `final_layer_norm`).
+pub fn hf_trainer_no_decay(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    n.contains("bias") || n.contains("layer_norm") || n.contains("layernorm")
+}
+
+/// Which parameters weight decay skips: none unless told (`Optimizer::exempt_from_weight_decay`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DecayMask(Vec<bool>);
+
+impl DecayMask {
+    pub(crate) fn new(exempt: Vec<bool>) -> Self {
+        DecayMask(exempt)
+    }
+
+    /// The weight decay parameter `i` gets from the configured `wd`.
+    pub(crate) fn wd(&self, i: usize, wd: f64) -> f64 {
+        if self.0.get(i).copied().unwrap_or(false) {
+            0.0
+        } else {
+            wd
         }
     }
 }
@@ -167,6 +198,7 @@ pub struct AdamW {
     host_fused: bool,
     /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
     sr: Option<u64>,
+    decay: DecayMask,
 }
 
 impl AdamW {
@@ -186,6 +218,7 @@ impl AdamW {
             // FT_HOST_ADAMW=0 turns the one-pass host update off, like the CUDA switches.
             host_fused: std::env::var("FT_HOST_ADAMW").map_or(true, |v| v != "0"),
             sr: None,
+            decay: DecayMask::default(),
         }
     }
 }
@@ -272,7 +305,12 @@ impl AdamW {
                 (DType::BF16, Some(s)) => rounding_seed(s, self.t, i),
                 _ => 0,
             };
-            let step = ft_kernels::cuda::AdamWStep { seed, ..base };
+            let weight_decay = self.decay.wd(i, self.cfg.weight_decay);
+            let step = ft_kernels::cuda::AdamWStep {
+                seed,
+                weight_decay,
+                ..base
+            };
             fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &step)?;
         }
         Ok(())
@@ -429,6 +467,11 @@ impl AdamW {
             // of the gradients it was computed from.
             let g = grad_for(p, g)?;
             self.place_moments(i, p.device())?;
+            let wd = self.decay.wd(i, c.weight_decay);
+            let host = crate::host_adamw::HostStep {
+                weight_decay: wd,
+                ..host
+            };
             if self.host_fused {
                 let (m, v) = (self.m[i].as_ref(), self.v[i].as_ref());
                 if let Some((np, nm, nv)) = crate::host_adamw::update(p, &g, m, v, &host) {
@@ -451,8 +494,8 @@ impl AdamW {
             };
             let denom = ((v.sqrt()? / bc2_sqrt)? + c.eps)?;
             let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
-            let decayed = if c.weight_decay != 0.0 {
-                (p32 * (1.0 - lr * c.weight_decay))?
+            let decayed = if wd != 0.0 {
+                (p32 * (1.0 - lr * wd))?
             } else {
                 p32
             };
@@ -495,6 +538,10 @@ impl Optimizer for AdamW {
         self.sr = seed;
     }
 
+    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
+        self.decay = DecayMask::new(exempt);
+    }
+
     fn state_bytes(&self) -> u64 {
         self.m
             .iter()
@@ -527,6 +574,7 @@ pub struct Sgd {
     buf: Vec<Option<Tensor>>,
     /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
     sr: Option<u64>,
+    decay: DecayMask,
 }
 
 impl Sgd {
@@ -538,6 +586,7 @@ impl Sgd {
             t: 0,
             buf: vec![None; n_params],
             sr: None,
+            decay: DecayMask::default(),
         }
     }
 }
@@ -560,8 +609,9 @@ impl Sgd {
                 g = (g * grad_mul)?;
             }
             let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
-            if self.weight_decay != 0.0 {
-                g = (g + (&p32 * self.weight_decay)?)?;
+            let wd = self.decay.wd(i, self.weight_decay);
+            if wd != 0.0 {
+                g = (g + (&p32 * wd)?)?;
             }
             if self.momentum != 0.0 {
                 let b = match &self.buf[i] {
@@ -603,6 +653,10 @@ impl Optimizer for Sgd {
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
         self.sr = seed;
+    }
+
+    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
+        self.decay = DecayMask::new(exempt);
     }
 
     fn state_bytes(&self) -> u64 {

@@ -235,3 +235,51 @@ fn folded_clip_factor_equals_scaling_the_gradients_first() -> anyhow::Result<()>
     }
     Ok(())
 }
+
+/// `exempt_from_weight_decay`: with zero gradients only weight decay moves a weight, so the
+/// exempt parameter stays put and the other shrinks, for every optimizer; HF Trainer's rule
+/// picks biases and layer norms by name.
+#[test]
+fn exempt_parameters_get_no_weight_decay() -> anyhow::Result<()> {
+    use ft_memory::adafactor::{Adafactor, AdafactorConfig};
+    use ft_memory::adamw8bit::AdamW8bit;
+    use ft_memory::optim::hf_trainer_no_decay;
+    let dev = Device::Cpu;
+    let wd = AdamWConfig {
+        weight_decay: 0.5,
+        ..Default::default()
+    };
+    let make: [fn(AdamWConfig) -> Box<dyn Optimizer>; 5] = [
+        |c| Box::new(AdamW::new(2, c)),
+        |c| Box::new(AdamW::new(2, c).op_by_op()),
+        |c| Box::new(AdamW8bit::new(2, c)),
+        |c| Box::new(Adafactor::new(2, AdafactorConfig::trainer(c.weight_decay))),
+        |c| Box::new(Sgd::new(2, 0.0, c.weight_decay, false)),
+    ];
+    for (k, make) in make.iter().enumerate() {
+        let params = [
+            Var::from_tensor(&Tensor::ones((4, 3), DType::F32, &dev)?)?,
+            Var::from_tensor(&Tensor::ones((4, 3), DType::F32, &dev)?)?,
+        ];
+        let mut opt = make(wd);
+        opt.exempt_from_weight_decay(vec![true, false]);
+        let zeros = || Tensor::zeros((4, 3), DType::F32, &dev).map(Some);
+        opt.step(&params, &[zeros()?, zeros()?], 0.1)?;
+        let mean = |v: &Var| v.as_tensor().mean_all()?.to_scalar::<f32>();
+        assert_eq!(mean(&params[0])?, 1.0, "optimizer {k}: exempt");
+        assert!(mean(&params[1])? < 0.99, "optimizer {k}: decayed");
+    }
+    for (name, exempt) in [
+        (
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            true,
+        ),
+        ("encoder.block.0.layer.0.layer_norm.weight", true),
+        ("decoder.final_layer_norm.weight", true),
+        ("encoder.block.0.layer.1.DenseReluDense.wi_0.weight", false),
+        ("shared.weight", false),
+    ] {
+        assert_eq!(hf_trainer_no_decay(name), exempt, "{name}");
+    }
+    Ok(())
+}

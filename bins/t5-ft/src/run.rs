@@ -127,7 +127,9 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
 
     args.common
         .announce_plan(&args.common.state_plan(&store.shapes(true), precision)?);
-    let optimizer = args.common.optimizer(store.trainable()?, precision)?;
+    let mut optimizer = args.common.optimizer(store.trainable()?, precision)?;
+    // As HF Trainer: no weight decay for biases (T5's relative attention bias) and layer norms.
+    optimizer.exempt_from_weight_decay(ft_memory::optim::hf_trainer_no_decay);
     let loop_config = LoopConfig {
         eval_every: args.eval_every,
         save_every: args.save_every,
