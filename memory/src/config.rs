@@ -367,7 +367,7 @@ impl CommonArgs {
             ..Default::default()
         };
         let placement = crate::mixed::StatePlacement::offload(self.offload_optimizer);
-        match self.optim_kind()? {
+        let mut opt = match self.optim_kind()? {
             OptimKind::AdamW => {
                 crate::mixed::MixedOptimizer::adamw(params, precision, placement, cfg, clip)
             }
@@ -388,7 +388,14 @@ impl CommonArgs {
                 },
                 clip,
             ),
+        }?;
+        // The stochastic rounding of weights without masters follows --seed, like the rest of
+        // the run's randomness.
+        if precision.stochastic_rounding && opt.masters().is_empty() {
+            let seed = crate::rng::SplitMix64::new(self.seed ^ 0x5EED_0B16).next_u64();
+            opt.optimizer_mut().set_stochastic_rounding(Some(seed));
         }
+        Ok(opt)
     }
 
     /// The memory plan of training tensors of these shapes (`ParamStore::shapes`, from a loaded

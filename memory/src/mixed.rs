@@ -111,7 +111,8 @@ impl MixedOptimizer {
         };
         let mut optimizer = make_optimizer(model.len());
         // Without masters, bf16 weights are what the optimizer writes: stochastically rounded
-        // when the precision asks (a fixed seed: the streams vary with the step and parameter).
+        // when the precision asks (a fixed seed here, the streams varying with the step and
+        // parameter; the trainers set one from --seed through `CommonArgs::optimizer`).
         if precision.stochastic_rounding && masters.is_empty() {
             optimizer.set_stochastic_rounding(Some(STOCHASTIC_ROUNDING_SEED));
         }

@@ -188,3 +188,31 @@ fn full_bf16_is_checked_with_the_flags() {
         .validate()
         .is_ok());
 }
+
+/// Under `--full-bf16` the stochastic rounding follows `--seed`: the same seed rounds the same
+/// weights the same way, another seed otherwise.
+#[test]
+fn full_bf16_rounding_follows_the_seed() -> anyhow::Result<()> {
+    use candle_core::{DType, Device, Tensor, Var};
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: ft_memory::config::CommonArgs,
+    }
+    let run = |seed: &str| -> anyhow::Result<Vec<u16>> {
+        let c =
+            Cli::parse_from(["t", "--full-bf16", "--seed", seed, "--optim", "adafactor"]).common;
+        let w = Var::from_tensor(&Tensor::ones(512, DType::BF16, &Device::Cpu)?)?;
+        let mut opt = c.optimizer(vec![("w".into(), w.clone())], c.planned_precision()?)?;
+        let g = Tensor::ones(512, DType::BF16, &Device::Cpu)?;
+        opt.step(vec![Some(g)], 1e-3)?;
+        Ok(w.as_tensor()
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    assert_eq!(run("1")?, run("1")?);
+    assert_ne!(run("1")?, run("2")?);
+    Ok(())
+}
