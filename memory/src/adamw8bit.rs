@@ -176,8 +176,15 @@ impl AdamW8bit {
                 )));
             }
             let w = model.map(|ms| ms[i].as_tensor());
+            // A bf16 weight without a master is rounded stochastically in the kernel, from the
+            // stream the host update would use.
+            let seed = match (p.dtype(), self.sr) {
+                (DType::BF16, Some(s)) => crate::optim::rounding_seed(s, self.t, i),
+                _ => 0,
+            };
             let base = ft_kernels::cuda::AdamWStep {
                 weight_decay: self.decay.wd(i, self.cfg.weight_decay),
+                seed,
                 ..base
             };
             let slot = &mut self.slots[i];
@@ -216,7 +223,11 @@ impl AdamW8bit {
             };
             let step = ft_kernels::cuda::AdamWStep { first, ..base };
             let g = g.detach().contiguous()?;
-            ft_kernels::cuda::adamw8bit_fused(p.as_tensor(), &q, &g, w, &step)?;
+            if p.dtype() == DType::F32 {
+                ft_kernels::cuda::adamw8bit_fused(p.as_tensor(), &q, &g, w, &step)?;
+            } else {
+                ft_kernels::cuda::adamw8bit_fused_in_place(p.as_tensor(), &q, &g, &step)?;
+            }
         }
         Ok(())
     }
@@ -347,7 +358,9 @@ impl AdamW8bit {
             )));
         }
         #[cfg(feature = "cuda")]
-        if crate::optim::fusable(params) {
+        if crate::optim::fusable(params)
+            || (model.is_none() && crate::optim::fusable_in_place(params))
+        {
             let into = model.filter(|m| crate::optim::fusable_into(params, m));
             self.step_cuda(params, grads, lr, grad_mul, into)?;
             return match (model, into) {

@@ -259,12 +259,6 @@ impl CommonArgs {
                  the host: use one of the two",
             );
         }
-        if self.full_bf16 && self.device != "cpu" && self.optim_kind()? == OptimKind::AdamW8bit {
-            return bad(
-                "--optim adamw8bit's GPU kernel updates fp32 master weights: with --full-bf16 use \
-                 --optim adafactor or adamw",
-            );
-        }
         self.schedule.parse::<crate::schedule::ScheduleKind>()?;
         let cuda_n = |s: &str| {
             s.strip_prefix("cuda:")

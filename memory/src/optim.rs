@@ -330,7 +330,7 @@ pub(crate) fn fusable(params: &[Var]) -> bool {
 /// Whether the fused CUDA AdamW can update `params` in place without masters: contiguous
 /// bf16/f16 on CUDA (`--full-bf16`), with the own kernels on.
 #[cfg(feature = "cuda")]
-fn fusable_in_place(params: &[Var]) -> bool {
+pub(crate) fn fusable_in_place(params: &[Var]) -> bool {
     ft_kernels::cuda::enabled()
         && params.iter().all(|p| {
             p.device().is_cuda()

@@ -525,8 +525,8 @@ fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--full-bf16` with AdamW on a GPU: the fused kernel updates the bf16 weights in place (no
-/// masters) with the stochastic rounding the CPU update does for the same step and parameter,
+/// `--full-bf16` with AdamW and 8-bit AdamW on a GPU: the fused kernels update the bf16 weights
+/// in place (no masters) with the stochastic rounding the CPU update does for the same step and parameter,
 /// so weights and moments equal the CPU run's bit for bit; fp32 state is only the moments.
 #[test]
 fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
@@ -536,55 +536,61 @@ fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
         return Ok(());
     }
     let shapes: [&[usize]; 2] = [&[80, 67], &[300]];
-    let run = |d: &Device| -> anyhow::Result<MixedOptimizer> {
-        let params = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
-                Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let mut opt = MixedOptimizer::new(
-            params,
-            Precision::full_bf16(),
-            StatePlacement::WithModel,
-            optimizer(false),
-            None,
-        )?;
-        assert!(opt.masters().is_empty());
-        for step in 0..3u64 {
-            let grads = shapes
+    for eight_bit in [false, true] {
+        let run = |d: &Device| -> anyhow::Result<MixedOptimizer> {
+            let params = shapes
                 .iter()
                 .enumerate()
                 .map(|(i, s)| {
-                    let g = random_tensor(s, 70 + 10 * step + i as u64, &Device::Cpu)?;
-                    Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
+                    let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
+                    Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            opt.step(grads, 1e-3)?;
+            let mut opt = MixedOptimizer::new(
+                params,
+                Precision::full_bf16(),
+                StatePlacement::WithModel,
+                optimizer(eight_bit),
+                None,
+            )?;
+            assert!(opt.masters().is_empty());
+            for step in 0..3u64 {
+                let grads = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let g = random_tensor(s, 70 + 10 * step + i as u64, &Device::Cpu)?;
+                        Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                opt.step(grads, 1e-3)?;
+            }
+            Ok(opt)
+        };
+        let cpu = run(&Device::Cpu)?;
+        let launched = ft_kernels::cuda::launches();
+        let gpu_opt = run(&dev)?;
+        assert!(ft_kernels::cuda::launches() > launched, "no kernel ran");
+        let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
+            Ok(host(t)?.iter().map(|v| v.to_bits()).collect())
+        };
+        for (i, (g, c)) in gpu_opt.params().iter().zip(cpu.params()).enumerate() {
+            assert_eq!(g.dtype(), DType::BF16);
+            assert_eq!(
+                bits(g.as_tensor())?,
+                bits(c.as_tensor())?,
+                "8-bit {eight_bit}: weight {i}"
+            );
         }
-        Ok(opt)
-    };
-    let cpu = run(&Device::Cpu)?;
-    let launched = ft_kernels::cuda::launches();
-    let gpu_opt = run(&dev)?;
-    assert!(ft_kernels::cuda::launches() > launched, "no kernel ran");
-    let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
-        Ok(host(t)?.iter().map(|v| v.to_bits()).collect())
-    };
-    for (i, (g, c)) in gpu_opt.params().iter().zip(cpu.params()).enumerate() {
-        assert_eq!(g.dtype(), DType::BF16);
-        assert_eq!(bits(g.as_tensor())?, bits(c.as_tensor())?, "weight {i}");
-    }
-    for ((name, g), (_, c)) in gpu_opt
-        .optimizer()
-        .state()
-        .1
-        .iter()
-        .zip(&cpu.optimizer().state().1)
-    {
-        assert_eq!(bits(g)?, bits(c)?, "{name}");
+        for ((name, g), (_, c)) in gpu_opt
+            .optimizer()
+            .state()
+            .1
+            .iter()
+            .zip(&cpu.optimizer().state().1)
+        {
+            assert_eq!(bits(g)?, bits(c)?, "{name}");
+        }
     }
     Ok(())
 }

@@ -190,9 +190,39 @@ pub fn adamw8bit_fused(
     model: Option<&Tensor>,
     s: &AdamWStep,
 ) -> Result<()> {
-    let n = master.elem_count();
+    adamw8bit_launch(Some(master), q, grad, model, s)
+}
+
+/// [`adamw8bit_fused`] on a bf16/f16 weight trained without an fp32 master (`--full-bf16`):
+/// read, updated and written back in place, a bf16 weight rounded stochastically when `s.seed`
+/// is not 0 (as [`adamw_fused_in_place`]).
+pub fn adamw8bit_fused_in_place(
+    weight: &Tensor,
+    q: &Moments8bit<'_>,
+    grad: &Tensor,
+    s: &AdamWStep,
+) -> Result<()> {
+    if !matches!(weight.dtype(), DType::BF16 | DType::F16) {
+        bail!(
+            "adamw8bit_fused_in_place: a bf16/f16 weight, got {:?}",
+            weight.dtype()
+        );
+    }
+    adamw8bit_launch(None, q, grad, Some(weight), s)
+}
+
+fn adamw8bit_launch(
+    master: Option<&Tensor>,
+    q: &Moments8bit<'_>,
+    grad: &Tensor,
+    model: Option<&Tensor>,
+    s: &AdamWStep,
+) -> Result<()> {
+    let n = q.m.elem_count();
     let blocks = n.div_ceil(256);
-    check_f32_like("master", master, n)?;
+    if let Some(master) = master {
+        check_f32_like("master", master, n)?;
+    }
     check_f32_like("exp_avg_absmax", q.m_max, blocks)?;
     check_f32_like("exp_avg_sq_absmax", q.v_max, blocks)?;
     check_f32_like("quantization maps", q.maps, 512)?;
@@ -212,7 +242,7 @@ pub fn adamw8bit_fused(
         );
     }
     let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw8bit_fused")?;
-    let dev = device_of(master)?;
+    let dev = device_of(q.m)?;
     // A grid's x dimension holds at most 2^31 - 1 blocks (5.5e11 weights in one tensor).
     let grid = u32::try_from(blocks)
         .ok()
@@ -221,7 +251,7 @@ pub fn adamw8bit_fused(
             candle_core::Error::Msg(format!("adamw8bit_fused: {n} weights in one tensor"))
         })?;
     let mut args = vec![
-        Arg::Ptr(tensor_ptr(master)?),
+        Arg::Ptr(master.map(tensor_ptr).transpose()?.unwrap_or(0)),
         Arg::Ptr(tensor_ptr(q.m)?),
         Arg::Ptr(tensor_ptr(q.v)?),
         Arg::Ptr(tensor_ptr(q.m_max)?),

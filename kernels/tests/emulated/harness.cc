@@ -515,6 +515,39 @@ static void adamw_in_place_case() {
   failures += !same;
 }
 
+// 8-bit AdamW without masters (`--full-bf16`): a step with a null master, reading and writing the
+// bf16 weight in place, against the same step from an fp32 master holding the weight's values
+// (set again before each step), with the same seed: weights, codes and maxima bit for bit.
+static void adamw8bit_in_place_case() {
+  const int n = 2 * 256 + 30, blocks = 3;
+  const auto maps = test_maps();
+  auto a = to<bf16>(rnd(n, 80));
+  auto b = a;
+  std::vector<unsigned char> mqa(n), vqa(n), mqb(n), vqb(n);
+  std::vector<float> mma(blocks), vma(blocks), mmb(blocks), vmb(blocks);
+  bool same = true;
+  for (int t = 1; t <= 3; t++) {
+    const auto g = to<bf16>(rnd(n, 80 + t));
+    auto master = back(a);
+    const float step = (float)(1e-2 / (1 - std::pow(0.9, t))),
+                inv_bc2 = (float)(1 / std::sqrt(1 - std::pow(0.999, t)));
+    const unsigned long long seed = 1000 + t;
+    launch({(unsigned)blocks}, {256}, [&] {
+      adamw8bit_bf16_bf16(master.data(), mqa.data(), vqa.data(), mma.data(), vma.data(),
+                          g.data(), a.data(), maps.data(), n, (float)(1 - 1e-4), 0.9f, 0.999f,
+                          0.1f, 0.001f, 1e-8f, step, inv_bc2, 1.f, t == 1, seed);
+    });
+    launch({(unsigned)blocks}, {256}, [&] {
+      adamw8bit_bf16_bf16(nullptr, mqb.data(), vqb.data(), mmb.data(), vmb.data(), g.data(),
+                          b.data(), maps.data(), n, (float)(1 - 1e-4), 0.9f, 0.999f, 0.1f,
+                          0.001f, 1e-8f, step, inv_bc2, 1.f, t == 1, seed);
+    });
+    same &= back(a) == back(b) && mqa == mqb && vqa == vqb && mma == mmb && vma == vmb;
+  }
+  std::printf("%-48s %s\n", "adamw 8-bit in place (no master), bf16", same ? "ok" : "FAIL");
+  failures += !same;
+}
+
 // Stochastic rounding (standalone and inside AdamW): each result is one of the two bf16
 // neighbours of the fp32 value, exact values stay exact, and the mean is unbiased.
 static void stochastic_case() {
@@ -649,6 +682,7 @@ int main(int argc, char** argv) {
                          attn_bwd_q_tc_bf16, attn_bwd_kv_tc_bf16, 128);
   adamw_case();
   adamw_in_place_case();
+  adamw8bit_in_place_case();
   quantize_codes_case();
   adamw8bit_case<bf16, bf16>("bf16 gradient, bf16 weight", adamw8bit_bf16_bf16);
   adamw8bit_case<float, float>("f32 gradient, masters only", adamw8bit_f32_f32);
