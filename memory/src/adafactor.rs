@@ -181,15 +181,14 @@ fn check(i: usize, name: &str, t: &Option<Tensor>, dims: &[usize]) -> Result<()>
     }
 }
 
-impl Adafactor {
-    /// One step, each gradient multiplied by `grad_mul` as it is read (a clipping factor):
-    /// no scaled copy of every gradient at once.
+impl Optimizer for Adafactor {
     fn update(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
         lr: f64,
         grad_mul: f64,
+        model: Option<&[Var]>,
     ) -> Result<()> {
         if params.len() != grads.len() || params.len() != self.slots.len() {
             return Err(Error::Invalid(format!(
@@ -280,24 +279,6 @@ impl Adafactor {
             };
             crate::optim::write_param(p, &(w - update)?, self.sr, self.t, i)?;
         }
-        Ok(())
-    }
-}
-
-impl Optimizer for Adafactor {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        self.update(params, grads, lr, 1.0)
-    }
-
-    fn step_scaled(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        self.update(params, grads, lr, grad_mul)?;
         match model {
             Some(m) => crate::optim::write_back(params, m, grads),
             None => Ok(()),
@@ -322,19 +303,10 @@ impl Optimizer for Adafactor {
     }
 
     fn state(&self) -> (u64, Vec<(String, Tensor)>) {
-        let mut out = Vec::new();
-        for (name, part) in [
-            ("exp_avg_sq_row", 0),
-            ("exp_avg_sq_col", 1),
-            ("exp_avg_sq", 2),
-            ("exp_avg", 3),
-        ] {
-            for (i, s) in self.slots.iter().enumerate() {
-                if let Some(t) = [&s.row, &s.col, &s.full, &s.m][part] {
-                    out.push((format!("{name}.{i}"), t.clone()));
-                }
-            }
-        }
+        let kinds = ["exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"];
+        let out = crate::optim::named_state(&kinds, &self.slots, |s, k| {
+            [&s.row, &s.col, &s.full, &s.m][k].as_ref()
+        });
         (self.t, out)
     }
 
@@ -342,15 +314,10 @@ impl Optimizer for Adafactor {
         self.t = step;
         let n = self.slots.len();
         for (name, t) in tensors {
-            let Some((kind, idx)) = name.rsplit_once('.') else {
+            let Some((kind, i)) = crate::optim::state_name(name, n)? else {
                 continue;
             };
-            let i: usize = idx
-                .parse()
-                .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
-            let slot = self.slots.get_mut(i).ok_or_else(|| {
-                Error::Invalid(format!("optimizer state `{name}`: no parameter {i} of {n}"))
-            })?;
+            let slot = &mut self.slots[i];
             let part = match kind {
                 "exp_avg_sq_row" => &mut slot.row,
                 "exp_avg_sq_col" => &mut slot.col,

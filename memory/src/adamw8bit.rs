@@ -339,42 +339,6 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
 }
 
 impl AdamW8bit {
-    /// The update behind `step`, `step_into` and `step_scaled`: the CUDA kernels for
-    /// contiguous fp32 CUDA parameters, the threaded host passes for host ones.
-    fn update(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        if params.len() != grads.len() || params.len() != self.slots.len() {
-            return Err(Error::Invalid(format!(
-                "optimizer built for {} parameters got {} parameters and {} gradients",
-                self.slots.len(),
-                params.len(),
-                grads.len()
-            )));
-        }
-        #[cfg(feature = "cuda")]
-        if crate::optim::fusable(params)
-            || (model.is_none() && crate::optim::fusable_in_place(params))
-        {
-            let into = model.filter(|m| crate::optim::fusable_into(params, m));
-            self.step_cuda(params, grads, lr, grad_mul, into)?;
-            return match (model, into) {
-                (Some(m), None) => crate::optim::write_back(params, m, grads),
-                _ => Ok(()),
-            };
-        }
-        self.step_host(params, grads, lr, grad_mul)?;
-        match model {
-            Some(m) => crate::optim::write_back(params, m, grads),
-            None => Ok(()),
-        }
-    }
-
     /// The update on the host: every parameter must be there.
     fn step_host(
         &mut self,
@@ -439,21 +403,8 @@ impl AdamW8bit {
 }
 
 impl Optimizer for AdamW8bit {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        self.update(params, grads, lr, 1.0, None)
-    }
-
-    fn step_into(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        model: &[Var],
-    ) -> Result<()> {
-        self.update(params, grads, lr, 1.0, Some(model))
-    }
-
-    fn step_scaled(
+    /// The CUDA kernels for contiguous CUDA parameters, the threaded host passes for host ones.
+    fn update(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
@@ -461,7 +412,30 @@ impl Optimizer for AdamW8bit {
         grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
-        self.update(params, grads, lr, grad_mul, model)
+        if params.len() != grads.len() || params.len() != self.slots.len() {
+            return Err(Error::Invalid(format!(
+                "optimizer built for {} parameters got {} parameters and {} gradients",
+                self.slots.len(),
+                params.len(),
+                grads.len()
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        if crate::optim::fusable(params)
+            || (model.is_none() && crate::optim::fusable_in_place(params))
+        {
+            let into = model.filter(|m| crate::optim::fusable_into(params, m));
+            self.step_cuda(params, grads, lr, grad_mul, into)?;
+            return match (model, into) {
+                (Some(m), None) => crate::optim::write_back(params, m, grads),
+                _ => Ok(()),
+            };
+        }
+        self.step_host(params, grads, lr, grad_mul)?;
+        match model {
+            Some(m) => crate::optim::write_back(params, m, grads),
+            None => Ok(()),
+        }
     }
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
@@ -482,36 +456,26 @@ impl Optimizer for AdamW8bit {
     }
 
     fn state(&self) -> (u64, Vec<(String, Tensor)>) {
-        let mut out = Vec::new();
-        for (name, part) in [
-            ("exp_avg", 0),
-            ("exp_avg_sq", 1),
-            ("exp_avg_absmax", 2),
-            ("exp_avg_sq_absmax", 3),
-        ] {
-            for (i, s) in self.slots.iter().enumerate() {
-                let t = [&s.m, &s.v, &s.m_max, &s.v_max][part];
-                if let Some(t) = t {
-                    out.push((format!("{name}.{i}"), t.clone()));
-                }
-            }
-        }
+        let kinds = [
+            "exp_avg",
+            "exp_avg_sq",
+            "exp_avg_absmax",
+            "exp_avg_sq_absmax",
+        ];
+        let out = crate::optim::named_state(&kinds, &self.slots, |s, k| {
+            [&s.m, &s.v, &s.m_max, &s.v_max][k].as_ref()
+        });
         (self.t, out)
     }
 
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()> {
         self.t = step;
+        let n = self.slots.len();
         for (name, t) in tensors {
-            let Some((kind, idx)) = name.rsplit_once('.') else {
+            let Some((kind, i)) = crate::optim::state_name(name, n)? else {
                 continue;
             };
-            let i: usize = idx
-                .parse()
-                .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
-            let n = self.slots.len();
-            let slot = self.slots.get_mut(i).ok_or_else(|| {
-                Error::Invalid(format!("optimizer state `{name}`: no parameter {i} of {n}"))
-            })?;
+            let slot = &mut self.slots[i];
             let part = match kind {
                 "exp_avg" => &mut slot.m,
                 "exp_avg_sq" => &mut slot.v,

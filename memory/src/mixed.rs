@@ -283,11 +283,10 @@ impl MixedOptimizer {
         };
         let coef = grad_mul;
         if self.masters.is_empty() {
-            self.optimizer
-                .step_scaled(&self.model, &grads, lr, coef, None)?;
+            self.optimizer.update(&self.model, &grads, lr, coef, None)?;
         } else {
             self.optimizer
-                .step_scaled(&self.masters, &grads, lr, coef, Some(&self.model))?;
+                .update(&self.masters, &grads, lr, coef, Some(&self.model))?;
         }
         Ok(StepOutcome {
             applied: true,
@@ -396,7 +395,7 @@ impl ParamStepper {
         grads[i] = Some(g);
         let mut opt = self.optimizer.lock().unwrap_or_else(|p| p.into_inner());
         opt.load_state(self.t0, &[])?;
-        opt.step_scaled(&self.targets, &grads, self.lr, coef, self.model.as_deref())
+        opt.update(&self.targets, &grads, self.lr, coef, self.model.as_deref())
     }
 }
 
@@ -404,7 +403,14 @@ impl ParamStepper {
 struct Lent;
 
 impl Optimizer for Lent {
-    fn step(&mut self, _: &[Var], _: &[Option<Tensor>], _: f64) -> Result<()> {
+    fn update(
+        &mut self,
+        _: &[Var],
+        _: &[Option<Tensor>],
+        _: f64,
+        _: f64,
+        _: Option<&[Var]>,
+    ) -> Result<()> {
         Err(Error::Invalid(
             "the optimizer is lent to a fused backward pass".into(),
         ))

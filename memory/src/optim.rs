@@ -10,8 +10,20 @@ use crate::error::{Error, Result};
 /// An optimizer over a fixed list of parameters.
 pub trait Optimizer: Send {
     /// One update of `params` with `grads` (same order; `None` leaves a parameter untouched, as
-    /// PyTorch does for a parameter whose `.grad` is None) at learning rate `lr`.
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()>;
+    /// PyTorch does for a parameter whose `.grad` is None) at learning rate `lr`, every gradient
+    /// multiplied by `grad_mul` as it is read (a clipping factor, or 1 for none: the same bits as
+    /// scaling fp32 copies first, without the copies). With `model`, `params` are fp32 masters
+    /// and each updated one is then written into `model[i]`, the bf16/f16 weight the forward
+    /// reads (on the model's device: the masters may live on the host), in the same pass where
+    /// a kernel can. Only parameters with a gradient are updated and written.
+    fn update(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()>;
     /// Bytes of optimizer state held now.
     fn state_bytes(&self) -> u64;
     /// State tensors with stable names, for checkpoints (`exp_avg.3`, ...) and the step count.
@@ -30,9 +42,12 @@ pub trait Optimizer: Send {
     /// weights ([`hf_trainer_no_decay`]); by default every parameter decays.
     fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>);
 
-    /// One update of the fp32 `params` (master weights), then each updated value written into
-    /// `model[i]`, the bf16/f16 weights the forward reads (on the model's device: the masters
-    /// may live on the host). Optimizers that can do both in one pass over memory override this.
+    /// [`Optimizer::update`] without a gradient factor or model weights.
+    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        self.update(params, grads, lr, 1.0, None)
+    }
+
+    /// [`Optimizer::update`] of fp32 masters `params`, written into `model`.
     fn step_into(
         &mut self,
         params: &[Var],
@@ -40,37 +55,7 @@ pub trait Optimizer: Send {
         lr: f64,
         model: &[Var],
     ) -> Result<()> {
-        self.step(params, grads, lr)?;
-        write_back(params, model, grads)
-    }
-
-    /// [`Optimizer::step`] (or, with `model`, [`Optimizer::step_into`]) with every gradient
-    /// multiplied by `grad_mul` first: a clipping factor (1 for none). This default is a
-    /// fallback that costs memory (fp32 copies of every gradient at once); every optimizer of
-    /// this crate overrides it to apply the factor as it reads each gradient, the same bits
-    /// without the copies.
-    fn step_scaled(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        let scaled: Vec<Option<Tensor>>;
-        let grads = if grad_mul != 1.0 {
-            scaled = grads
-                .iter()
-                .map(|g| g.as_ref().map(|g| scaled_f32(g, grad_mul)).transpose())
-                .collect::<Result<_>>()?;
-            &scaled
-        } else {
-            grads
-        };
-        match model {
-            Some(m) => self.step_into(params, grads, lr, m),
-            None => self.step(params, grads, lr),
-        }
+        self.update(params, grads, lr, 1.0, Some(model))
     }
 }
 
@@ -123,15 +108,6 @@ pub(crate) fn rounding_seed(seed: u64, t: u64, i: usize) -> u64 {
     let stream = r.next_u64() ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     // 0 means "to nearest" to the CUDA kernel.
     crate::rng::SplitMix64::new(stream).next_u64().max(1)
-}
-
-/// `g * mul` in fp32, as candle's `affine` computes it (`x * mul + 0.0`).
-fn scaled_f32(g: &Tensor, mul: f64) -> Result<Tensor> {
-    let g = g.to_dtype(DType::F32)?;
-    Ok(match crate::host::scaled(&g, mul) {
-        Some(t) => t?,
-        None => (g * mul)?,
-    })
 }
 
 /// Writes each updated master into the model weight it shadows: rounded to the weight's dtype
@@ -235,10 +211,43 @@ fn check_len(params: &[Var], grads: &[Option<Tensor>], state: usize) -> Result<(
 }
 
 fn state_tensors(prefix: &str, v: &[Option<Tensor>]) -> Vec<(String, Tensor)> {
-    v.iter()
-        .enumerate()
-        .filter_map(|(i, t)| t.as_ref().map(|t| (format!("{prefix}.{i}"), t.clone())))
-        .collect()
+    named_state(&[prefix], v, |t, _| t.as_ref())
+}
+
+/// Checkpoint entries `{kind}.{i}` of per-parameter state: for each of `kinds` in order, the
+/// tensor `part(slot, k)` (the k-th kind) of every parameter that has one. They share storage
+/// with the live state (see [`Optimizer::state`]).
+pub(crate) fn named_state<S>(
+    kinds: &[&str],
+    slots: &[S],
+    part: impl Fn(&S, usize) -> Option<&Tensor>,
+) -> Vec<(String, Tensor)> {
+    let mut out = Vec::new();
+    for (k, kind) in kinds.iter().enumerate() {
+        for (i, s) in slots.iter().enumerate() {
+            if let Some(t) = part(s, k) {
+                out.push((format!("{kind}.{i}"), t.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// A checkpoint entry's name `{kind}.{i}` split and checked against `n` parameters: `None` for
+/// a name without an index (not per-parameter state).
+pub(crate) fn state_name(name: &str, n: usize) -> Result<Option<(&str, usize)>> {
+    let Some((kind, idx)) = name.rsplit_once('.') else {
+        return Ok(None);
+    };
+    let i: usize = idx
+        .parse()
+        .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
+    if i >= n {
+        return Err(Error::Invalid(format!(
+            "optimizer state `{name}`: no parameter {i} of {n}"
+        )));
+    }
+    Ok(Some((kind, i)))
 }
 
 fn load_slot(
@@ -246,14 +255,16 @@ fn load_slot(
     slots: &mut [Option<Tensor>],
     tensors: &[(String, Tensor)],
 ) -> Result<()> {
+    let n = slots.len();
     for (name, t) in tensors {
-        if let Some(idx) = name.strip_prefix(prefix).and_then(|r| r.strip_prefix('.')) {
-            let i: usize = idx
-                .parse()
-                .map_err(|_| Error::Invalid(format!("optimizer state `{name}`: bad index")))?;
-            let slot = slots.get_mut(i).ok_or_else(|| {
-                Error::Invalid(format!("optimizer state `{name}`: no parameter {i}"))
-            })?;
+        if name
+            .rsplit_once('.')
+            .is_some_and(|(kind, _)| kind == prefix)
+        {
+            let Some((_, i)) = state_name(name, n)? else {
+                continue;
+            };
+            let slot = &mut slots[i];
             if t.dtype() == DType::U8 {
                 return Err(Error::Invalid(format!(
                     "optimizer state `{name}` holds 8-bit moments: resume with --optim adamw8bit"
@@ -409,33 +420,6 @@ pub(crate) fn fused_fp32_moments(
 }
 
 impl AdamW {
-    /// The update behind `step`, `step_into` and `step_scaled`: the fused CUDA kernel for
-    /// contiguous fp32 CUDA parameters, else the one-pass host update or the op-by-op one.
-    fn update(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        check_len(params, grads, self.m.len())?;
-        #[cfg(feature = "cuda")]
-        if fusable(params) || (model.is_none() && fusable_in_place(params)) {
-            let into = model.filter(|m| fusable_into(params, m));
-            self.step_fused(params, grads, lr, grad_mul, into)?;
-            return match (model, into) {
-                (Some(m), None) => write_back(params, m, grads),
-                _ => Ok(()),
-            };
-        }
-        self.step_host(params, grads, lr, grad_mul)?;
-        match model {
-            Some(m) => write_back(params, m, grads),
-            None => Ok(()),
-        }
-    }
-
     /// The update off the fused kernels: one threaded pass per contiguous fp32 host
     /// parameter, the op-by-op reference otherwise (and everywhere with `op_by_op`).
     fn step_host(
@@ -509,21 +493,9 @@ impl AdamW {
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        self.update(params, grads, lr, 1.0, None)
-    }
-
-    fn step_into(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        model: &[Var],
-    ) -> Result<()> {
-        self.update(params, grads, lr, 1.0, Some(model))
-    }
-
-    fn step_scaled(
+    /// The fused CUDA kernel for contiguous CUDA parameters, else the one-pass host update or
+    /// the op-by-op one.
+    fn update(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
@@ -531,7 +503,21 @@ impl Optimizer for AdamW {
         grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
-        self.update(params, grads, lr, grad_mul, model)
+        check_len(params, grads, self.m.len())?;
+        #[cfg(feature = "cuda")]
+        if fusable(params) || (model.is_none() && fusable_in_place(params)) {
+            let into = model.filter(|m| fusable_into(params, m));
+            self.step_fused(params, grads, lr, grad_mul, into)?;
+            return match (model, into) {
+                (Some(m), None) => write_back(params, m, grads),
+                _ => Ok(()),
+            };
+        }
+        self.step_host(params, grads, lr, grad_mul)?;
+        match model {
+            Some(m) => write_back(params, m, grads),
+            None => Ok(()),
+        }
     }
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
@@ -591,14 +577,14 @@ impl Sgd {
     }
 }
 
-impl Sgd {
-    /// One step, each gradient multiplied by `grad_mul` as it is read (a clipping factor).
+impl Optimizer for Sgd {
     fn update(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
         lr: f64,
         grad_mul: f64,
+        model: Option<&[Var]>,
     ) -> Result<()> {
         check_len(params, grads, self.buf.len())?;
         self.t += 1;
@@ -627,24 +613,6 @@ impl Sgd {
             }
             write_param(p, &(p32 - (g * lr)?)?, self.sr, self.t, i)?;
         }
-        Ok(())
-    }
-}
-
-impl Optimizer for Sgd {
-    fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        self.update(params, grads, lr, 1.0)
-    }
-
-    fn step_scaled(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        self.update(params, grads, lr, grad_mul)?;
         match model {
             Some(m) => write_back(params, m, grads),
             None => Ok(()),

@@ -211,7 +211,7 @@ pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64
 
 /// The global norm of `grads` and the factor `clip_grad_norm` would scale them by (1 when the
 /// norm is within `max_norm`), without scaling anything: the optimizers apply the factor as
-/// they read each gradient (`Optimizer::step_scaled`), which saves a pass writing a scaled copy
+/// they read each gradient (`Optimizer::update`), which saves a pass writing a scaled copy
 /// of every gradient, and an fp32 copy of each bf16 one.
 pub fn clip_coefficient(grads: &[Option<Tensor>], max_norm: f64) -> Result<(f64, f64)> {
     let norm = global_norm(grads)?;

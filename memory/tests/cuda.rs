@@ -467,7 +467,7 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
 }
 
 /// The fused kernels against the host update with a gradient factor (clipping's, folded into
-/// the read: `Optimizer::step_scaled`), for AdamW and 8-bit AdamW: fp32 masters and the bf16
+/// the read: `Optimizer::update`), for AdamW and 8-bit AdamW: fp32 masters and the bf16
 /// weights they write, bit for bit, over three steps with weight decay.
 #[test]
 fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
@@ -514,7 +514,7 @@ fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
                         Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
                     })
                     .collect::<anyhow::Result<Vec<_>>>()?;
-                opt.step_scaled(&masters, &grads, 1e-2, 0.3173, Some(&model))?;
+                opt.update(&masters, &grads, 1e-2, 0.3173, Some(&model))?;
             }
             Ok((bits(&masters)?, bits(&model)?))
         };

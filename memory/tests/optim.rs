@@ -154,7 +154,7 @@ fn schedules_follow_transformers() {
     assert!("exp".parse::<ScheduleKind>().is_err());
 }
 
-/// Clipping's factor folded into the update (`Optimizer::step_scaled`, what MixedOptimizer
+/// Clipping's factor folded into the update (`Optimizer::update`, what MixedOptimizer
 /// uses) gives the bits of scaling copies of the gradients first (what clipping did before),
 /// for the one-pass host AdamW, Adafactor, the op-by-op AdamW, 8-bit AdamW and SGD (the trait's
 /// default),
@@ -214,7 +214,7 @@ fn folded_clip_factor_equals_scaling_the_gradients_first() -> anyhow::Result<()>
                     })
                     .collect::<candle_core::Result<_>>()?;
                 if folded {
-                    opt.step_scaled(&masters, &grads, 1e-2, coef, Some(&model))?;
+                    opt.update(&masters, &grads, 1e-2, coef, Some(&model))?;
                 } else {
                     let scaled: Vec<Option<Tensor>> = grads
                         .iter()
