@@ -420,9 +420,12 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
         Ok(opt)
     };
     let cpu = run(&Device::Cpu)?;
-    let launched = ft_kernels::cuda::launches();
+    let launched = ft_kernels::cuda::launches_of("adamw8bit_");
     let gpu_opt = run(&dev)?;
-    assert!(ft_kernels::cuda::launches() > launched, "no kernel ran");
+    assert!(
+        ft_kernels::cuda::launches_of("adamw8bit_") > launched,
+        "the 8-bit kernel did not run"
+    );
     let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
         Ok(match t.dtype() {
             DType::U8 => t
@@ -568,9 +571,24 @@ fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
             Ok(opt)
         };
         let cpu = run(&Device::Cpu)?;
-        let launched = ft_kernels::cuda::launches();
+        // The fused kernel updates the weights in place (not candle's ops and a rounding pass).
+        let kernel = if eight_bit {
+            "adamw8bit_bf16_bf16"
+        } else {
+            "adamw_bf16_bf16"
+        };
+        let launched = ft_kernels::cuda::launches_of(kernel);
+        let rounded = ft_kernels::cuda::launches_of("round_stochastic");
         let gpu_opt = run(&dev)?;
-        assert!(ft_kernels::cuda::launches() > launched, "no kernel ran");
+        assert!(
+            ft_kernels::cuda::launches_of(kernel) > launched,
+            "{kernel} did not run"
+        );
+        assert_eq!(
+            ft_kernels::cuda::launches_of("round_stochastic"),
+            rounded,
+            "a separate rounding pass ran"
+        );
         let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
             Ok(host(t)?.iter().map(|v| v.to_bits()).collect())
         };

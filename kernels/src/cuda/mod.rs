@@ -132,6 +132,20 @@ pub(crate) enum Arg {
 thread_local! {
     /// Kernels this thread has launched (see [`launches`]).
     static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The same by entry point (see [`launches_of`]).
+    static BY_NAME: std::cell::RefCell<HashMap<String, u64>> = std::cell::RefCell::new(HashMap::new());
+}
+
+/// How many kernels whose entry point starts with `prefix` (`adamw8bit_`, `adamw_bf16_bf16`)
+/// the calling thread has launched: lets a test see which path an update took.
+pub fn launches_of(prefix: &str) -> u64 {
+    BY_NAME.with(|m| {
+        m.borrow()
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v)
+            .sum()
+    })
 }
 
 /// How many kernels of this crate the calling thread has launched: lets a test see that an
@@ -154,6 +168,7 @@ pub(crate) fn launch(
         return Ok(());
     }
     LAUNCHES.with(|n| n.set(n.get() + 1));
+    BY_NAME.with(|m| *m.borrow_mut().entry(name.to_string()).or_default() += 1);
     let arch = kernel_arch(dev);
     let module = format!("ft_kernels_{arch}");
     let f = dev.get_or_load_custom_func(name, &module, ptx(&arch)?)?;
