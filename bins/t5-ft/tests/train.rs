@@ -346,7 +346,27 @@ fn eight_bit_adamw_trains_and_resumes() -> anyhow::Result<()> {
 #[test]
 fn adafactor_trains_and_resumes() -> anyhow::Result<()> {
     let dir = tmp("adafactor");
-    let steps = [
+    let ckpt = trains_and_resumes(&dir, &["--optim", "adafactor"])?;
+    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    let names: Vec<&str> = files.names().collect();
+    for (prefix, present) in [
+        ("exp_avg_sq_row.", true),
+        ("exp_avg_sq_col.", true),
+        ("exp_avg.", false),
+    ] {
+        assert_eq!(
+            names.iter().any(|n| n.starts_with(prefix)),
+            present,
+            "{prefix}: {names:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Six demo steps with `extra`, checkpointed at step 3: the loss falls, and resuming from the
+/// checkpoint gives the last three losses again. Returns the checkpoint folder.
+fn trains_and_resumes(dir: &Path, extra: &[&str]) -> anyhow::Result<PathBuf> {
+    let mut steps = vec![
         "--max-steps",
         "6",
         "--eval-limit",
@@ -355,36 +375,20 @@ fn adafactor_trains_and_resumes() -> anyhow::Result<()> {
         "0",
         "--save-every",
         "3",
-        "--optim",
-        "adafactor",
     ];
-    let run = train_run(&demo_args(&dir, &steps))?;
+    steps.extend(extra);
+    let run = train_run(&demo_args(dir, &steps))?;
     let l = &run.losses;
     assert!(
         l[3..].iter().sum::<f64>() < l[..3].iter().sum::<f64>(),
-        "{l:?}"
+        "{extra:?}: {l:?}"
     );
     let ckpt = dir.join("checkpoint-3");
-    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
-    let names: Vec<&str> = files.names().collect();
-    assert!(
-        names.iter().any(|n| n.starts_with("exp_avg_sq_row.")),
-        "{names:?}"
-    );
-    assert!(
-        names.iter().any(|n| n.starts_with("exp_avg_sq_col.")),
-        "{names:?}"
-    );
-    assert!(
-        !names.iter().any(|n| n.starts_with("exp_avg.")),
-        "no first moment: {names:?}"
-    );
-    let mut resume = steps.to_vec();
     let ck = ckpt.display().to_string();
-    resume.extend(["--resume", &ck]);
-    let resumed = train_run(&demo_args(&dir, &resume))?;
-    assert_eq!(resumed.losses, run.losses[3..], "resumed Adafactor run");
-    Ok(())
+    steps.extend(["--resume", &ck]);
+    let resumed = train_run(&demo_args(dir, &steps))?;
+    assert_eq!(resumed.losses, run.losses[3..], "{extra:?}: resumed run");
+    Ok(ckpt)
 }
 
 /// `--full-bf16 --optim adafactor` (kohya's low-memory recipe): bf16 weights without masters,
@@ -393,29 +397,9 @@ fn adafactor_trains_and_resumes() -> anyhow::Result<()> {
 #[test]
 fn full_bf16_trains_and_resumes() -> anyhow::Result<()> {
     let dir = tmp("full-bf16");
-    let steps = [
-        "--max-steps",
-        "6",
-        "--eval-limit",
-        "4",
-        "--eval-every",
-        "0",
-        "--save-every",
-        "3",
-        "--optim",
-        "adafactor",
-        "--full-bf16",
-        // One micro-batch a step: the bf16 gradients go to the update as they are.
-        "--accum",
-        "1",
-    ];
-    let run = train_run(&demo_args(&dir, &steps))?;
-    let l = &run.losses;
-    assert!(
-        l[3..].iter().sum::<f64>() < l[..3].iter().sum::<f64>(),
-        "{l:?}"
-    );
-    let ckpt = dir.join("checkpoint-3");
+    // One micro-batch a step: the bf16 gradients go to the update as they are.
+    let flags = ["--optim", "adafactor", "--full-bf16", "--accum", "1"];
+    let ckpt = trains_and_resumes(&dir, &flags)?;
     let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
     assert!(
         !files.names().any(|n| n.starts_with("master.")),
@@ -427,11 +411,6 @@ fn full_bf16_trains_and_resumes() -> anyhow::Result<()> {
         .filter_map(|n| model.meta(n).map(|m| format!("{:?}", m.dtype)))
         .collect();
     assert!(dtypes.contains("BF16"), "{dtypes:?}");
-    let mut resume = steps.to_vec();
-    let ck = ckpt.display().to_string();
-    resume.extend(["--resume", &ck]);
-    let resumed = train_run(&demo_args(&dir, &resume))?;
-    assert_eq!(resumed.losses, run.losses[3..], "resumed full-bf16 run");
     Ok(())
 }
 
