@@ -176,12 +176,7 @@ impl AdamW8bit {
                 )));
             }
             let w = model.map(|ms| ms[i].as_tensor());
-            // A bf16 weight without a master is rounded stochastically in the kernel, from the
-            // stream the host update would use.
-            let seed = match (p.dtype(), self.sr) {
-                (DType::BF16, Some(s)) => crate::optim::rounding_seed(s, self.t, i),
-                _ => 0,
-            };
+            let seed = crate::optim::kernel_seed(p, self.sr, self.t, i);
             let base = ft_kernels::cuda::AdamWStep {
                 weight_decay: self.decay.wd(i, self.cfg.weight_decay),
                 seed,
@@ -412,30 +407,14 @@ impl Optimizer for AdamW8bit {
         grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
-        if params.len() != grads.len() || params.len() != self.slots.len() {
-            return Err(Error::Invalid(format!(
-                "optimizer built for {} parameters got {} parameters and {} gradients",
-                self.slots.len(),
-                params.len(),
-                grads.len()
-            )));
-        }
+        crate::optim::check_len(params, grads, self.slots.len())?;
         #[cfg(feature = "cuda")]
-        if crate::optim::fusable(params)
-            || (model.is_none() && crate::optim::fusable_in_place(params))
-        {
-            let into = model.filter(|m| crate::optim::fusable_into(params, m));
+        if let Some(into) = crate::optim::fused_path(params, model) {
             self.step_cuda(params, grads, lr, grad_mul, into)?;
-            return match (model, into) {
-                (Some(m), None) => crate::optim::write_back(params, m, grads),
-                _ => Ok(()),
-            };
+            return crate::optim::finish(params, grads, model, into.is_some());
         }
         self.step_host(params, grads, lr, grad_mul)?;
-        match model {
-            Some(m) => crate::optim::write_back(params, m, grads),
-            None => Ok(()),
-        }
+        crate::optim::finish(params, grads, model, false)
     }
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {

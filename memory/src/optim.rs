@@ -110,6 +110,17 @@ pub(crate) fn rounding_seed(seed: u64, t: u64, i: usize) -> u64 {
     crate::rng::SplitMix64::new(stream).next_u64().max(1)
 }
 
+/// The seed a fused CUDA update rounds parameter `p` (index `i`, step `t`) with: a bf16 weight
+/// without a master is rounded stochastically in the kernel from the stream [`write_param`]
+/// would use on the CPU (`sr` the optimizer's seed); 0 (to nearest) for anything else.
+#[cfg(feature = "cuda")]
+pub(crate) fn kernel_seed(p: &Var, sr: Option<u64>, t: u64, i: usize) -> u64 {
+    match (p.dtype(), sr) {
+        (DType::BF16, Some(s)) => rounding_seed(s, t, i),
+        _ => 0,
+    }
+}
+
 /// Writes each updated master into the model weight it shadows: rounded to the weight's dtype
 /// on the master's device first, so an offloaded step moves 2 bytes per bf16 weight, not 4.
 /// Only parameters that got a gradient were updated, and only they are written.
@@ -199,7 +210,8 @@ impl AdamW {
     }
 }
 
-fn check_len(params: &[Var], grads: &[Option<Tensor>], state: usize) -> Result<()> {
+/// The one error for an update given other lists than the optimizer was built for.
+pub(crate) fn check_len(params: &[Var], grads: &[Option<Tensor>], state: usize) -> Result<()> {
     if params.len() != grads.len() || params.len() != state {
         return Err(Error::Invalid(format!(
             "optimizer built for {state} parameters got {} parameters and {} gradients",
@@ -310,12 +322,7 @@ impl AdamW {
             let Some(g) = g else { continue };
             self.place_moments(i, p.device())?;
             let w = model.map(|ms| ms[i].as_tensor());
-            // A bf16 weight without a master is rounded stochastically in the kernel, from the
-            // stream `write_param` would use on the CPU.
-            let seed = match (p.dtype(), self.sr) {
-                (DType::BF16, Some(s)) => rounding_seed(s, self.t, i),
-                _ => 0,
-            };
+            let seed = kernel_seed(p, self.sr, self.t, i);
             let weight_decay = self.decay.wd(i, self.cfg.weight_decay);
             let step = ft_kernels::cuda::AdamWStep {
                 seed,
@@ -357,6 +364,32 @@ pub(crate) fn fusable_into(params: &[Var], model: &[Var]) -> bool {
     fusable(params)
         && model.len() == params.len()
         && model.iter().all(|m| m.as_tensor().is_contiguous())
+}
+
+/// Whether an update takes the fused CUDA kernels, and which model weights they write in the
+/// same pass: `None` off the kernels (parameters not all contiguous CUDA tensors the kernels
+/// take, or the kernels turned off); `Some(Some(model))` where the kernels write `model` too;
+/// `Some(None)` where there is no model or they cannot write it ([`finish`] then does).
+#[cfg(feature = "cuda")]
+pub(crate) fn fused_path<'a>(
+    params: &[Var],
+    model: Option<&'a [Var]>,
+) -> Option<Option<&'a [Var]>> {
+    (fusable(params) || (model.is_none() && fusable_in_place(params)))
+        .then(|| model.filter(|m| fusable_into(params, m)))
+}
+
+/// Writes the updated masters into the model weights, unless the update wrote them itself.
+pub(crate) fn finish(
+    params: &[Var],
+    grads: &[Option<Tensor>],
+    model: Option<&[Var]>,
+    written: bool,
+) -> Result<()> {
+    match model {
+        Some(m) if !written => write_back(params, m, grads),
+        _ => Ok(()),
+    }
 }
 
 /// The scalars of AdamW's step `t` at learning rate `lr`, gradients multiplied by `grad_mul`,
@@ -505,19 +538,12 @@ impl Optimizer for AdamW {
     ) -> Result<()> {
         check_len(params, grads, self.m.len())?;
         #[cfg(feature = "cuda")]
-        if fusable(params) || (model.is_none() && fusable_in_place(params)) {
-            let into = model.filter(|m| fusable_into(params, m));
+        if let Some(into) = fused_path(params, model) {
             self.step_fused(params, grads, lr, grad_mul, into)?;
-            return match (model, into) {
-                (Some(m), None) => write_back(params, m, grads),
-                _ => Ok(()),
-            };
+            return finish(params, grads, model, into.is_some());
         }
         self.step_host(params, grads, lr, grad_mul)?;
-        match model {
-            Some(m) => write_back(params, m, grads),
-            None => Ok(()),
-        }
+        finish(params, grads, model, false)
     }
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {

@@ -32,10 +32,10 @@ pub struct AdamWStep {
     pub seed: u64,
 }
 
-fn check_f32_like(name: &str, t: &Tensor, n: usize) -> Result<()> {
+pub(super) fn check_f32_like(name: &str, t: &Tensor, n: usize) -> Result<()> {
     if t.dtype() != DType::F32 || t.elem_count() != n || !t.is_contiguous() {
         bail!(
-            "AdamW kernel: {name} must be a contiguous f32 tensor of {n} elements, got {:?} {:?}",
+            "optimizer kernel: {name} must be a contiguous f32 tensor of {n} elements, got {:?} {:?}",
             t.dtype(),
             t.dims()
         );
@@ -98,7 +98,7 @@ fn adamw_launch(
             grad.dims()
         );
     }
-    let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw_fused")?;
+    let (model_ptr, model_sfx, seed) = model_arg(model, n, s.seed, "adamw_fused")?;
     let dev = device_of(m)?;
     let mut args = vec![
         Arg::Ptr(master.map(tensor_ptr).transpose()?.unwrap_or(0)),
@@ -146,10 +146,10 @@ fn step_args(s: &AdamWStep, seed: u64) -> [Arg; 11] {
 
 /// The model weight's pointer and dtype suffix (null and `f32` when there is none), and the
 /// stochastic-rounding seed that applies to it (bf16 weights only).
-fn model_arg(
+pub(super) fn model_arg(
     model: Option<&Tensor>,
     n: usize,
-    s: &AdamWStep,
+    seed: u64,
     who: &str,
 ) -> Result<(u64, &'static str, u64)> {
     Ok(match model {
@@ -157,7 +157,7 @@ fn model_arg(
             if w.elem_count() != n || !w.is_contiguous() {
                 bail!("{who}: model weight {:?} does not match {n}", w.dims());
             }
-            let seed = if w.dtype() == DType::BF16 { s.seed } else { 0 };
+            let seed = if w.dtype() == DType::BF16 { seed } else { 0 };
             (tensor_ptr(w)?, suffix(w.dtype())?, seed)
         }
         None => (0, "f32", 0),
@@ -241,7 +241,7 @@ fn adamw8bit_launch(
             grad.dims()
         );
     }
-    let (model_ptr, model_sfx, seed) = model_arg(model, n, s, "adamw8bit_fused")?;
+    let (model_ptr, model_sfx, seed) = model_arg(model, n, s.seed, "adamw8bit_fused")?;
     let dev = device_of(q.m)?;
     // A grid's x dimension holds at most 2^31 - 1 blocks (5.5e11 weights in one tensor).
     let grid = u32::try_from(blocks)
