@@ -87,6 +87,9 @@ fi
 if want lowmem; then
   step "bf16 weights without masters, Adafactor"
   FT_FULL_BF16=1 FT_OPTIM=adafactor $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+  # Adafactor on candle's ops instead of its fused kernels, at 128 px where the step matters most.
+  [ "${BASELINE:-1}" = 1 ] && FT_FULL_BF16=1 FT_OPTIM=adafactor FT_CUDA_KERNELS=0 \
+    $TO "$BIN_DIR/gpu_bench" sdxl 128 ck | tee -a "$R"
   # shellcheck disable=SC2086
   FT_FULL_BF16=1 FT_OPTIM=adafactor $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
   PYTHONPATH="${TORCH_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" TORCH_MODES=bf16-adafactor \

@@ -109,17 +109,25 @@ fn kernels_compile_with_nvrtc() {
                     "unscale_f32",
                     "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
+                    "adafactor_apply_f16_bf16",
                 ] {
                     assert!(ptx.contains(entry), "{arch}: PTX lacks {entry}");
                 }
                 let tc = arch != "compute_75";
                 assert_eq!(ptx.contains("mma.sync"), tc, "{arch}: tensor cores {tc}");
-                // The AdamW kernels round every operation as the host update does: no
+                // The optimizer kernels round every operation as the host update does: no
                 // multiply-add contracted into an FMA (which rounds once, not twice).
                 for entry in [
                     "adamw_bf16_bf16",
                     "adamw8bit_bf16_bf16",
                     "adamw8bit_f32_f32",
+                    "adafactor_rows_bf16",
+                    "adafactor_col_parts_f32",
+                    "adafactor_cols",
+                    "adafactor_row_mean",
+                    "adafactor_sumsq_f16",
+                    "adafactor_apply_bf16_bf16",
+                    "adafactor_apply_f32_f32",
                 ] {
                     let body = entry_body(ptx, entry);
                     assert!(

@@ -3,7 +3,7 @@
 //! barriers, warp shuffles, shared memory, atomics: `tests/emulated/emu.h`) and checks every
 //! kernel against a double-precision reference: softmax, norms, upsample, pooling, attention
 //! forward and backward with and without bias or masks, AdamW and 8-bit AdamW (with its code
-//! search on exact ties), unscale, stochastic rounding.
+//! search on exact ties), Adafactor (factored and full, in place), unscale, stochastic rounding.
 //! Skips, saying so, where no C++ compiler (`$CXX`, default `g++`) runs. Real-GPU numerics are
 //! checked by `tests/cuda.rs`.
 

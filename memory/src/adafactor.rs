@@ -21,8 +21,10 @@
 //! ```
 //!
 //! `lr` is the schedule's, or with `relative_step` `min(1e-2, 1/sqrt(t))` (times
-//! `max(eps2, rms(p))` with `scale_parameter`). Everything runs as tensor ops on the parameter's
-//! device, so a GPU model's step reads no scalar back. The step count is one for the optimizer,
+//! `max(eps2, rms(p))` with `scale_parameter`). On a GPU, HF Trainer's configuration (no
+//! `beta1`, no parameter scale) runs as six fused kernel launches per tensor
+//! (`ft_kernels::cuda::adafactor_fused`); everything else runs as tensor ops on the parameter's
+//! device. Neither reads a scalar back. The step count is one for the optimizer,
 //! as in this crate's AdamW (transformers counts per parameter; they differ only for a
 //! parameter that went without a gradient for a step).
 
@@ -136,23 +138,156 @@ impl Adafactor {
         }
     }
 
-    /// The step size of this step for a parameter whose fp32 values are `p` (transformers'
-    /// `_get_lr`), as a one-element tensor on `p`'s device when it depends on `p`.
-    fn step_size(&self, p: &Tensor, lr: f64) -> Result<Tensor> {
+    /// The learning rate of this step before any parameter scale: the schedule's, or with
+    /// `relative_step` transformers' relative step.
+    fn base_lr(&self, lr: f64) -> f64 {
         let c = &self.cfg;
         let t = self.t as f64;
-        let rel = if c.relative_step {
+        if c.relative_step {
             let min_step = if c.warmup_init { 1e-6 * t } else { 1e-2 };
             min_step.min(1.0 / t.sqrt())
         } else {
             lr
-        };
-        let one = Tensor::new(&[rel as f32], p.device())?;
-        if !c.scale_parameter {
+        }
+    }
+
+    /// The step size of this step for a parameter whose fp32 values are `p` (transformers'
+    /// `_get_lr`), as a one-element tensor on `p`'s device when it depends on `p`.
+    fn step_size(&self, p: &Tensor, lr: f64) -> Result<Tensor> {
+        let one = Tensor::new(&[self.base_lr(lr) as f32], p.device())?;
+        if !self.cfg.scale_parameter {
             return Ok(one);
         }
-        Ok(rms(p)?.maximum(c.eps2)?.broadcast_mul(&one)?)
+        Ok(rms(p)?.maximum(self.cfg.eps2)?.broadcast_mul(&one)?)
     }
+
+    /// Parameter `i`'s gradient checked against its weights' shape `dims`, and its restored
+    /// state against the shapes Adafactor keeps for them: the factored shapes, or `None` for a
+    /// full second moment.
+    fn checked_shapes(
+        &self,
+        i: usize,
+        dims: &[usize],
+        g: &Tensor,
+    ) -> Result<Option<(Vec<usize>, Vec<usize>)>> {
+        if g.dims() != dims {
+            return Err(Error::Invalid(format!(
+                "parameter {i}: gradient of shape {:?} for weights of shape {dims:?}",
+                g.dims()
+            )));
+        }
+        let slot = &self.slots[i];
+        let shapes = factored_shapes(dims);
+        match &shapes {
+            Some((row_dims, col_dims)) => {
+                if slot.full.is_some() {
+                    return Err(Error::Invalid(format!(
+                        "optimizer state `exp_avg_sq.{i}`: a full second moment for parameter \
+                         {i} of shape {dims:?}, which Adafactor factors (a checkpoint of another \
+                         optimizer?)"
+                    )));
+                }
+                check(i, "exp_avg_sq_row", &slot.row, row_dims)?;
+                check(i, "exp_avg_sq_col", &slot.col, col_dims)?;
+            }
+            None => check(i, "exp_avg_sq", &slot.full, dims)?,
+        }
+        if self.cfg.beta1.is_some() {
+            check(i, "exp_avg", &slot.m, dims)?;
+        }
+        Ok(shapes)
+    }
+
+    /// Whether the fused CUDA kernels compute this configuration's update: no first moment, no
+    /// parameter scale (HF Trainer's `--optim adafactor` and kohya's SDXL arguments).
+    #[cfg(feature = "cuda")]
+    fn kernel_computes(&self) -> bool {
+        self.cfg.beta1.is_none() && !self.cfg.scale_parameter
+    }
+
+    /// The whole update of each parameter in six CUDA kernel launches
+    /// (`ft_kernels::cuda::adafactor_fused`), the second moment updated in place and the model
+    /// weight written in the same pass, where the op-by-op update makes about thirty passes.
+    /// Agrees with [`Self::step_host`] to rounding (its sums add in another order).
+    #[cfg(feature = "cuda")]
+    fn step_fused(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        use ft_kernels::cuda::{adafactor_fused, adafactor_fused_in_place, SecondMoment};
+        self.t += 1;
+        let c = self.cfg;
+        let base = ft_kernels::cuda::AdafactorStep {
+            lr: self.base_lr(lr),
+            eps1: c.eps1,
+            beta2t: 1.0 - (self.t as f64).powf(c.decay_rate),
+            clip_threshold: c.clip_threshold,
+            weight_decay: c.weight_decay,
+            grad_mul,
+            seed: 0,
+        };
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let g = g.detach().contiguous()?;
+            let shapes = self.checked_shapes(i, p.dims(), &g)?;
+            let step = ft_kernels::cuda::AdafactorStep {
+                seed: crate::optim::kernel_seed(p, self.sr, self.t, i),
+                weight_decay: self.decay.wd(i, c.weight_decay),
+                ..base
+            };
+            let dev = p.device();
+            let slot = &mut self.slots[i];
+            let (row, col) = match &shapes {
+                Some((row_dims, col_dims)) => (
+                    fp32_state(&slot.row, row_dims, dev)?,
+                    Some(fp32_state(&slot.col, col_dims, dev)?),
+                ),
+                None => (fp32_state(&slot.full, p.dims(), dev)?, None),
+            };
+            let v = match &col {
+                Some(col) => SecondMoment::Factored { row: &row, col },
+                None => SecondMoment::Full(&row),
+            };
+            if p.dtype() == DType::F32 {
+                let w = model.map(|ms| ms[i].as_tensor());
+                adafactor_fused(p.as_tensor(), &v, &g, w, &step)?;
+            } else {
+                adafactor_fused_in_place(p.as_tensor(), &v, &g, &step)?;
+            }
+            match col {
+                Some(col) => {
+                    slot.row = Some(row);
+                    slot.col = Some(col);
+                }
+                None => slot.full = Some(row),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A second-moment tensor the CUDA kernels can update in place: the state as it is when it is
+/// contiguous fp32 on `device`, a contiguous fp32 copy there when restored elsewhere, zeros
+/// before the first step (`beta2t x + ...` of zero is the host's first value exactly).
+#[cfg(feature = "cuda")]
+fn fp32_state(t: &Option<Tensor>, dims: &[usize], device: &Device) -> Result<Tensor> {
+    Ok(match t {
+        Some(t)
+            if t.is_contiguous() && t.dtype() == DType::F32 && t.device().same_device(device) =>
+        {
+            t.clone()
+        }
+        Some(t) => t
+            .to_device(device)?
+            .to_dtype(DType::F32)?
+            .contiguous()?
+            .copy()?,
+        None => Tensor::zeros(dims, DType::F32, device)?,
+    })
 }
 
 /// `norm(x) / sqrt(numel)` as a one-element tensor.
@@ -181,23 +316,15 @@ fn check(i: usize, name: &str, t: &Option<Tensor>, dims: &[usize]) -> Result<()>
     }
 }
 
-impl Optimizer for Adafactor {
-    fn update(
+impl Adafactor {
+    /// The update as candle ops on each parameter's device (any configuration, any device).
+    fn step_host(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
         lr: f64,
         grad_mul: f64,
-        model: Option<&[Var]>,
     ) -> Result<()> {
-        if params.len() != grads.len() || params.len() != self.slots.len() {
-            return Err(Error::Invalid(format!(
-                "optimizer built for {} parameters got {} parameters and {} gradients",
-                self.slots.len(),
-                params.len(),
-                grads.len()
-            )));
-        }
         self.t += 1;
         let c = self.cfg;
         let beta2t = 1.0 - (self.t as f64).powf(c.decay_rate);
@@ -207,12 +334,7 @@ impl Optimizer for Adafactor {
             let g = g.to_device(dev)?.to_dtype(DType::F32)?.detach();
             let g = if grad_mul != 1.0 { (g * grad_mul)? } else { g };
             let dims = p.dims().to_vec();
-            if g.dims() != dims.as_slice() {
-                return Err(Error::Invalid(format!(
-                    "parameter {i}: gradient of shape {:?} for weights of shape {dims:?}",
-                    g.dims()
-                )));
-            }
+            let shapes = self.checked_shapes(i, &dims, &g)?;
             let w = p.as_tensor().to_dtype(DType::F32)?.detach();
             let lr_t = self.step_size(&w, lr)?;
             let slot = &mut self.slots[i];
@@ -224,17 +346,8 @@ impl Optimizer for Adafactor {
                 })
             };
             let sq = (g.sqr()? + c.eps1)?;
-            let update = match factored_shapes(&dims) {
-                Some((row_dims, col_dims)) => {
-                    if slot.full.is_some() {
-                        return Err(Error::Invalid(format!(
-                            "optimizer state `exp_avg_sq.{i}`: a full second moment for \
-                             parameter {i} of shape {dims:?}, which Adafactor factors (a \
-                             checkpoint of another optimizer?)"
-                        )));
-                    }
-                    check(i, "exp_avg_sq_row", &slot.row, &row_dims)?;
-                    check(i, "exp_avg_sq_col", &slot.col, &col_dims)?;
+            let update = match shapes {
+                Some(_) => {
                     let r = dims.len() - 1;
                     let row = decay(&placed(&slot.row, dev)?, sq.mean(r)?)?;
                     let col = decay(&placed(&slot.col, dev)?, sq.mean(r - 1)?)?;
@@ -250,7 +363,6 @@ impl Optimizer for Adafactor {
                     u
                 }
                 None => {
-                    check(i, "exp_avg_sq", &slot.full, &dims)?;
                     let v = decay(&placed(&slot.full, dev)?, sq)?;
                     let u = v.sqrt()?.recip()?.mul(&g)?;
                     slot.full = Some(v.detach());
@@ -261,7 +373,6 @@ impl Optimizer for Adafactor {
             let denom = (rms(&update)? / c.clip_threshold)?.maximum(1.0)?;
             let mut update = update.broadcast_div(&denom)?.broadcast_mul(&lr_t)?;
             if let Some(b1) = c.beta1 {
-                check(i, "exp_avg", &slot.m, &dims)?;
                 let fresh = (&update * (1.0 - b1))?;
                 let m = match placed(&slot.m, dev)? {
                     Some(m) => ((m * b1)? + fresh)?,
@@ -279,10 +390,31 @@ impl Optimizer for Adafactor {
             };
             crate::optim::write_param(p, &(w - update)?, self.sr, self.t, i)?;
         }
-        match model {
-            Some(m) => crate::optim::write_back(params, m, grads),
-            None => Ok(()),
+        Ok(())
+    }
+}
+
+impl Optimizer for Adafactor {
+    /// The fused CUDA kernels for contiguous CUDA parameters in the configuration they compute,
+    /// the op-by-op update otherwise.
+    fn update(
+        &mut self,
+        params: &[Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_mul: f64,
+        model: Option<&[Var]>,
+    ) -> Result<()> {
+        crate::optim::check_len(params, grads, self.slots.len())?;
+        #[cfg(feature = "cuda")]
+        if self.kernel_computes() {
+            if let Some(into) = crate::optim::fused_path(params, model) {
+                self.step_fused(params, grads, lr, grad_mul, into)?;
+                return crate::optim::finish(params, grads, model, into.is_some());
+            }
         }
+        self.step_host(params, grads, lr, grad_mul)?;
+        crate::optim::finish(params, grads, model, false)
     }
 
     fn set_stochastic_rounding(&mut self, seed: Option<u64>) {

@@ -1,7 +1,8 @@
-//! The CUDA optimizer path (fused AdamW writing the bf16 weights, the 8-bit AdamW kernel, fused
-//! f16 unscale) against the CPU path on the same parameters and gradients. Built only with `--features cuda`; each test
-//! returns early, saying so, when no GPU can be opened (a failure instead with
-//! `FT_REQUIRE_GPU=1`, as `scripts/gpu-bench.sh` runs them, so a broken driver is no pass).
+//! The CUDA optimizer path (fused AdamW writing the bf16 weights, the 8-bit AdamW and Adafactor
+//! kernels, fused f16 unscale) against the CPU path on the same parameters and gradients. Built
+//! only with `--features cuda`; each test returns early, saying so, when no GPU can be opened (a
+//! failure instead with `FT_REQUIRE_GPU=1`, as `scripts/gpu-bench.sh` runs them, so a broken
+//! driver is no pass).
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -608,6 +609,102 @@ fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
             .zip(&cpu.optimizer().state().1)
         {
             assert_eq!(bits(g)?, bits(c)?, "{name}");
+        }
+    }
+    Ok(())
+}
+
+/// Adafactor (HF Trainer's configuration, weight decay) on fp32 masters writing a bf16 model,
+/// and `--full-bf16` (bf16 weights in place, stochastic rounding), on the GPU's fused kernels
+/// against the host's candle ops over three steps with a gradient factor: a linear weight
+/// (three column chunks), a convolution (factored over its 3 x 3 kernel), a batch of matrices
+/// and a bias (a full second moment). The kernels add their sums in another order, so masters
+/// and the factored state agree to f32 rounding, not bit for bit, and a stochastically rounded
+/// bf16 weight may land one bf16 step away.
+#[test]
+fn adafactor_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
+    use ft_memory::adafactor::{Adafactor, AdafactorConfig};
+    let Some(dev) = gpu() else { return Ok(()) };
+    if !ft_kernels::cuda::enabled() {
+        eprintln!("skipped: FT_CUDA_KERNELS is off");
+        return Ok(());
+    }
+    let shapes: [&[usize]; 4] = [&[80, 67], &[12, 6, 3, 3], &[2, 70, 40], &[300]];
+    for full_bf16 in [false, true] {
+        let run = |d: &Device| -> anyhow::Result<MixedOptimizer> {
+            let params = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
+                    Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let precision = if full_bf16 {
+                Precision::full_bf16()
+            } else {
+                Precision::for_dtype(DType::BF16)
+            };
+            let mut opt = MixedOptimizer::new(
+                params,
+                precision,
+                StatePlacement::WithModel,
+                |n| Box::new(Adafactor::new(n, AdafactorConfig::trainer(0.01))),
+                None,
+            )?;
+            for step in 0..3u64 {
+                let grads = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let g = random_tensor(s, 90 + 10 * step + i as u64, &Device::Cpu)?;
+                        Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let (params, model) = if full_bf16 {
+                    (opt.params().to_vec(), None)
+                } else {
+                    (opt.masters().to_vec(), Some(opt.params().to_vec()))
+                };
+                let o = opt.optimizer_mut();
+                o.update(&params, &grads, 1e-2, 0.3173, model.as_deref())?;
+            }
+            Ok(opt)
+        };
+        let cpu = run(&Device::Cpu)?;
+        let applied = ft_kernels::cuda::launches_of("adafactor_apply_bf16");
+        let rounded = ft_kernels::cuda::launches_of("round_stochastic");
+        let gpu_opt = run(&dev)?;
+        assert_eq!(
+            ft_kernels::cuda::launches_of("adafactor_apply_bf16") - applied,
+            3 * shapes.len() as u64,
+            "full bf16 {full_bf16}: one fused update per tensor and step"
+        );
+        assert_eq!(
+            ft_kernels::cuda::launches_of("round_stochastic"),
+            rounded,
+            "a separate rounding pass ran"
+        );
+        let values = |vs: &[Var]| -> anyhow::Result<Values> {
+            vs.iter().map(|v| host(v.as_tensor())).collect()
+        };
+        let what = format!("full bf16 {full_bf16}");
+        if !full_bf16 {
+            let (g, c) = (values(gpu_opt.masters())?, values(cpu.masters())?);
+            close(&format!("{what}: masters"), &g, &c, 2e-6);
+        }
+        let (g, c) = (values(gpu_opt.params())?, values(cpu.params())?);
+        close(&format!("{what}: bf16 weights"), &g, &c, 1.0 / 128.0);
+        let (gs, cs) = (gpu_opt.optimizer().state(), cpu.optimizer().state());
+        assert_eq!(gs.0, cs.0, "step count");
+        for ((name, g), (cname, c)) in gs.1.iter().zip(&cs.1) {
+            assert_eq!(name, cname);
+            close(
+                &format!("{what}: {name}"),
+                &vec![host(g)?],
+                &vec![host(c)?],
+                1e-5,
+            );
         }
     }
     Ok(())

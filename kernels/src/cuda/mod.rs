@@ -5,10 +5,12 @@
 //! candle gives each device, so a kernel is ordered after the work that produced its inputs and
 //! before any free of them (candle frees stream-ordered), with no extra synchronisation.
 
+mod adafactor;
 mod attention;
 mod optim;
 mod rows;
 
+pub use adafactor::{adafactor_fused, adafactor_fused_in_place, AdafactorStep, SecondMoment};
 pub use attention::{fused_attention, fused_attention_supported};
 pub use optim::{
     adamw8bit_fused, adamw8bit_fused_in_place, adamw_fused, adamw_fused_in_place,
