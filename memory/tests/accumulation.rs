@@ -4,6 +4,9 @@
 use candle_core::{DType, Device, IndexOp, Tensor, Var};
 use ft_memory::accumulate::{GradAccumulator, LossNorm};
 
+mod common;
+use common::bits;
+
 /// A token model: logits = E[ids] W, cross-entropy over non-padding labels (-1 = padding).
 struct Model {
     emb: Var,
@@ -125,15 +128,6 @@ fn sample_normalised_image_accumulation_equals_one_big_batch() -> anyhow::Result
         .scale(&Tensor::zeros((), DType::F32, &dev)?)
         .is_err());
     Ok(())
-}
-
-fn bits(t: &Tensor) -> anyhow::Result<Vec<u32>> {
-    Ok(t.to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?
-        .iter()
-        .map(|v| v.to_bits())
-        .collect())
 }
 
 /// One micro-batch's bf16 gradients are kept as they came (2 bytes per value, no fp32 copy of

@@ -6,16 +6,14 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::adamw8bit::{dynamic_map, nearest, AdamW8bit, BLOCK};
 use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
 
+mod common;
+use common::bits;
+
 fn randn(shape: &[usize], seed: u64, scale: f64) -> anyhow::Result<Tensor> {
     let mut rng = ft_memory::rng::SplitMix64::new(seed);
     let n = shape.iter().product();
     let v: Vec<f32> = (0..n).map(|_| (rng.normal() * scale) as f32).collect();
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-}
-
-fn bits(t: &Tensor) -> anyhow::Result<Vec<u32>> {
-    let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    Ok(v.iter().map(|x| x.to_bits()).collect())
 }
 
 #[test]

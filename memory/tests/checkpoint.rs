@@ -7,6 +7,9 @@ use ft_memory::alloc;
 use ft_memory::checkpoint::{Checkpointer, SegmentFn};
 use ft_memory::weights::{Init, ParamBuilder, ParamStore};
 
+mod common;
+use common::bits;
+
 #[global_allocator]
 static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
 
@@ -191,15 +194,7 @@ fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()>
         }
         let bits = vars
             .iter()
-            .map(|v| {
-                Ok(v.as_tensor()
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect())
-            })
+            .map(|v| Ok(bits(v.as_tensor())?))
             .collect::<anyhow::Result<_>>()?;
         Ok((bits, taken))
     };

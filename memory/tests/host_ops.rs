@@ -5,6 +5,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::host::{add_into, narrowed, scaled, sum_squares, widened};
 use ft_memory::optim::{AdamW, AdamWConfig, Optimizer};
 
+mod common;
+use common::bits;
+
 fn values(n: usize, seed: u64) -> Tensor {
     let mut rng = ft_memory::rng::SplitMix64::new(seed);
     let mut v: Vec<f32> = (0..n).map(|_| rng.normal() as f32 * 3.0).collect();
@@ -12,11 +15,6 @@ fn values(n: usize, seed: u64) -> Tensor {
     v[1] = 0.0;
     v[2] = 1.0 + f32::EPSILON; // rounds to even in bf16
     Tensor::from_vec(v, n, &Device::Cpu).expect("tensor")
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    let v = t.to_dtype(DType::F32).expect("cast").to_vec1::<f32>();
-    v.expect("f32").iter().map(|x| x.to_bits()).collect()
 }
 
 /// Sizes split over threads (on any machine with 2+ cores) and one that is not.
@@ -28,11 +26,11 @@ fn add_into_and_widened_give_candles_bits() -> candle_core::Result<()> {
         for dt in [DType::F32, DType::BF16, DType::F16] {
             let g = values(n, 2).to_dtype(dt)?;
             let w = widened(&g).expect("host tensor")?;
-            assert_eq!(bits(&w), bits(&g.to_dtype(DType::F32)?), "{dt:?} widen");
+            assert_eq!(bits(&w)?, bits(&g.to_dtype(DType::F32)?)?, "{dt:?} widen");
             let acc = values(n, 1);
             let want = (&acc + g.to_dtype(DType::F32)?)?;
             assert!(add_into(&acc, &g)?);
-            assert_eq!(bits(&acc), bits(&want), "{dt:?} n {n} add");
+            assert_eq!(bits(&acc)?, bits(&want)?, "{dt:?} n {n} add");
         }
     }
     // Not for it: a strided gradient, an f32 sum it does not own the layout of.
@@ -48,11 +46,11 @@ fn scaled_narrowed_and_sum_squares_match_candle() -> candle_core::Result<()> {
     for n in SIZES {
         let g = values(n, 3);
         let s = scaled(&g, 0.3719).expect("host tensor")?;
-        assert_eq!(bits(&s), bits(&(&g * 0.3719)?));
+        assert_eq!(bits(&s)?, bits(&(&g * 0.3719)?)?);
         for dt in [DType::BF16, DType::F16] {
             let w = narrowed(&g, dt).expect("host tensor")?;
             assert_eq!(w.dtype(), dt);
-            assert_eq!(bits(&w), bits(&g.to_dtype(dt)?), "{dt:?} n {n}");
+            assert_eq!(bits(&w)?, bits(&g.to_dtype(dt)?)?, "{dt:?} n {n}");
         }
         let ours = sum_squares(&g).expect("host tensor");
         let want: f64 = g
@@ -92,13 +90,13 @@ fn host_adamw_matches_the_op_by_op_update_bit_for_bit() -> anyhow::Result<()> {
             let g = (values(n, 10 + step) * 1e-2)?;
             fused.step(std::slice::from_ref(&fused_p), &[Some(g.clone())], 1e-3)?;
             reference.step(std::slice::from_ref(&ref_p), &[Some(g)], 1e-3)?;
-            assert_eq!(bits(&fused_p), bits(&ref_p), "n {n} step {step}: weights");
+            assert_eq!(bits(&fused_p)?, bits(&ref_p)?, "n {n} step {step}: weights");
         }
         let (_, a) = fused.state();
         let (_, b) = reference.state();
         assert_eq!(a.len(), 2);
         for ((name, x), (_, y)) in a.iter().zip(&b) {
-            assert_eq!(bits(x), bits(y), "n {n}: {name}");
+            assert_eq!(bits(x)?, bits(y)?, "n {n}: {name}");
         }
     }
     Ok(())

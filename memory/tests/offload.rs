@@ -9,6 +9,9 @@ use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::AdamWConfig;
 use ft_memory::precision::Precision;
 
+mod common;
+use common::bits;
+
 const SHAPES: [&[usize]; 3] = [&[7, 5], &[33], &[2, 3, 4]];
 
 fn randn(shape: &[usize], seed: u64) -> anyhow::Result<Tensor> {
@@ -57,15 +60,6 @@ fn optimizer(dtype: DType, placement: StatePlacement) -> anyhow::Result<MixedOpt
         cfg,
         Some(1.0),
     )?)
-}
-
-fn bits(t: &Tensor) -> anyhow::Result<Vec<u32>> {
-    Ok(t.to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?
-        .iter()
-        .map(|x| x.to_bits())
-        .collect())
 }
 
 /// Every weight and every moment comes out bit for bit as with the state beside the model, in

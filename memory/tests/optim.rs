@@ -4,6 +4,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_memory::optim::{AdamW, AdamWConfig, Optimizer, Sgd};
 use ft_memory::schedule::{LrSchedule, ScheduleKind};
 
+mod common;
+use common::bits;
+
 /// torch.optim.AdamW for one scalar, written out independently in f64.
 fn adamw_reference(p0: f64, grads: &[f64], lr: f64, c: AdamWConfig) -> f64 {
     let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
@@ -177,17 +180,7 @@ fn folded_clip_factor_equals_scaling_the_gradients_first() -> anyhow::Result<()>
         |n| Box::new(Sgd::new(n, 0.9, 0.01, false)),
     ];
     let bits = |vs: &[Var]| -> anyhow::Result<Vec<Vec<u32>>> {
-        vs.iter()
-            .map(|v| {
-                Ok(v.as_tensor()
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect())
-            })
-            .collect()
+        vs.iter().map(|v| Ok(bits(v.as_tensor())?)).collect()
     };
     for (k, make) in make.iter().enumerate() {
         type Bits = Vec<Vec<u32>>;

@@ -5,6 +5,9 @@ use ft_memory::mixed::{MixedOptimizer, StatePlacement};
 use ft_memory::optim::{AdamWConfig, Optimizer, Sgd};
 use ft_memory::precision::{clip_grad_norm, global_norm, LossScaler, Precision};
 
+mod common;
+use common::bits;
+
 fn sgd(n: usize) -> Box<dyn Optimizer> {
     Box::new(Sgd::new(n, 0.0, 0.0, false))
 }
@@ -182,15 +185,7 @@ fn f16_step_equals_unscale_clip_then_step() -> anyhow::Result<()> {
         assert!(norm > 1.0, "the step clips ({norm})");
         assert_eq!(norm.to_bits(), want.to_bits(), "step {step}: norm");
         reference.step_into(&masters, &g, 1e-2, &model)?;
-        let bits = |v: &Var| -> anyhow::Result<Vec<u32>> {
-            Ok(v.as_tensor()
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .iter()
-                .map(|x| x.to_bits())
-                .collect())
-        };
+        let bits = |v: &Var| -> anyhow::Result<Vec<u32>> { Ok(bits(v.as_tensor())?) };
         assert_eq!(
             bits(&opt.masters()[0])?,
             bits(&masters[0])?,
