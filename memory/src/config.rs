@@ -392,26 +392,34 @@ impl CommonArgs {
         Ok(opt)
     }
 
-    /// The memory plan of training tensors of these shapes (`ParamStore::shapes`, from a loaded
-    /// model or one built from shapes only) with these flags under `precision`.
+    /// The memory plan of training the trainable tensors of `store` (a loaded model, or one
+    /// built from shapes only) with these flags under `precision`; `segments` are the model's
+    /// checkpoint segments (each one's tensors), which bound the gradients under
+    /// `--fused-backward`.
     pub fn state_plan(
         &self,
-        shapes: &[Vec<usize>],
+        store: &crate::weights::ParamStore,
+        segments: &[Vec<candle_core::Tensor>],
         precision: crate::precision::Precision,
     ) -> Result<crate::plan::StatePlan> {
-        Ok(crate::plan::state_plan(
-            shapes,
+        let plan = crate::plan::state_plan(
+            &store.shapes(true),
             &precision,
             crate::mixed::StatePlacement::offload(self.offload_optimizer),
             self.optim_kind()?,
             self.accum,
             self.device != "cpu",
-        ))
+        );
+        Ok(if self.fused_backward {
+            plan.under_fused_backward(store.segments(segments))
+        } else {
+            plan
+        })
     }
 
     /// For `--plan`: the precision the run will use and a builder that records the model's
     /// parameter shapes into the returned store without allocating them (on the CPU, nothing
-    /// opened). Build the model with it, then pass `store.shapes(true)` to [`Self::state_plan`].
+    /// opened). Build the model with it, then pass the store to [`Self::state_plan`].
     pub fn shapes_builder(
         &self,
     ) -> Result<(

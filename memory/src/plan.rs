@@ -28,6 +28,22 @@ pub struct StatePlan {
     pub rows: Vec<PlanRow>,
     /// Whether the training device is a GPU (else the host is the device).
     pub gpu: bool,
+    /// The rows of one micro-batch's gradients in their dtype (on the device, and moved to the
+    /// host), and that dtype's size: what a fused backward pass bounds.
+    grad_rows: Vec<usize>,
+    grad_size: u64,
+}
+
+/// How a model's trainable parameters fall into checkpoint segments, in values: a fused
+/// backward pass holds at once the gradients of the parameters outside every segment (they
+/// wait for the end of the backward) and those of one segment (updated and dropped as soon as
+/// its recomputation has produced them). `ParamStore::segments` counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Segments {
+    /// Trainable values in at least one segment.
+    pub inside: u64,
+    /// Trainable values of the largest segment.
+    pub largest: u64,
 }
 
 /// Bytes of optimizer state for one tensor of shape `dims`.
@@ -73,6 +89,7 @@ pub fn state_plan(
         (format!("weights ({dt})"), w * n, false),
         (format!("one micro-batch's gradients ({dt})"), w * n, false),
     ];
+    let mut grad_rows = vec![1];
     // One micro-batch a step: its gradients are what the optimizer reads (`GradAccumulator`
     // widens only from the second), moved to the host in their dtype when the state is there.
     if accum > 1 {
@@ -82,6 +99,7 @@ pub fn state_plan(
             host,
         ));
     } else if host && gpu {
+        grad_rows.push(rows.len());
         rows.push((
             format!("the step's gradients ({dt}), moved to the host"),
             w * n,
@@ -109,10 +127,32 @@ pub fn state_plan(
             })
             .collect(),
         gpu,
+        grad_rows,
+        grad_size: w,
     }
 }
 
 impl StatePlan {
+    /// The plan under a fused backward pass (`--fused-backward`): one micro-batch's gradients
+    /// never exist all at once, only those of the parameters outside every checkpoint segment
+    /// and of the largest segment (at most; the rows say so).
+    pub fn under_fused_backward(mut self, s: Segments) -> Self {
+        let outside = self.params.saturating_sub(s.inside);
+        let live = self.grad_size * (outside + s.largest);
+        for &i in &self.grad_rows {
+            let r = &mut self.rows[i];
+            r.bytes = r.bytes.min(live);
+            r.component = format!(
+                "{}: at most at once under --fused-backward, {} outside checkpoint segments + \
+                 {} of the largest segment",
+                r.component,
+                fmt(self.grad_size * outside),
+                fmt(self.grad_size * s.largest)
+            );
+        }
+        self
+    }
+
     /// Adds a component (an EMA, say) to the plan.
     pub fn with(mut self, component: &str, bytes: u64, on_host: bool) -> Self {
         self.rows.push(PlanRow {

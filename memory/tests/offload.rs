@@ -280,3 +280,66 @@ fn plan_warns_when_the_host_state_does_not_fit() {
     let cpu = one(StatePlacement::Host, false);
     assert_eq!((cpu.device_bytes(), cpu.host_bytes()), (16_000, 0));
 }
+
+/// Under `--fused-backward` the plan's gradients are those alive at once: the parameters outside
+/// every checkpoint segment and the largest segment (a tensor in two segments counted in each,
+/// once inside; frozen ones not at all), on a shapes-only model as on a loaded one; offloaded,
+/// the gradients moved to the host are bounded the same way.
+#[test]
+fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Result<()> {
+    use ft_memory::config::OptimKind;
+    use ft_memory::plan::{state_plan, Segments};
+    use ft_memory::weights::{Init, ParamBuilder, ParamStore};
+    for shapes_only in [false, true] {
+        let store = ParamStore::new();
+        let mut pb = ParamBuilder::new(store.clone(), DType::BF16, &Device::Cpu, 0);
+        if shapes_only {
+            pb = pb.shapes_only();
+        }
+        pb.get(&[100, 8], "embed", Init::Zeros)?; // outside every segment: 800
+        let a = pb.get(&[8, 8], "a", Init::Zeros)?; // 64
+        let b = pb.get(&[8, 16], "b", Init::Zeros)?; // 128
+        let shared = pb.get(&[10], "shared", Init::Zeros)?; // in both segments: 10
+        let frozen = pb.clone().frozen().get(&[1000], "frozen", Init::Zeros)?;
+        let segments = vec![
+            vec![a.clone(), shared.clone(), frozen.clone()],
+            vec![b.clone(), shared.clone(), b.clone()],
+        ];
+        let seg = store.segments(&segments);
+        assert_eq!(
+            seg,
+            Segments {
+                inside: 64 + 128 + 10,
+                largest: 128 + 10
+            },
+            "shapes only {shapes_only}"
+        );
+        let plan = |placement, gpu| {
+            state_plan(
+                &store.shapes(true),
+                &Precision::full_bf16(),
+                placement,
+                OptimKind::AdamW,
+                1,
+                gpu,
+            )
+        };
+        let full = plan(StatePlacement::WithModel, true);
+        let fused = full.clone().under_fused_backward(seg);
+        // 1,002 trainable values: 800 outside + 138 of the largest segment alive at once.
+        assert_eq!(full.params, 1002);
+        assert_eq!(full.device_bytes() - fused.device_bytes(), 2 * (1002 - 938));
+        let row = |p: &ft_memory::plan::StatePlan| p.rows[1].clone();
+        assert_eq!(row(&fused).bytes, 2 * 938);
+        assert!(row(&fused).component.contains("--fused-backward"));
+        let off = plan(StatePlacement::Host, true).under_fused_backward(seg);
+        let moved: Vec<u64> = off
+            .rows
+            .iter()
+            .filter(|r| r.component.contains("gradients"))
+            .map(|r| r.bytes)
+            .collect();
+        assert_eq!(moved, vec![2 * 938, 2 * 938], "{}", off.table());
+    }
+    Ok(())
+}

@@ -278,19 +278,46 @@ fn vars(ts: Vec<Tensor>) -> candle_core::Result<Vec<Var>> {
         .collect()
 }
 
+impl Resnet {
+    /// The tensors its checkpoint segment uses.
+    fn segment_tensors(&self) -> Vec<Tensor> {
+        let mut ts = self.norm1.tensors();
+        ts.extend(self.conv1.tensors());
+        ts.extend(self.norm2.tensors());
+        ts.extend(self.conv2.tensors());
+        ts.extend(self.temb.tensors());
+        if let Some(c) = &self.shortcut {
+            ts.extend(c.tensors());
+        }
+        ts
+    }
+}
+
+impl TBlock {
+    /// The tensors its checkpoint segment uses.
+    fn segment_tensors(&self) -> Vec<Tensor> {
+        let mut ts = Vec::new();
+        for n in [&self.n1, &self.n2, &self.n3] {
+            ts.extend(n.tensors());
+        }
+        for a in [&self.a1, &self.a2] {
+            for l in [&a.q, &a.k, &a.v, &a.o] {
+                ts.extend(l.tensors());
+            }
+        }
+        ts.extend(self.ff_in.tensors());
+        ts.extend(self.ff_out.tensors());
+        ts
+    }
+}
+
 impl Runner<'_> {
     fn resnet(&self, r: &Resnet, x: &Tensor) -> Result<Tensor> {
         let rr = r.clone();
         let f: SegmentFn = Arc::new(move |xs: &[Tensor]| rr.forward(&xs[0], &xs[1]));
-        let mut ts = r.norm1.tensors();
-        ts.extend(r.conv1.tensors());
-        ts.extend(r.norm2.tensors());
-        ts.extend(r.conv2.tensors());
-        ts.extend(r.temb.tensors());
-        if let Some(c) = &r.shortcut {
-            ts.extend(c.tensors());
-        }
-        Ok(self.ck.run(f, &[x, self.temb], &vars(ts)?)?)
+        Ok(self
+            .ck
+            .run(f, &[x, self.temb], &vars(r.segment_tensors())?)?)
     }
 
     fn transformer(&self, t: &Transformer, x: &Tensor) -> Result<Tensor> {
@@ -301,18 +328,9 @@ impl Runner<'_> {
         for blk in &t.blocks {
             let bb = blk.clone();
             let f: SegmentFn = Arc::new(move |xs: &[Tensor]| bb.forward(&xs[0], &xs[1]));
-            let mut ts = Vec::new();
-            for n in [&blk.n1, &blk.n2, &blk.n3] {
-                ts.extend(n.tensors());
-            }
-            for a in [&blk.a1, &blk.a2] {
-                for l in [&a.q, &a.k, &a.v, &a.o] {
-                    ts.extend(l.tensors());
-                }
-            }
-            ts.extend(blk.ff_in.tensors());
-            ts.extend(blk.ff_out.tensors());
-            s = self.ck.run(f, &[&s, self.ctx], &vars(ts)?)?;
+            s = self
+                .ck
+                .run(f, &[&s, self.ctx], &vars(blk.segment_tensors())?)?;
         }
         let out = t
             .proj_out
@@ -493,6 +511,21 @@ impl UNet {
     /// Predicts noise (or v) for latents [B, 4, h, w] at per-sample `timesteps`, conditioned on
     /// text states [B, L, cross_attention_dim] and, for SDXL, pooled text embeddings [B, P] and
     /// time ids [B, 6].
+    /// The tensors of each checkpoint segment the forward runs (every ResNet block and every
+    /// transformer layer), in no particular order: what a fused backward pass holds gradients
+    /// for at once is one of these and everything outside them (`ParamStore::segments`).
+    pub fn segments(&self) -> Vec<Vec<Tensor>> {
+        let levels = self.down.iter().chain(&self.up);
+        let mut resnets: Vec<&Resnet> = levels.clone().flat_map(|l| &l.resnets).collect();
+        resnets.extend([&self.mid.0, &self.mid.2]);
+        let mut transformers: Vec<&Transformer> = levels.flat_map(|l| &l.attns).collect();
+        transformers.push(&self.mid.1);
+        let blocks = transformers.into_iter().flat_map(|t| &t.blocks);
+        let mut out: Vec<Vec<Tensor>> = resnets.iter().map(|r| r.segment_tensors()).collect();
+        out.extend(blocks.map(|b| b.segment_tensors()));
+        out
+    }
+
     pub fn forward(
         &self,
         x: &Tensor,

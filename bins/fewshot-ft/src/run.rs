@@ -35,7 +35,8 @@ pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
     let (pb, store, precision) = args.common.shapes_builder()?;
     let backbone = Backbone::new(&pb, kind, size, !args.pooled)?;
     FewShotModel::new(&pb, backbone, method, args.n_way, args.k_shot)?;
-    Ok(args.common.state_plan(&store.shapes(true), precision)?)
+    // No checkpoint segments (this model trains without checkpointing).
+    Ok(args.common.state_plan(&store, &[], precision)?)
 }
 
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
@@ -74,7 +75,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let model = FewShotModel::new(&pb, backbone, method, shape.n_way, shape.k_shot)?;
     ledger.mark("load", 0)?;
     args.common
-        .announce_plan(&args.common.state_plan(&store.shapes(true), precision)?);
+        .announce_plan(&args.common.state_plan(&store, &[], precision)?);
     let config_json = serde_json::json!({
         "backbone": args.backbone, "method": args.method, "n_way": shape.n_way, "k_shot": shape.k_shot,
         "image_size": size, "flatten": !args.pooled,

@@ -47,17 +47,18 @@ pub fn plan(args: &Args) -> Result<ft_memory::plan::StatePlan> {
     let args = resolved(args)?;
     let pipeline = Pipeline::open(&args.model, args.variant.clone())?;
     let (pb, store, precision) = args.common.shapes_builder()?;
-    UNet::new(&pb, &pipeline.unet)?;
-    unet_plan(&args, &store, precision)
+    let unet = UNet::new(&pb, &pipeline.unet)?;
+    unet_plan(&args, &store, &unet, precision)
 }
 
 /// The UNet's model states under these arguments, with the EMA when `--ema`.
 fn unet_plan(
     args: &Args,
     store: &ParamStore,
+    unet: &UNet,
     precision: ft_memory::precision::Precision,
 ) -> Result<ft_memory::plan::StatePlan> {
-    let plan = args.common.state_plan(&store.shapes(true), precision)?;
+    let plan = args.common.state_plan(store, &unet.segments(), precision)?;
     let (n, _) = store.count(true);
     Ok(if args.ema {
         plan.with("EMA (fp32)", 4 * n as u64, args.ema_device == "cpu")
@@ -169,7 +170,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
     ledger.mark("load", 0)?;
 
     args.common
-        .announce_plan(&unet_plan(&args, &store, precision)?);
+        .announce_plan(&unet_plan(&args, &store, &unet, precision)?);
     let optimizer = args.common.optimizer(store.trainable()?, precision)?;
     let ema = if args.ema {
         let ema_device = if args.ema_device == "cpu" {

@@ -45,8 +45,10 @@ pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
     let repo = ModelRepo::open(&args.model)?;
     let cfg = T5Config::from_file(&repo.get("config.json")?)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
-    T5::new(&pb, &cfg)?;
-    Ok(args.common.state_plan(&store.shapes(true), precision)?)
+    let model = T5::new(&pb, &cfg)?;
+    Ok(args
+        .common
+        .state_plan(&store, &model.segments(), precision)?)
 }
 
 /// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
@@ -76,6 +78,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     }
     let model = T5::new(&pb, &cfg)?;
     ledger.mark("load", 0)?;
+    let segments = model.segments();
 
     let fields = Fields {
         input: args.input_field.clone(),
@@ -126,7 +129,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     task.eval_limit = args.eval_limit;
 
     args.common
-        .announce_plan(&args.common.state_plan(&store.shapes(true), precision)?);
+        .announce_plan(&args.common.state_plan(&store, &segments, precision)?);
     let mut optimizer = args.common.optimizer(store.trainable()?, precision)?;
     // As HF Trainer: no weight decay for biases (T5's relative attention bias) and layer norms.
     optimizer.exempt_from_weight_decay(ft_memory::optim::hf_trainer_no_decay);

@@ -437,7 +437,18 @@ fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
     let mut fused_flags = flags.to_vec();
     fused_flags.push("--fused-backward");
     let fused_dir = tmp("fused-backward");
-    let fused = train_run(&demo_args(&fused_dir, &fused_flags))?;
+    let mut s = setup(&demo_args(&fused_dir, &fused_flags))?;
+    // The blocks `T5::segments` lists (which the plan bounds the gradients by) are what the
+    // backward updates early.
+    let segments = s.task.model.segments();
+    let listed: std::collections::HashSet<_> = segments
+        .iter()
+        .flatten()
+        .filter(|t| t.is_variable())
+        .map(|t| t.id())
+        .collect();
+    let seg = s.task.store.segments(&segments);
+    let fused = s.train()?;
     assert_eq!(fused.losses, plain.losses);
     let weights = |dir: &Path| -> anyhow::Result<Vec<u8>> {
         Ok(std::fs::read(
@@ -453,8 +464,18 @@ fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| v["updated_in_backward"].as_u64())
         .collect();
-    assert_eq!(early.len(), 4, "{metrics}");
-    assert!(early.iter().all(|n| *n > 10), "{early:?}");
+    assert_eq!(early, vec![listed.len() as u64; 4], "{metrics}");
+    assert!(listed.len() > 10);
+    // The plan holds the gradients outside the blocks (embeddings, final norms) and of the
+    // largest block.
+    let plan = t5_ft::run::plan(&demo_args(&fused_dir, &fused_flags))?;
+    let grads = plan
+        .rows
+        .iter()
+        .find(|r| r.component.contains("--fused-backward"))
+        .ok_or_else(|| anyhow::anyhow!("no fused gradient row:\n{}", plan.table()))?;
+    assert!(seg.largest > 0 && seg.inside < plan.params);
+    assert_eq!(grads.bytes, 4 * (plan.params - seg.inside + seg.largest));
     // Refused where it cannot work.
     for (extra, word) in [
         (&["--accum", "2", "--gradient-checkpointing"][..], "--accum"),

@@ -100,6 +100,31 @@ impl ParamStore {
         (n, b)
     }
 
+    /// How the trainable parameters fall into the checkpoint segments a model lists (each
+    /// segment's tensors, as the model hands them to `Checkpointer::run`; frozen ones are not
+    /// counted): for the plan of a fused backward pass. Works on a shapes-only model too.
+    pub fn segments(&self, segments: &[Vec<Tensor>]) -> crate::plan::Segments {
+        use std::collections::{HashMap, HashSet};
+        let sizes: HashMap<_, u64> = self
+            .lock()
+            .iter()
+            .filter(|e| e.trainable)
+            .map(|e| (e.tensor.id(), e.tensor.elem_count() as u64))
+            .collect();
+        let mut inside = HashSet::new();
+        let mut largest = 0;
+        for seg in segments {
+            let ids: HashSet<_> = seg.iter().map(|t| t.id()).collect();
+            let n = ids.iter().filter_map(|id| sizes.get(id)).sum();
+            largest = largest.max(n);
+            inside.extend(ids.into_iter().filter(|id| sizes.contains_key(id)));
+        }
+        crate::plan::Segments {
+            inside: inside.iter().filter_map(|id| sizes.get(id)).sum(),
+            largest,
+        }
+    }
+
     fn insert(&self, name: String, tensor: Tensor, trainable: bool) {
         self.lock().push(Entry {
             name,

@@ -225,7 +225,8 @@ impl Block {
         x + drop.apply(&f, &format!("{}.ff", self.name))?
     }
 
-    fn vars(&self) -> candle_core::Result<Vec<Var>> {
+    /// The tensors its checkpoint segment uses.
+    fn segment_tensors(&self) -> Vec<Tensor> {
         let mut ts: Vec<&Tensor> = self.self_attn.tensors().to_vec();
         ts.push(&self.self_norm);
         if let Some((a, n)) = &self.cross {
@@ -235,7 +236,13 @@ impl Block {
         ts.extend(self.ff.wi.iter());
         ts.push(&self.ff.wo);
         ts.push(&self.ff_norm);
-        ts.into_iter()
+        ts.into_iter().cloned().collect()
+    }
+
+    /// Its trainable tensors, as the checkpoint segment takes them.
+    fn vars(&self) -> candle_core::Result<Vec<Var>> {
+        self.segment_tensors()
+            .iter()
             .filter(|t| t.is_variable())
             .map(Var::from_tensor)
             .collect()
@@ -381,6 +388,14 @@ impl T5 {
 
     pub fn config(&self) -> &T5Config {
         &self.cfg
+    }
+
+    /// The tensors of each checkpoint segment (every encoder and decoder block): what a fused
+    /// backward pass holds gradients for at once is one of these and everything outside them
+    /// (`ParamStore::segments`).
+    pub fn segments(&self) -> Vec<Vec<Tensor>> {
+        let blocks = self.encoder.blocks.iter().chain(&self.decoder.blocks);
+        blocks.map(|(b, _)| b.segment_tensors()).collect()
     }
 
     pub fn device(&self) -> &Device {
