@@ -409,7 +409,7 @@ impl Optimizer for AdamW8bit {
     ) -> Result<()> {
         crate::optim::check_len(params, grads, self.slots.len())?;
         #[cfg(feature = "cuda")]
-        if let Some(into) = crate::optim::fused_path(params, model) {
+        if let Some(into) = crate::optim::fused_path(params, grads, model) {
             self.step_cuda(params, grads, lr, grad_mul, into)?;
             return crate::optim::finish(params, grads, model, into.is_some());
         }

@@ -335,48 +335,52 @@ impl AdamW {
     }
 }
 
-/// Whether the fused CUDA kernels can take these parameters: contiguous fp32 on CUDA, with the
-/// own kernels on (`FT_CUDA_KERNELS`).
+/// Whether the fused CUDA kernels can update `p` from an fp32 master (or as an fp32 weight):
+/// contiguous fp32 on CUDA.
 #[cfg(feature = "cuda")]
-pub(crate) fn fusable(params: &[Var]) -> bool {
-    ft_kernels::cuda::enabled()
-        && params.iter().all(|p| {
-            p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
-        })
+fn fusable_master(p: &Var) -> bool {
+    p.device().is_cuda() && p.dtype() == DType::F32 && p.as_tensor().is_contiguous()
 }
 
-/// Whether the fused CUDA AdamW can update `params` in place without masters: contiguous
-/// bf16/f16 on CUDA (`--full-bf16`), with the own kernels on.
+/// Whether the fused CUDA kernels can update `p` in place without a master (`--full-bf16`):
+/// contiguous bf16/f16 on CUDA.
 #[cfg(feature = "cuda")]
-pub(crate) fn fusable_in_place(params: &[Var]) -> bool {
-    ft_kernels::cuda::enabled()
-        && params.iter().all(|p| {
-            p.device().is_cuda()
-                && matches!(p.dtype(), DType::BF16 | DType::F16)
-                && p.as_tensor().is_contiguous()
-        })
-}
-
-/// Whether the fused CUDA kernels can update `params` and write `model` (one contiguous model
-/// weight per parameter) in the same pass.
-#[cfg(feature = "cuda")]
-pub(crate) fn fusable_into(params: &[Var], model: &[Var]) -> bool {
-    fusable(params)
-        && model.len() == params.len()
-        && model.iter().all(|m| m.as_tensor().is_contiguous())
+fn fusable_in_place(p: &Var) -> bool {
+    p.device().is_cuda()
+        && matches!(p.dtype(), DType::BF16 | DType::F16)
+        && p.as_tensor().is_contiguous()
 }
 
 /// Whether an update takes the fused CUDA kernels, and which model weights they write in the
-/// same pass: `None` off the kernels (parameters not all contiguous CUDA tensors the kernels
-/// take, or the kernels turned off); `Some(Some(model))` where the kernels write `model` too;
-/// `Some(None)` where there is no model or they cannot write it ([`finish`] then does).
+/// same pass: `None` off the kernels (the kernels turned off, or a parameter given a gradient
+/// that is not a contiguous CUDA tensor they take); `Some(Some(model))` where the kernels write
+/// `model` too; `Some(None)` where there is no model or they cannot write it ([`finish`] then
+/// does). Only the parameters given a gradient are looked at: a fused backward pass updates one
+/// at a time, and looking at all 1,700 of the SDXL UNet's for each would be quadratic.
 #[cfg(feature = "cuda")]
 pub(crate) fn fused_path<'a>(
     params: &[Var],
+    grads: &[Option<Tensor>],
     model: Option<&'a [Var]>,
 ) -> Option<Option<&'a [Var]>> {
-    (fusable(params) || (model.is_none() && fusable_in_place(params)))
-        .then(|| model.filter(|m| fusable_into(params, m)))
+    if !ft_kernels::cuda::enabled() {
+        return None;
+    }
+    let stepped = || {
+        params
+            .iter()
+            .zip(grads)
+            .enumerate()
+            .filter(|(_, (_, g))| g.is_some())
+            .map(|(i, (p, _))| (i, p))
+    };
+    if stepped().all(|(_, p)| fusable_master(p)) {
+        let writable = |m: &&[Var]| {
+            m.len() == params.len() && stepped().all(|(i, _)| m[i].as_tensor().is_contiguous())
+        };
+        return Some(model.filter(writable));
+    }
+    (model.is_none() && stepped().all(|(_, p)| fusable_in_place(p))).then_some(None)
 }
 
 /// Writes the updated masters into the model weights, unless the update wrote them itself.
@@ -538,7 +542,7 @@ impl Optimizer for AdamW {
     ) -> Result<()> {
         check_len(params, grads, self.m.len())?;
         #[cfg(feature = "cuda")]
-        if let Some(into) = fused_path(params, model) {
+        if let Some(into) = fused_path(params, grads, model) {
             self.step_fused(params, grads, lr, grad_mul, into)?;
             return finish(params, grads, model, into.is_some());
         }
