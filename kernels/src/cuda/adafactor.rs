@@ -1,5 +1,6 @@
-//! Adafactor's update in six kernel launches per tensor (two under two dims), where the op-by-op
-//! update makes about thirty passes, most over fp32 copies of the whole tensor.
+//! Adafactor's update in five or six kernel launches per tensor (six where a column's sum needs
+//! more than one chunk of 32 rows; two under two dims), where the op-by-op update makes about 35
+//! candle ops, most of them passes over fp32 copies of the whole tensor.
 //!
 //! The arithmetic is `ft_memory::adafactor`'s, operation for operation; only the order of the
 //! sums differs from the host's (each is fixed, so a step is deterministic), so a GPU step
@@ -72,8 +73,11 @@ pub fn adafactor_fused_in_place(
 /// Rows a column-sum thread adds before the chunks are added in order: enough threads for a
 /// large matrix (a 5120 x 1280 weight gets 160 x 1280), one chunk for a convolution's 3 x 3.
 const COL_CHUNK: usize = 32;
-/// The most per-block partial sums of the update's squares (the apply kernel adds them all).
-const MAX_PARTS: u32 = 1024;
+/// The grid of the two element kernels: 1,024 blocks of 256 threads fill an H100 (132 SMs of
+/// 2,048 threads) once, in grid-stride loops. It is also the number of partial sums of the
+/// update's squares, which each block of the update kernel adds before it starts: capping its
+/// grid too keeps that to a million cached reads per tensor instead of about four per weight.
+const GRID: u32 = 1024;
 
 /// The grid of 256-thread blocks that gives each of `groups` rows a warp (8 rows a block).
 fn warp_grid(groups: usize, who: &str) -> Result<u32> {
@@ -209,7 +213,7 @@ fn launch_all(
         ),
     };
     let rmean_ptr = rmean.as_ref().map(out_ptr).transpose()?.unwrap_or(0);
-    let parts = elem_grid(n).min(MAX_PARTS);
+    let parts = elem_grid(n).min(GRID);
     let part = output(&dev, DType::F32, parts as usize)?;
     let part_ptr = out_ptr(&part)?;
     launch(
@@ -245,7 +249,7 @@ fn launch_all(
     launch(
         &dev,
         &format!("adafactor_apply_{gs}_{model_sfx}"),
-        (elem_grid(n), 1),
+        (parts, 1),
         256,
         &args,
     )

@@ -502,7 +502,8 @@ __device__ void adafactor_sumsq(const G* g, float* row, const float* rmean, cons
 }
 
 // The weight update: every block adds the `parts` partials in the same order, takes
-// denom = max(rms(u) / clip, 1) as candle's `maximum` does (a NaN stays), then
+// denom = max(rms(u) / clip, 1) as candle's CPU `maximum` does (a NaN stays; the fmaxf of its
+// CUDA op would drop it), then
 // w <- (w + w lr (-wd)) - (u / denom) lr, into the master and/or the model weight (rounded
 // stochastically when seed != 0). Without a master the weight is read from `model`.
 template <typename G, typename P>

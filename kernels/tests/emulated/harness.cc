@@ -591,7 +591,9 @@ static void stochastic_case() {
 
 // One Adafactor step as kernels/src/cuda/adafactor.rs launches it (geometry shrunk so grid-stride
 // loops wrap: at most 3 blocks for element kernels), for a tensor viewed as [B, R, C] (`full`:
-// n = B R C values with a full second moment in `row`).
+// n = B R C values with a full second moment in `row`). `parts_grid` > 0 instead gives the sum
+// of squares that many 32-thread blocks and the update 3 blocks of 64 threads, so each of its
+// blocks adds more partials than it has threads.
 template <typename G, typename P>
 static void adafactor_launch(float* master, const G* g, P* model, float* row, float* col,
                              int B, int R, int C, bool full, int chunk, float gm, float eps1,
@@ -603,7 +605,8 @@ static void adafactor_launch(float* master, const G* g, P* model, float* row, fl
                                              float*, long long, int, int, ADAFACTOR_ARGS),
                              void (*apply_k)(float*, const G*, P*, const float*, const float*,
                                              const float*, const float*, int, long long, int,
-                                             int, ADAFACTOR_ARGS, unsigned long long)) {
+                                             int, ADAFACTOR_ARGS, unsigned long long),
+                             unsigned parts_grid = 0) {
   const long long n = (long long)B * R * C;
   const int r = full ? 1 : R, c = full ? 1 : C;
   const float a[10] = {gm,
@@ -630,12 +633,13 @@ static void adafactor_launch(float* master, const G* g, P* model, float* row, fl
     launch({(unsigned)((B + 7) / 8)}, {256},
            [&] { adafactor_row_mean(row, rmean.data(), B, R, a[4]); });
   }
-  const unsigned parts = grid_for(n);
+  const unsigned parts = parts_grid ? parts_grid : grid_for(n);
   std::vector<float> sums(parts, NAN);
   const float* rm = full ? nullptr : rmean.data();
   float* cl = full ? nullptr : col;
-  launch({parts}, {256}, [&] { sumsq_k(g, row, rm, cl, sums.data(), n, r, c, A10); });
-  launch({grid_for(n)}, {256}, [&] {
+  launch({parts}, {parts_grid ? 32u : 256u},
+         [&] { sumsq_k(g, row, rm, cl, sums.data(), n, r, c, A10); });
+  launch({parts_grid ? 3u : parts}, {parts_grid ? 64u : 256u}, [&] {
     apply_k(master, g, model, row, rm, cl, sums.data(), (int)parts, n, r, c, A10, seed);
   });
 #undef A10
@@ -655,7 +659,8 @@ static void adafactor_case(const std::string& ty, int B, int R, int C, bool full
                                            long long, int, int, ADAFACTOR_ARGS),
                            void (*apply_k)(float*, const G*, bf16*, const float*, const float*,
                                            const float*, const float*, int, long long, int, int,
-                                           ADAFACTOR_ARGS, unsigned long long)) {
+                                           ADAFACTOR_ARGS, unsigned long long),
+                           unsigned parts_grid = 0) {
   const long long n = (long long)B * R * C;
   auto master = rnd(n, 90);
   std::vector<bf16> model(n);
@@ -666,7 +671,8 @@ static void adafactor_case(const std::string& ty, int B, int R, int C, bool full
   const std::string name = ty + " adafactor " +
                            (full ? "full " + std::to_string(n)
                                  : std::to_string(B) + "x" + std::to_string(R) + "x" +
-                                       std::to_string(C) + " chunk " + std::to_string(chunk));
+                                       std::to_string(C) + " chunk " + std::to_string(chunk)) +
+                           (parts_grid ? ", " + std::to_string(parts_grid) + " partials" : "");
   for (int t = 1; t <= 3; t++) {
     const auto g = to<G>(rnd(n, 90 + t));
     const auto gf = back(g);
@@ -716,7 +722,7 @@ static void adafactor_case(const std::string& ty, int B, int R, int C, bool full
     }
     adafactor_launch<G, bf16>(master.data(), g.data(), model.data(), row.data(), col.data(), B,
                               R, C, full, chunk, gm, eps1, b2t, lr, wd, clip, 0, rows_k,
-                              parts_k, sumsq_k, apply_k);
+                              parts_k, sumsq_k, apply_k, parts_grid);
     std::vector<float> got_step(n);
     for (long long i = 0; i < n; i++) got_step[i] = master[i] - before[i];
     const std::string s = name + " step " + std::to_string(t);
@@ -866,6 +872,10 @@ int main(int argc, char** argv) {
                        adafactor_col_parts_bf16, adafactor_sumsq_bf16, adafactor_apply_bf16_bf16);
   adafactor_case<float>("f32", 1, 1, 777, true, 32, 0.5f, adafactor_rows_f32,
                         adafactor_col_parts_f32, adafactor_sumsq_f32, adafactor_apply_f32_bf16);
+  // Past 300 x 32 values, so that every one of the 300 partials holds some.
+  adafactor_case<float>("f32", 1, 1, 10007, true, 32, 0.5f, adafactor_rows_f32,
+                        adafactor_col_parts_f32, adafactor_sumsq_f32, adafactor_apply_f32_bf16,
+                        300);
   adafactor_in_place_case();
   stochastic_case();
   sum_squares_case();
