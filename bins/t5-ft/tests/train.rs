@@ -579,5 +579,32 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     let one_host = plan(&["--accum", "1", "--offload-optimizer"])?;
     assert_eq!(one_host.device_bytes(), host.device_bytes());
     assert_eq!(host.host_bytes() - one_host.host_bytes(), 2 * near.params);
+    // configs/flan_t5_xl_24gb.toml: Adafactor on bf16 weights without masters, one micro-batch,
+    // the fused backward: bf16 weights, 9.7 MiB of Adafactor state and the gradients alive at
+    // once (embeddings, final norms, the largest block), all on the GPU.
+    let preset = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/flan_t5_xl_24gb.toml");
+    let preset = preset.display().to_string();
+    let low: Args = ft_memory::config::parse_from(
+        [
+            "t5-ft",
+            "--config",
+            &preset,
+            "--model",
+            &model,
+            "--plan",
+            "--output-dir",
+            &out_arg,
+        ],
+        |a: &Args| a.config.clone(),
+    )?;
+    low.validate()?;
+    let low = t5_ft::run::plan(&low)?;
+    eprintln!("{}", low.table());
+    assert_eq!(low.host_bytes(), 0);
+    assert!(
+        (gib(low.device_bytes()) - 5.68).abs() < 0.01,
+        "{}",
+        low.table()
+    );
     Ok(())
 }
