@@ -79,12 +79,17 @@ const COL_CHUNK: usize = 32;
 /// grid too keeps that to a million cached reads per tensor instead of about four per weight.
 const GRID: u32 = 1024;
 
-/// The grid of 256-thread blocks that gives each of `groups` rows a warp (8 rows a block).
-fn warp_grid(groups: usize, who: &str) -> Result<u32> {
-    u32::try_from(groups.div_ceil(8))
+/// How the row-sum kernels take `rows` rows of `len` values: a warp per row (8 rows to a
+/// 256-thread block), or a thread per row when a row is shorter than a warp (a 3x3 kernel's
+/// rows, which would leave 29 of 32 lanes idle). The flag and the grid.
+fn row_grid(rows: usize, len: usize, who: &str) -> Result<(Arg, u32)> {
+    let per_thread = len < 32;
+    let per_block = if per_thread { 256 } else { 8 };
+    let grid = u32::try_from(rows.div_ceil(per_block))
         .ok()
         .filter(|b| *b <= i32::MAX as u32)
-        .ok_or_else(|| candle_core::Error::Msg(format!("{who}: {groups} rows in one tensor")))
+        .ok_or_else(|| candle_core::Error::Msg(format!("{who}: {rows} rows in one tensor")))?;
+    Ok((Arg::I32(per_thread as i32), grid))
 }
 
 fn dim_i32(d: usize, who: &str) -> Result<i32> {
@@ -145,12 +150,19 @@ fn launch_all(
             check_f32_like("exp_avg_sq_row", row, b * r)?;
             check_f32_like("exp_avg_sq_col", col, b * c)?;
             let (row, col) = (tensor_ptr(row)?, tensor_ptr(col)?);
+            let (per_thread, grid) = row_grid(b * r, c, WHO)?;
             launch(
                 &dev,
                 &format!("adafactor_rows_{gs}"),
-                (warp_grid(b * r, WHO)?, 1),
+                (grid, 1),
                 256,
-                &with(&[g, Arg::Ptr(row), Arg::I64((b * r) as i64), Arg::I32(ci)]),
+                &with(&[
+                    g,
+                    Arg::Ptr(row),
+                    Arg::I64((b * r) as i64),
+                    Arg::I32(ci),
+                    per_thread,
+                ]),
             )?;
             let (bc, chunks) = (b * c, r.div_ceil(COL_CHUNK));
             let part = (chunks > 1)
@@ -188,16 +200,18 @@ fn launch_all(
                 )?;
             }
             let rmean = output(&dev, DType::F32, b)?;
+            let (per_thread, grid) = row_grid(b, r, WHO)?;
             launch(
                 &dev,
                 "adafactor_row_mean",
-                (warp_grid(b, WHO)?, 1),
+                (grid, 1),
                 256,
                 &[
                     Arg::Ptr(row),
                     Arg::Ptr(out_ptr(&rmean)?),
                     Arg::I64(b as i64),
                     Arg::I32(ri),
+                    per_thread,
                     Arg::F32((1.0 / r as f64) as f32),
                 ],
             )?;

@@ -430,17 +430,31 @@ __device__ __forceinline__ float adafactor_u(float g, long long i, const float* 
   return __fmul_rn(__fmul_rn(rf, cf), g);
 }
 
-// One warp per row of `cols` values: row[j] <- decay(row[j], mean_c(g^2 + eps1)).
+// The sum over `cols` consecutive values f(i) of row j, by one warp per row, or with
+// `per_thread` (rows shorter than a warp: a 3x3 kernel's) by one thread per row, so that 29 of
+// 32 lanes do not idle. Returns false to the threads past the last row (a whole warp's, in the
+// warp mode); lane 0 (every thread, per thread) holds the sum.
+template <typename F>
+__device__ __forceinline__ bool row_sum(long long rows, int cols, int per_thread, F f,
+                                        long long& j, float& s) {
+  const long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  j = per_thread ? t : t >> 5;
+  if (j >= rows) return false;
+  const int lane = per_thread ? 0 : (int)(threadIdx.x & 31), step = per_thread ? 1 : 32;
+  s = 0.f;
+  for (int c = lane; c < cols; c += step) s += f(j * cols + c);
+  if (!per_thread) s = warp_sum(s);
+  return lane == 0;
+}
+
+// row[j] <- decay(row[j], mean_c(g^2 + eps1)) for each row of `cols` values.
 template <typename G>
-__device__ void adafactor_rows(const G* g, float* row, long long rows, int cols,
+__device__ void adafactor_rows(const G* g, float* row, long long rows, int cols, int per_thread,
                                const AdafactorArgs& a) {
-  const long long j = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (j >= rows) return;  // the whole warp
-  float s = 0.f;
-  for (int c = lane; c < cols; c += 32) s += adafactor_sq(adafactor_grad(g, j * cols + c, a), a);
-  s = warp_sum(s);
-  if (lane == 0) row[j] = adafactor_decay(row[j], s, a.inv_c, a);
+  long long j;
+  float s;
+  auto sq = [&](long long i) { return adafactor_sq(adafactor_grad(g, i, a), a); };
+  if (row_sum(rows, cols, per_thread, sq, j, s)) row[j] = adafactor_decay(row[j], s, a.inv_c, a);
 }
 
 // Column sums of g^2 + eps1 over chunk s of `chunk` rows, one thread per (chunk, b, c):
@@ -472,16 +486,13 @@ __device__ void adafactor_cols_impl(const float* part, float* col, long long bc,
   }
 }
 
-// One warp per row block b: rmean[b] = mean of row[b R .. b R + R).
+// rmean[b] = mean of row[b R .. b R + R), per warp or per thread as row_sum.
 __device__ void adafactor_row_mean_impl(const float* row, float* rmean, long long blocks, int R,
-                                   float inv_r) {
-  const long long b = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (b >= blocks) return;
-  float s = 0.f;
-  for (int r = lane; r < R; r += 32) s += row[b * R + r];
-  s = warp_sum(s);
-  if (lane == 0) rmean[b] = affine0(s, inv_r);
+                                        int per_thread, float inv_r) {
+  long long b;
+  float s;
+  auto at = [&](long long i) { return row[i]; };
+  if (row_sum(blocks, R, per_thread, at, b, s)) rmean[b] = affine0(s, inv_r);
 }
 
 // The update's sum of squares, one partial per block into part[blockIdx.x]; a full second
@@ -886,9 +897,9 @@ ADAMW(f16, f16, f16, f16)
 #define ADAFACTOR_PACK {grad_mul, eps1, b2, c2, inv_r, inv_c, lr, wdl, inv_sqrt_n, inv_clip}
 #define ADAFACTOR_G(G, SG)                                                                      \
   extern "C" __global__ void adafactor_rows_##SG(const G* g, float* row, long long rows,        \
-                                                 int cols, ADAFACTOR_ARGS) {                    \
+                                                 int cols, int per_thread, ADAFACTOR_ARGS) {    \
     const AdafactorArgs a = ADAFACTOR_PACK;                                                     \
-    adafactor_rows(g, row, rows, cols, a);                                                      \
+    adafactor_rows(g, row, rows, cols, per_thread, a);                                          \
   }                                                                                             \
   extern "C" __global__ void adafactor_col_parts_##SG(const G* g, float* col, float* part,      \
                                                       long long bc, int R, int C, int chunk,    \
@@ -929,8 +940,8 @@ extern "C" __global__ void adafactor_cols(const float* part, float* col, long lo
   adafactor_cols_impl(part, col, bc, chunks, a);
 }
 extern "C" __global__ void adafactor_row_mean(const float* row, float* rmean, long long blocks,
-                                              int R, float inv_r) {
-  adafactor_row_mean_impl(row, rmean, blocks, R, inv_r);
+                                              int R, int per_thread, float inv_r) {
+  adafactor_row_mean_impl(row, rmean, blocks, R, per_thread, inv_r);
 }
 
 extern "C" __global__ void round_stochastic_bf16(const float* x, bf16* y, long long n,

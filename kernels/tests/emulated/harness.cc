@@ -598,7 +598,8 @@ template <typename G, typename P>
 static void adafactor_launch(float* master, const G* g, P* model, float* row, float* col,
                              int B, int R, int C, bool full, int chunk, float gm, float eps1,
                              float b2t, float lr, float wd, float clip, unsigned long long seed,
-                             void (*rows_k)(const G*, float*, long long, int, ADAFACTOR_ARGS),
+                             void (*rows_k)(const G*, float*, long long, int, int,
+                                            ADAFACTOR_ARGS),
                              void (*parts_k)(const G*, float*, float*, long long, int, int, int,
                                              int, ADAFACTOR_ARGS),
                              void (*sumsq_k)(const G*, float*, const float*, const float*,
@@ -622,7 +623,11 @@ static void adafactor_launch(float* master, const G* g, P* model, float* row, fl
 #define A10 a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9]
   std::vector<float> rmean(B), part;
   if (!full) {
-    launch({(unsigned)((B * R + 7) / 8)}, {256}, [&] { rows_k(g, row, (long long)B * R, C, A10); });
+    // A thread per row shorter than a warp, else a warp per row (8 to a block).
+    const int rows_pt = C < 32, mean_pt = R < 32;
+    const long long rows = (long long)B * R;
+    launch({(unsigned)(rows_pt ? (rows + 255) / 256 : (rows + 7) / 8)}, {256},
+           [&] { rows_k(g, row, rows, C, rows_pt, A10); });
     const int chunks = (R + chunk - 1) / chunk;
     const long long bc = (long long)B * C;
     part.assign(chunks > 1 ? bc * chunks : 0, NAN);
@@ -630,8 +635,8 @@ static void adafactor_launch(float* master, const G* g, P* model, float* row, fl
     launch({grid_for(bc * chunks)}, {256},
            [&] { parts_k(g, col, pp, bc, R, C, chunk, chunks, A10); });
     if (pp) launch({grid_for(bc)}, {256}, [&] { adafactor_cols(pp, col, bc, chunks, A10); });
-    launch({(unsigned)((B + 7) / 8)}, {256},
-           [&] { adafactor_row_mean(row, rmean.data(), B, R, a[4]); });
+    launch({(unsigned)(mean_pt ? (B + 255) / 256 : (B + 7) / 8)}, {256},
+           [&] { adafactor_row_mean(row, rmean.data(), B, R, mean_pt, a[4]); });
   }
   const unsigned parts = parts_grid ? parts_grid : grid_for(n);
   std::vector<float> sums(parts, NAN);
@@ -652,7 +657,7 @@ static void adafactor_launch(float* master, const G* g, P* model, float* row, fl
 template <typename G>
 static void adafactor_case(const std::string& ty, int B, int R, int C, bool full, int chunk,
                            float clip,
-                           void (*rows_k)(const G*, float*, long long, int, ADAFACTOR_ARGS),
+                           void (*rows_k)(const G*, float*, long long, int, int, ADAFACTOR_ARGS),
                            void (*parts_k)(const G*, float*, float*, long long, int, int, int,
                                            int, ADAFACTOR_ARGS),
                            void (*sumsq_k)(const G*, float*, const float*, const float*, float*,
