@@ -25,10 +25,13 @@ use crate::error::Result;
 /// A segment: a function of 1 to 3 tensors (hidden state, encoder output, bias, ...).
 pub type SegmentFn = Arc<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync>;
 
-/// Takes a parameter's finished gradient during backward (a fused backward pass: the optimizer
-/// steps the parameter at once and the gradient is dropped). Returns whether it took it; if not,
-/// the gradient goes to the sink as usual.
-pub type EarlyStep = Arc<dyn Fn(&Var, Tensor) -> candle_core::Result<bool> + Send + Sync>;
+/// Takes finished parameter gradients during backward (a fused backward pass: the optimizer
+/// steps those parameters at once and the gradients are dropped): all of one segment's
+/// parameters that no other segment uses, handed over together when its recomputation ends, so
+/// that whatever the step reads back from the device (per-tensor clipping norms) it reads once
+/// per segment. Returns the gradients it did not take, which go to the sink as usual.
+pub type EarlyStep =
+    Arc<dyn Fn(Vec<(Var, Tensor)>) -> candle_core::Result<Vec<(Var, Tensor)>> + Send + Sync>;
 
 /// Parameter gradients produced while recomputing segments, summed per parameter; with an
 /// early step installed, the gradients of parameters that only one segment uses go to it
@@ -48,18 +51,32 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl GradSink {
-    /// A segment's finished gradient of `p`: to the early step when one is installed and `p`
-    /// is used by this segment only, else summed in the sink.
-    fn finish(&self, p: &Var, g: Tensor) -> candle_core::Result<()> {
+    /// A segment's finished parameter gradients: those of parameters this segment alone uses
+    /// to the early step when one is installed, the rest (and those it leaves) summed in the
+    /// sink.
+    fn finish(&self, grads: Vec<(Var, Tensor)>) -> candle_core::Result<()> {
         let early = locked(&self.early).clone();
-        if let Some(step) = early {
-            let exclusive = locked(&self.uses).get(&p.id()).copied() == Some(1);
-            if exclusive && step(p, g.clone())? {
-                locked(&self.taken).push(p.id());
-                return Ok(());
+        let (exclusive, mut rest): (Vec<_>, Vec<_>) = match &early {
+            Some(_) => {
+                let uses = locked(&self.uses);
+                grads
+                    .into_iter()
+                    .partition(|(p, _)| uses.get(&p.id()).copied() == Some(1))
             }
+            None => (Vec::new(), grads),
+        };
+        if let (Some(step), false) = (early, exclusive.is_empty()) {
+            let offered: Vec<TensorId> = exclusive.iter().map(|(p, _)| p.id()).collect();
+            let left = step(exclusive)?;
+            let kept: std::collections::HashSet<TensorId> =
+                left.iter().map(|(p, _)| p.id()).collect();
+            locked(&self.taken).extend(offered.into_iter().filter(|id| !kept.contains(id)));
+            rest.extend(left);
         }
-        self.add(p.id(), g)
+        for (p, g) in rest {
+            self.add(p.id(), g)?;
+        }
+        Ok(())
     }
 
     fn add(&self, id: TensorId, g: Tensor) -> candle_core::Result<()> {
@@ -245,11 +262,12 @@ impl SegmentOp {
         let y = (self.f)(&xs)?;
         let surrogate = (y * grad_out.detach())?.sum_all()?;
         let mut grads = surrogate.backward()?;
-        for p in &self.params {
-            if let Some(g) = grads.remove(p.as_tensor()) {
-                self.sink.finish(p, g.detach())?;
-            }
-        }
+        let finished = self
+            .params
+            .iter()
+            .filter_map(|p| Some((p.clone(), grads.remove(p.as_tensor())?.detach())))
+            .collect();
+        self.sink.finish(finished)?;
         Ok(vars
             .iter()
             .zip(&self.tracked)

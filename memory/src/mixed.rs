@@ -9,7 +9,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::error::{Error, Result};
 use crate::ledger::{tensor_bytes, Category, Ledger};
 use crate::optim::Optimizer;
-use crate::precision::{clip_coefficient, clip_factor, sum_of_squares, LossScaler, Precision};
+use crate::precision::{
+    clip_coefficient, clip_factor, sum_of_squares, sum_of_squares_each, LossScaler, Precision,
+};
 
 /// What one call to [`MixedOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -299,7 +301,8 @@ impl MixedOptimizer {
     /// produced its gradient, and the gradient is dropped, so the model's gradients never exist
     /// all at once (2 bytes per bf16 parameter: 4.8 GiB for the SDXL UNet); the others are
     /// updated after the backward. One micro-batch a step, no loss scaling; clipping, as in
-    /// kohya's, is per tensor (each gradient's own norm against `max_grad_norm`). Each
+    /// kohya's, is per tensor (each gradient's own norm against `max_grad_norm`; on a GPU the
+    /// norms of a segment's tensors are read back together, one sync per segment). Each
     /// parameter's update is the one `step` gives it, so without clipping the weights are those
     /// of `checkpointer.gradients` followed by `step`, bit for bit. Returns how many parameters
     /// were updated during the backward.
@@ -340,25 +343,31 @@ impl MixedOptimizer {
         let stepper = Arc::new(stepper);
         let hook = {
             let stepper = stepper.clone();
-            Arc::new(move |p: &Var, g: Tensor| -> candle_core::Result<bool> {
-                let Some(&i) = index.get(&p.id()) else {
-                    return Ok(false);
-                };
-                stepper
-                    .step(i, g)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                Ok(true)
-            }) as crate::checkpoint::EarlyStep
+            Arc::new(
+                move |grads: Vec<(Var, Tensor)>| -> candle_core::Result<Vec<(Var, Tensor)>> {
+                    let (mine, others): (Vec<_>, Vec<_>) = grads
+                        .into_iter()
+                        .partition(|(p, _)| index.contains_key(&p.id()));
+                    let mine = mine
+                        .into_iter()
+                        .filter_map(|(p, g)| Some((*index.get(&p.id())?, g)))
+                        .collect();
+                    stepper
+                        .step_all(mine)
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                    Ok(others)
+                },
+            ) as crate::checkpoint::EarlyStep
         };
         let result = checkpointer.gradients_with(loss, &self.model, Some(hook));
         let rest = result.and_then(|(grads, taken)| {
-            let mut stepped = taken;
-            for (i, g) in grads.into_iter().enumerate() {
-                if let Some(g) = g {
-                    stepper.step(i, g)?;
-                    stepped += 1;
-                }
-            }
+            let rest: Vec<(usize, Tensor)> = grads
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, g)| Some((i, g?)))
+                .collect();
+            let stepped = taken + rest.len();
+            stepper.step_all(rest)?;
             // A step without any gradient still counts, as `step` counts it.
             if stepped == 0 {
                 let mut opt = lent.lock().unwrap_or_else(|p| p.into_inner());
@@ -386,16 +395,29 @@ struct ParamStepper {
 }
 
 impl ParamStepper {
-    fn step(&self, i: usize, g: Tensor) -> Result<()> {
-        let coef = match self.max_grad_norm {
-            Some(max) => clip_factor(sum_of_squares(&[Some(g.clone())])?.sqrt(), max),
-            None => 1.0,
+    /// Updates parameter `i` from `g` for each `(i, g)`, each clipped by its own norm when
+    /// clipping is on: the norms of all of them are read back from the device at once.
+    fn step_all(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
+        let coefs = match self.max_grad_norm {
+            Some(max) => {
+                let gs: Vec<Tensor> = grads.iter().map(|(_, g)| g.clone()).collect();
+                sum_of_squares_each(&gs)?
+                    .into_iter()
+                    .map(|sq| clip_factor(sq.sqrt(), max))
+                    .collect()
+            }
+            None => vec![1.0; grads.len()],
         };
-        let mut grads: Vec<Option<Tensor>> = vec![None; self.targets.len()];
-        grads[i] = Some(g);
         let mut opt = self.optimizer.lock().unwrap_or_else(|p| p.into_inner());
-        opt.load_state(self.t0, &[])?;
-        opt.update(&self.targets, &grads, self.lr, coef, self.model.as_deref())
+        let mut one: Vec<Option<Tensor>> = vec![None; self.targets.len()];
+        for ((i, g), coef) in grads.into_iter().zip(coefs) {
+            one[i] = Some(g);
+            opt.load_state(self.t0, &[])?;
+            let done = opt.update(&self.targets, &one, self.lr, coef, self.model.as_deref());
+            one[i] = None;
+            done?;
+        }
+        Ok(())
     }
 }
 

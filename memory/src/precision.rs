@@ -191,6 +191,24 @@ pub fn sum_of_squares(grads: &[Option<Tensor>]) -> Result<f64> {
     Ok(sq)
 }
 
+/// [`sum_of_squares`] of each tensor apart: on CUDA one kernel per tensor and one read-back for
+/// all of them (the per-tensor clipping of a fused backward pass, a checkpointed segment's
+/// gradients at a time), on the host the same sums one by one.
+pub fn sum_of_squares_each(grads: &[Tensor]) -> Result<Vec<f64>> {
+    #[cfg(feature = "cuda")]
+    if ft_kernels::cuda::enabled()
+        && grads.iter().all(|g| {
+            g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        })
+    {
+        return Ok(ft_kernels::cuda::sum_squares_each(grads)?);
+    }
+    grads
+        .iter()
+        .map(|g| sum_of_squares(&[Some(g.clone())]))
+        .collect()
+}
+
 /// Scales gradients so their global norm is at most `max_norm` (`torch.nn.utils.clip_grad_norm_`:
 /// coefficient `max_norm / (norm + 1e-6)`, applied only when below 1). Returns the norm before
 /// clipping.

@@ -218,3 +218,70 @@ fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// With clipping, the fused backward pass clips each tensor by its own norm (kohya's rule; the
+/// norms of a segment's tensors are read back together): with plain SGD on f32 weights each
+/// update is `-lr * min(1, max / (||g_i|| + 1e-6)) * g_i` of the plain backward's gradient, some
+/// tensors clipped and some not. Checked for two steps against that formula.
+#[test]
+fn fused_backward_clips_each_tensor_by_its_own_norm() -> anyhow::Result<()> {
+    use ft_memory::mixed::{MixedOptimizer, StatePlacement};
+    use ft_memory::optim::{Optimizer, Sgd};
+    use ft_memory::precision::Precision;
+    let _g = SERIAL.lock();
+    let (_store, layers) = stack(3, 16)?;
+    let named: Vec<(String, Var)> = layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            l.params
+                .iter()
+                .enumerate()
+                .map(move |(k, v)| (format!("{i}.{k}"), v.clone()))
+        })
+        .collect();
+    let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
+    let sgd = |n| -> Box<dyn Optimizer> { Box::new(Sgd::new(n, 0.0, 0.0, false)) };
+    let (lr, max) = (0.5, 0.05);
+    let mut opt = MixedOptimizer::new(
+        named,
+        Precision::parse("f32")?,
+        StatePlacement::WithModel,
+        sgd,
+        Some(max),
+    )?;
+    let ck = Checkpointer::new(true);
+    let mut clipped = 0;
+    for step in 0..2 {
+        let x = (Tensor::arange(0f32, 64.0, &Device::Cpu)?.reshape((4, 16))?
+            * (0.3 + step as f64))?
+            .sin()?;
+        // The plain backward's gradients at the current weights, and the weights they give.
+        let (_, grads) = loss_and_grads(&layers, &x, &ck, &vars)?;
+        let mut want = Vec::new();
+        for (v, g) in vars.iter().zip(&grads) {
+            let g = g.as_ref().ok_or_else(|| anyhow::anyhow!("no gradient"))?;
+            let norm = g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            let coef = (max / (norm.sqrt() + 1e-6)).min(1.0);
+            clipped += usize::from(coef < 1.0);
+            want.push((v.as_tensor() - (g * (lr * coef))?)?);
+        }
+        ck.begin_forward();
+        let mut h = x;
+        for l in &layers {
+            h = ck.run(layer_fn(l), &[&h], &l.params)?;
+        }
+        let loss = h.sqr()?.mean_all()?;
+        assert_eq!(opt.backward_and_step(&ck, &loss, lr)?, vars.len());
+        for (i, (v, w)) in vars.iter().zip(&want).enumerate() {
+            let d = (v.as_tensor() - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(d < 1e-6, "step {step}, tensor {i}: off by {d}");
+        }
+    }
+    assert!(
+        clipped > 0 && clipped < 2 * vars.len(),
+        "{clipped} of {} updates clipped: some should be, not all",
+        2 * vars.len()
+    );
+    Ok(())
+}

@@ -14,7 +14,7 @@ pub use adafactor::{adafactor_fused, adafactor_fused_in_place, AdafactorStep, Se
 pub use attention::{fused_attention, fused_attention_supported};
 pub use optim::{
     adamw8bit_fused, adamw8bit_fused_in_place, adamw_fused, adamw_fused_in_place,
-    round_stochastic_bf16, sum_squares, unscale_check, AdamWStep, Moments8bit,
+    round_stochastic_bf16, sum_squares, sum_squares_each, unscale_check, AdamWStep, Moments8bit,
 };
 pub(crate) use rows::{norm_backward, norm_forward, softmax_backward, softmax_forward};
 pub(crate) use rows::{

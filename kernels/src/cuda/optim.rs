@@ -316,22 +316,43 @@ pub fn sum_squares(grads: &[Option<Tensor>]) -> Result<f64> {
     let acc = zeros(&dev, DType::F64, 1)?;
     let acc_ptr = out_ptr(&acc)?;
     for g in grads.iter().flatten() {
-        let src = g.contiguous()?;
-        let n = src.elem_count();
-        launch(
-            &dev,
-            &format!("sum_squares_{}", suffix(src.dtype())?),
-            (elem_grid(n).min(1024), 1),
-            256,
-            &[
-                Arg::Ptr(tensor_ptr(&src)?),
-                Arg::I64(n as i64),
-                Arg::Ptr(acc_ptr),
-            ],
-        )?;
+        add_squares(&dev, g, acc_ptr)?;
     }
     let total = into_tensor(acc, 1).to_vec1::<f64>()?;
     Ok(total.first().copied().unwrap_or(0.0))
+}
+
+/// The sum of squares of each tensor (f32/bf16/f16 on one CUDA device) apart, with one
+/// read-back for all of them: per-tensor clipping (a fused backward pass) for a whole
+/// checkpointed segment at once instead of one host sync per tensor.
+pub fn sum_squares_each(grads: &[Tensor]) -> Result<Vec<f64>> {
+    let Some(first) = grads.first() else {
+        return Ok(Vec::new());
+    };
+    let dev = device_of(first)?;
+    let acc = zeros(&dev, DType::F64, grads.len())?;
+    let base = out_ptr(&acc)?;
+    for (i, g) in grads.iter().enumerate() {
+        add_squares(&dev, g, base + 8 * i as u64)?;
+    }
+    into_tensor(acc, grads.len()).to_vec1::<f64>()
+}
+
+/// Adds the squares of `g`'s elements into the f64 at `acc` (one kernel).
+fn add_squares(dev: &candle_core::CudaDevice, g: &Tensor, acc: u64) -> Result<()> {
+    let src = g.contiguous()?;
+    let n = src.elem_count();
+    launch(
+        dev,
+        &format!("sum_squares_{}", suffix(src.dtype())?),
+        (elem_grid(n).min(1024), 1),
+        256,
+        &[
+            Arg::Ptr(tensor_ptr(&src)?),
+            Arg::I64(n as i64),
+            Arg::Ptr(acc),
+        ],
+    )
 }
 
 /// fp32 -> bf16 with stochastic rounding on CUDA (see [`crate::rounding`] for the rule).
