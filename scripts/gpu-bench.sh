@@ -14,7 +14,8 @@
 # the second candle run on candle's own ops (FT_CUDA_KERNELS=0). ONLY (default "tests attention sdxl
 # t5"; also "offload": both models with the optimizer state on the host, FT_OFFLOAD=1; "8bit":
 # both with 8-bit AdamW moments on the GPU, FT_OPTIM=adamw8bit; "lowmem": both as kohya's
-# low-memory recipe, bf16 weights without masters and Adafactor, next to PyTorch's same) picks the
+# low-memory recipe, bf16 weights without masters and Adafactor, next to PyTorch's same; "fused":
+# that recipe with the fused backward pass on both sides, FT_FUSED=1) picks the
 # parts, so a run can be split over calls that each have a time limit; results are appended to
 # out/results.jsonl and the tables are printed from all of them.
 set -uo pipefail
@@ -96,5 +97,15 @@ if want lowmem; then
     $TO "$PY" scripts/gpu_bench_torch.py sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
   # shellcheck disable=SC2086
   TORCH_MODES=bf16-adafactor $TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+fi
+if want fused; then
+  step "bf16 weights without masters, Adafactor, fused backward pass"
+  FT_FUSED=1 FT_FULL_BF16=1 FT_OPTIM=adafactor $TO "$BIN_DIR/gpu_bench" sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+  # shellcheck disable=SC2086
+  FT_FUSED=1 FT_FULL_BF16=1 FT_OPTIM=adafactor $TO "$BIN_DIR/gpu_bench" t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
+  PYTHONPATH="${TORCH_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" TORCH_MODES=bf16-adafactor-fused \
+    $TO "$PY" scripts/gpu_bench_torch.py sdxl "${SDXL_PX:-128,1024}" ck | tee -a "$R"
+  # shellcheck disable=SC2086
+  TORCH_MODES=bf16-adafactor-fused $TO "$PY" scripts/gpu_bench_torch.py t5 ${T5_SHAPE:-8 512 128} ck | tee -a "$R"
 fi
 "$PY" scripts/gpu_bench_table.py "$R" | tee "$OUT/tables.md"

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reads the JSON lines of `gpu_bench` and `gpu_bench_torch.py` (stdin or files) and prints the
 markdown tables of docs/benchmarks.md: per model run, step time and its ratio to PyTorch's
-same-settings run (`pytorch-amp`; `pytorch-bf16-adafactor` for the Adafactor runs), and GPU memory by component (model states between steps, the
+same-settings run (`pytorch-amp`; `pytorch-bf16-adafactor` for the Adafactor runs,
+`pytorch-bf16-adafactor-fused` for those with the fused backward pass), and GPU memory by component (model states between steps, the
 gradients and activations on top at the peak); per attention shape, time and peak memory."""
 import fileinput
 import json
@@ -15,7 +16,9 @@ def gib(b):
 
 def reference(impl):
     """The PyTorch run a row is compared with: the same recipe where one ran (Adafactor on bf16
-    weights without masters), else PyTorch amp."""
+    weights without masters, with or without the fused backward pass), else PyTorch amp."""
+    if impl.endswith("adafactor-fused"):
+        return "pytorch-bf16-adafactor-fused"
     return "pytorch-bf16-adafactor" if impl.endswith("adafactor") else "pytorch-amp"
 
 

@@ -13,8 +13,10 @@ with bf16 autocast (diffusers' and HF Trainer's `--mixed_precision bf16`: the fp
 masters), AdamW (torch's default foreach implementation); `bf16` is the model cast to bf16 with
 AdamW on bf16 state (kohya's `--full_bf16`), a lower bound without master weights;
 `bf16-adafactor` the same model with transformers' Adafactor as HF Trainer builds it (kohya's
-low-memory SDXL recipe; the Rust side's `FT_FULL_BF16=1 FT_OPTIM=adafactor`). `TORCH_MODES`
-(default "amp bf16") picks the modes. Memory is
+low-memory SDXL recipe; the Rust side's `FT_FULL_BF16=1 FT_OPTIM=adafactor`);
+`bf16-adafactor-fused` that recipe with kohya's fused backward pass (each parameter stepped by
+its own Adafactor from a post-accumulate-grad hook and its gradient freed at once; the Rust
+side's `FT_FUSED=1`). `TORCH_MODES` (default "amp bf16") picks the modes. Memory is
 `torch.cuda.memory_allocated` between steps (`base`) and `max_memory_allocated` during the
 measured steps (`peak`): the same pool counters the Rust side reads.
 """
@@ -34,7 +36,35 @@ def modes():
     return os.environ.get("TORCH_MODES", "amp bf16").split()
 
 
+class FusedAdafactor:
+    """kohya's fused backward pass in PyTorch: one transformers Adafactor per parameter (its
+    update is per parameter anyway, step count included), stepped by a post-accumulate-grad hook
+    as soon as the parameter's gradient is final, which is then freed, so the model's gradients
+    never exist at once. `step` and `zero_grad` have nothing left to do."""
+
+    def __init__(self, params):
+        from transformers.optimization import Adafactor
+        self.opts = {}
+        for p in params:
+            if p.requires_grad:
+                self.opts[p] = Adafactor([p], lr=1e-5, scale_parameter=False,
+                                         relative_step=False, warmup_init=False)
+                p.register_post_accumulate_grad_hook(self.hook)
+
+    def hook(self, p):
+        self.opts[p].step()
+        p.grad = None
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
 def optimizer(params, mode):
+    if mode == "bf16-adafactor-fused":
+        return FusedAdafactor(params)
     if mode == "bf16-adafactor":
         from transformers.optimization import Adafactor
         return Adafactor(params, lr=1e-5, scale_parameter=False, relative_step=False,

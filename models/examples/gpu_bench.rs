@@ -13,7 +13,9 @@
 //! `FT_OFFLOAD=1` masters and moments live on the host (`StatePlacement::Host`); with
 //! `FT_OPTIM=adamw8bit` the moments are 8-bit blocks (`ft_memory::adamw8bit`), with
 //! `FT_OPTIM=adafactor` the state is Adafactor's, and with `FT_FULL_BF16=1` the bf16 weights
-//! train without fp32 masters (`Precision::full_bf16`). Memory comes
+//! train without fp32 masters (`Precision::full_bf16`); with `FT_FUSED=1` (and `ck`) each
+//! checkpointed block is updated during the backward (`MixedOptimizer::backward_and_step`,
+//! kohya's fused backward pass). Memory comes
 //! from the device's memory pool (exact bytes of live tensors and their peak, see
 //! `ft_memory::measure`): `base` is what stays allocated between steps (weights, masters, AdamW
 //! moments), `peak` the highest allocation during the measured steps.
@@ -51,9 +53,14 @@ fn full_bf16() -> bool {
     std::env::var("FT_FULL_BF16").is_ok_and(|v| v == "1")
 }
 
+/// Whether `FT_FUSED=1` asks for the fused backward pass.
+fn fused() -> bool {
+    std::env::var("FT_FUSED").is_ok_and(|v| v == "1")
+}
+
 /// The run's label: `candle`, then `-ops` with `FT_CUDA_KERNELS=0` (candle's own ops in place
 /// of this project's kernels), `-offload` with `FT_OFFLOAD=1`, `-full-bf16` with
-/// `FT_FULL_BF16=1`, and `-8bit` or `-adafactor` for `FT_OPTIM`.
+/// `FT_FULL_BF16=1`, `-8bit` or `-adafactor` for `FT_OPTIM`, and `-fused` with `FT_FUSED=1`.
 fn label() -> String {
     let mut l = String::from("candle");
     #[cfg(feature = "cuda")]
@@ -70,6 +77,9 @@ fn label() -> String {
         "adamw8bit" => l.push_str("-8bit"),
         "adafactor" => l.push_str("-adafactor"),
         _ => {}
+    }
+    if fused() {
+        l.push_str("-fused");
     }
     l
 }
@@ -128,6 +138,53 @@ impl Phases {
         let mean = |i: usize| last.iter().map(|r| r[i]).sum::<f64>() / last.len().max(1) as f64;
         json!({"forward_s": mean(0), "backward_s": mean(1), "optimizer_s": mean(2)})
     }
+}
+
+const LR: f64 = 1e-5;
+
+/// One measured train step from `forward`'s loss: the gradients, then the optimizer's step; or
+/// with `FT_FUSED=1` the fused backward pass, which updates during the backward (its update
+/// phase is then empty).
+fn train_step(
+    phases: &Phases,
+    dev: &Device,
+    checkpointer: &Checkpointer,
+    params: &[Var],
+    opt: &std::cell::RefCell<MixedOptimizer>,
+    forward: impl FnOnce() -> anyhow::Result<Tensor>,
+) -> anyhow::Result<()> {
+    let fused = fused();
+    if fused {
+        checkpointer.begin_forward();
+    }
+    phases.step(
+        dev,
+        forward,
+        |loss| {
+            Ok(if fused {
+                opt.borrow_mut()
+                    .backward_and_step(checkpointer, &loss, LR)?;
+                None
+            } else {
+                Some(checkpointer.gradients(&loss, params)?)
+            })
+        },
+        |grads| {
+            if let Some(grads) = grads {
+                opt.borrow_mut().step(grads, LR)?;
+            }
+            Ok(())
+        },
+    )
+}
+
+/// A model's checkpointer, refusing `FT_FUSED=1` without checkpointing (it updates as
+/// checkpointed blocks are recomputed).
+fn checkpointer(ck: bool) -> anyhow::Result<Checkpointer> {
+    if fused() && !ck {
+        bail!("FT_FUSED=1 needs checkpointing (the `ck` argument)");
+    }
+    Ok(Checkpointer::new(ck))
 }
 
 fn randn(rng: &mut SplitMix64, shape: &[usize], dt: DType, dev: &Device) -> anyhow::Result<Tensor> {
@@ -206,14 +263,14 @@ fn sdxl(pxs: &[usize], ck: bool) -> anyhow::Result<()> {
         &ParamBuilder::new(store.clone(), DType::BF16, &dev, 0),
         &cfg,
     )?;
-    let mut opt = optimizer(&store)?;
+    let opt = std::cell::RefCell::new(optimizer(&store)?);
     eprintln!("sdxl: model built in {:.1} s", t0.elapsed().as_secs_f64());
-    let params: Vec<Var> = opt.params().to_vec();
+    let params: Vec<Var> = opt.borrow().params().to_vec();
     let pooled_dim = cfg
         .projection_class_embeddings_input_dim
         .context("SDXL config has projection_class_embeddings_input_dim")?
         - 6 * cfg.addition_time_embed_dim.unwrap_or(256);
-    let checkpointer = Checkpointer::new(ck);
+    let checkpointer = checkpointer(ck)?;
     for &px in pxs {
         let latent = px / 8;
         let mut rng = SplitMix64::new(px as u64);
@@ -226,26 +283,18 @@ fn sdxl(pxs: &[usize], ck: bool) -> anyhow::Result<()> {
         let ids = Tensor::new(&[[p, p, 0.0, 0.0, p, p]], &dev)?.to_dtype(bf)?;
         let phases = Phases::default();
         let mut step = || -> anyhow::Result<()> {
-            phases.step(
-                &dev,
-                || {
-                    let pred =
-                        unet.forward(&x, &[500.0], &ctx, Some((&pooled, &ids)), &checkpointer)?;
-                    Ok((pred.to_dtype(DType::F32)? - &target)?.sqr()?.mean_all()?)
-                },
-                |loss| Ok(checkpointer.gradients(&loss, &params)?),
-                |grads| {
-                    opt.step(grads, 1e-5)?;
-                    Ok(())
-                },
-            )
+            train_step(&phases, &dev, &checkpointer, &params, &opt, || {
+                let pred =
+                    unet.forward(&x, &[500.0], &ctx, Some((&pooled, &ids)), &checkpointer)?;
+                Ok((pred.to_dtype(DType::F32)? - &target)?.sqr()?.mean_all()?)
+            })
         };
         let (secs, base, peak) = measure_steps(&dev, &mut step)?;
         println!(
             "{}",
             json!({"bench": "sdxl", "impl": label(), "px": px, "checkpointing": ck,
-                   "step_s": secs, "base": base, "peak": peak, "states": states(&store, &opt),
-                   "phases": phases.json()})
+                   "step_s": secs, "base": base, "peak": peak,
+                   "states": states(&store, &opt.borrow()), "phases": phases.json()})
         );
     }
     Ok(())
@@ -270,9 +319,9 @@ fn t5(batch: usize, src: usize, tgt: usize, ck: bool) -> anyhow::Result<()> {
         &ParamBuilder::new(store.clone(), DType::BF16, &dev, 0),
         &cfg,
     )?;
-    let mut opt = optimizer(&store)?;
+    let opt = std::cell::RefCell::new(optimizer(&store)?);
     eprintln!("t5: model built in {:.1} s", t0.elapsed().as_secs_f64());
-    let params: Vec<Var> = opt.params().to_vec();
+    let params: Vec<Var> = opt.borrow().params().to_vec();
     let mut rng = SplitMix64::new(7);
     let mut ids = |n: usize| -> Vec<u32> {
         (0..n)
@@ -285,28 +334,20 @@ fn t5(batch: usize, src: usize, tgt: usize, ck: bool) -> anyhow::Result<()> {
         labels: Tensor::from_vec(ids(batch * tgt), (batch, tgt), &dev)?.to_dtype(DType::I64)?,
         label_tokens: batch * tgt,
     };
-    let checkpointer = Checkpointer::new(ck);
+    let checkpointer = checkpointer(ck)?;
     let phases = Phases::default();
     let mut step = || -> anyhow::Result<()> {
-        phases.step(
-            &dev,
-            || {
-                let sum = model.summed_loss(&b, &DropoutCtx::eval(), &checkpointer)?;
-                Ok((sum / (batch * tgt) as f64)?)
-            },
-            |loss| Ok(checkpointer.gradients(&loss, &params)?),
-            |grads| {
-                opt.step(grads, 1e-5)?;
-                Ok(())
-            },
-        )
+        train_step(&phases, &dev, &checkpointer, &params, &opt, || {
+            let sum = model.summed_loss(&b, &DropoutCtx::eval(), &checkpointer)?;
+            Ok((sum / (batch * tgt) as f64)?)
+        })
     };
     let (secs, base, peak) = measure_steps(&dev, &mut step)?;
     println!(
         "{}",
         json!({"bench": "t5", "impl": label(), "batch": batch, "src": src, "tgt": tgt,
                "checkpointing": ck, "step_s": secs, "base": base, "peak": peak,
-               "states": states(&store, &opt), "phases": phases.json()})
+               "states": states(&store, &opt.borrow()), "phases": phases.json()})
     );
     Ok(())
 }
