@@ -411,6 +411,25 @@ fn sum_squares_matches_the_host() -> Result<()> {
     let grads = [Some(a.to_device(&dev)?), None, Some(b.to_device(&dev)?)];
     let got = ft_kernels::cuda::sum_squares(&grads)?;
     assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    // Each tensor's apart, one slot each (a strided f16 view among them): the per-tensor norms
+    // of a fused backward pass's clipping.
+    let c = random_tensor(&[40, 30], 72, &Device::Cpu)?
+        .to_dtype(DType::F16)?
+        .t()?;
+    let each = [&a, &b, &c];
+    let want: Vec<f64> = each
+        .iter()
+        .map(|t| host(t).map(|v| v.iter().map(|x| x * x).sum::<f64>()))
+        .collect::<Result<_>>()?;
+    let on_gpu: Vec<Tensor> = each
+        .iter()
+        .map(|t| t.to_device(&dev))
+        .collect::<candle_core::Result<_>>()?;
+    let got = ft_kernels::cuda::sum_squares_each(&on_gpu)?;
+    assert_eq!(got.len(), 3);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= 1e-6 * w, "tensor {i}: {g} vs {w}");
+    }
     Ok(())
 }
 

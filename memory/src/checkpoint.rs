@@ -145,9 +145,11 @@ impl Checkpointer {
             }
         }
         {
+            // Once per segment, however often the list names a parameter.
+            let ids: std::collections::HashSet<TensorId> = params.iter().map(|p| p.id()).collect();
             let mut uses = locked(&self.sink.uses);
-            for p in params {
-                *uses.entry(p.id()).or_default() += 1;
+            for id in ids {
+                *uses.entry(id).or_default() += 1;
             }
         }
         let op = SegmentOp {

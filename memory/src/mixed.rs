@@ -302,7 +302,8 @@ impl MixedOptimizer {
     /// all at once (2 bytes per bf16 parameter: 4.8 GiB for the SDXL UNet); the others are
     /// updated after the backward. One micro-batch a step, no loss scaling; clipping, as in
     /// kohya's, is per tensor (each gradient's own norm against `max_grad_norm`; on a GPU the
-    /// norms of a segment's tensors are read back together, one sync per segment). Each
+    /// norms of a segment's tensors are read back together: one sync per segment, and one
+    /// for the parameters outside them). Each
     /// parameter's update is the one `step` gives it, so without clipping the weights are those
     /// of `checkpointer.gradients` followed by `step`, bit for bit. Returns how many parameters
     /// were updated during the backward.

@@ -35,14 +35,14 @@ pub struct StatePlan {
 }
 
 /// How a model's trainable parameters fall into checkpoint segments, in values: a fused
-/// backward pass holds at once the gradients of the parameters outside every segment (they
-/// wait for the end of the backward) and those of one segment (updated and dropped as soon as
-/// its recomputation has produced them). `ParamStore::segments` counts them.
+/// backward pass holds at once the gradients of the parameters outside every segment, or in
+/// more than one (they wait for the end of the backward), and those of one segment (updated and
+/// dropped as soon as its recomputation has produced them). `ParamStore::segments` counts them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Segments {
-    /// Trainable values in at least one segment.
+    /// Trainable values of parameters in exactly one segment.
     pub inside: u64,
-    /// Trainable values of the largest segment.
+    /// The most such values one segment holds.
     pub largest: u64,
 }
 

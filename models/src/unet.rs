@@ -508,9 +508,6 @@ impl UNet {
         &self.cfg
     }
 
-    /// Predicts noise (or v) for latents [B, 4, h, w] at per-sample `timesteps`, conditioned on
-    /// text states [B, L, cross_attention_dim] and, for SDXL, pooled text embeddings [B, P] and
-    /// time ids [B, 6].
     /// The tensors of each checkpoint segment the forward runs (every ResNet block and every
     /// transformer layer), in no particular order: what a fused backward pass holds gradients
     /// for at once is one of these and everything outside them (`ParamStore::segments`).
@@ -526,6 +523,9 @@ impl UNet {
         out
     }
 
+    /// Predicts noise (or v) for latents [B, 4, h, w] at per-sample `timesteps`, conditioned on
+    /// text states [B, L, cross_attention_dim] and, for SDXL, pooled text embeddings [B, P] and
+    /// time ids [B, 6].
     pub fn forward(
         &self,
         x: &Tensor,

@@ -102,7 +102,9 @@ impl ParamStore {
 
     /// How the trainable parameters fall into the checkpoint segments a model lists (each
     /// segment's tensors, as the model hands them to `Checkpointer::run`; frozen ones are not
-    /// counted): for the plan of a fused backward pass. Works on a shapes-only model too.
+    /// counted): for the plan of a fused backward pass. A parameter in two segments counts as
+    /// outside them all, as the fused backward keeps its gradient to the end. Works on a
+    /// shapes-only model too.
     pub fn segments(&self, segments: &[Vec<Tensor>]) -> crate::plan::Segments {
         use std::collections::{HashMap, HashSet};
         let sizes: HashMap<_, u64> = self
@@ -111,17 +113,28 @@ impl ParamStore {
             .filter(|e| e.trainable)
             .map(|e| (e.tensor.id(), e.tensor.elem_count() as u64))
             .collect();
-        let mut inside = HashSet::new();
-        let mut largest = 0;
-        for seg in segments {
-            let ids: HashSet<_> = seg.iter().map(|t| t.id()).collect();
-            let n = ids.iter().filter_map(|id| sizes.get(id)).sum();
-            largest = largest.max(n);
-            inside.extend(ids.into_iter().filter(|id| sizes.contains_key(id)));
+        let sets: Vec<HashSet<_>> = segments
+            .iter()
+            .map(|seg| {
+                seg.iter()
+                    .map(|t| t.id())
+                    .filter(|id| sizes.contains_key(id))
+                    .collect()
+            })
+            .collect();
+        let mut uses: HashMap<_, usize> = HashMap::new();
+        for id in sets.iter().flatten() {
+            *uses.entry(*id).or_default() += 1;
         }
+        let own = |id: &_| uses.get(id) == Some(&1);
+        let size = |id: &_| sizes.get(id).copied().unwrap_or(0);
         crate::plan::Segments {
-            inside: inside.iter().filter_map(|id| sizes.get(id)).sum(),
-            largest,
+            inside: uses.keys().filter(|id| own(id)).map(size).sum(),
+            largest: sets
+                .iter()
+                .map(|s| s.iter().filter(|id| own(id)).map(size).sum())
+                .max()
+                .unwrap_or(0),
         }
     }
 
