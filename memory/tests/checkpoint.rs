@@ -44,6 +44,20 @@ fn stack_of(
     Ok((store, layers))
 }
 
+/// The stack's trainable parameters, named `layer.param`, in order.
+fn named_params(layers: &[Layer]) -> Vec<(String, Var)> {
+    layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            l.params
+                .iter()
+                .enumerate()
+                .map(move |(k, v)| (format!("{i}.{k}"), v.clone()))
+        })
+        .collect()
+}
+
 fn layer_fn(l: &Layer) -> SegmentFn {
     let (w, b) = (l.w.clone(), l.b.clone());
     Arc::new(move |xs: &[Tensor]| {
@@ -155,16 +169,7 @@ fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()>
     type Run = (Vec<Vec<u32>>, usize);
     let run = |precision: Precision, fused: bool, outside: bool| -> anyhow::Result<Run> {
         let (_store, layers) = stack_of(DType::BF16, 4, 16)?;
-        let named: Vec<(String, Var)> = layers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, l)| {
-                l.params
-                    .iter()
-                    .enumerate()
-                    .map(move |(k, v)| (format!("{i}.{k}"), v.clone()))
-            })
-            .collect();
+        let named = named_params(&layers);
         let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
         let mut opt =
             MixedOptimizer::new(named, precision, StatePlacement::WithModel, adamw, None)?;
@@ -230,16 +235,7 @@ fn fused_backward_clips_each_tensor_by_its_own_norm() -> anyhow::Result<()> {
     use ft_memory::precision::Precision;
     let _g = SERIAL.lock();
     let (_store, layers) = stack(3, 16)?;
-    let named: Vec<(String, Var)> = layers
-        .iter()
-        .enumerate()
-        .flat_map(|(i, l)| {
-            l.params
-                .iter()
-                .enumerate()
-                .map(move |(k, v)| (format!("{i}.{k}"), v.clone()))
-        })
-        .collect();
+    let named = named_params(&layers);
     let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let sgd = |n| -> Box<dyn Optimizer> { Box::new(Sgd::new(n, 0.0, 0.0, false)) };
     let (lr, max) = (0.5, 0.05);

@@ -32,6 +32,40 @@ fn host(t: &Tensor) -> anyhow::Result<Vec<f32>> {
         .to_vec1()?)
 }
 
+/// Named bf16 parameters of these shapes on `d`, seeded by their index (the same values on
+/// every device).
+fn bf16_params(shapes: &[&[usize]], d: &Device) -> anyhow::Result<Vec<(String, Var)>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
+            Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
+        })
+        .collect()
+}
+
+/// One bf16 gradient per shape on `d`, seeded from `seed` and the index.
+fn bf16_grads(shapes: &[&[usize]], seed: u64, d: &Device) -> anyhow::Result<Vec<Option<Tensor>>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let g = random_tensor(s, seed + i as u64, &Device::Cpu)?;
+            Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
+        })
+        .collect()
+}
+
+/// Whether the project's CUDA kernels are on; says why a test skips when not.
+fn kernels_on() -> bool {
+    let on = ft_kernels::cuda::enabled();
+    if !on {
+        eprintln!("skipped: FT_CUDA_KERNELS is off");
+    }
+    on
+}
+
 /// Host copies of each parameter's values.
 type Values = Vec<Vec<f32>>;
 
@@ -476,8 +510,7 @@ fn eight_bit_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
 #[test]
 fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    if !ft_kernels::cuda::enabled() {
-        eprintln!("skipped: FT_CUDA_KERNELS is off");
+    if !kernels_on() {
         return Ok(());
     }
     let shapes: [&[usize]; 2] = [&[80, 67], &[300]];
@@ -510,14 +543,7 @@ fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
                 .collect::<anyhow::Result<_>>()?;
             let mut opt = optimizer(eight_bit)(shapes.len());
             for step in 0..3u64 {
-                let grads = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| {
-                        let g = random_tensor(s, 50 + 10 * step + i as u64, &Device::Cpu)?;
-                        Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let grads = bf16_grads(&shapes, 50 + 10 * step, d)?;
                 opt.update(&masters, &grads, 1e-2, 0.3173, Some(&model))?;
             }
             Ok((bits(&masters)?, bits(&model)?))
@@ -535,21 +561,13 @@ fn folded_gradient_factor_matches_the_host_bit_for_bit() -> anyhow::Result<()> {
 #[test]
 fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    if !ft_kernels::cuda::enabled() {
-        eprintln!("skipped: FT_CUDA_KERNELS is off");
+    if !kernels_on() {
         return Ok(());
     }
     let shapes: [&[usize]; 2] = [&[80, 67], &[300]];
     for eight_bit in [false, true] {
         let run = |d: &Device| -> anyhow::Result<MixedOptimizer> {
-            let params = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
-                    Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
+            let params = bf16_params(&shapes, d)?;
             let mut opt = MixedOptimizer::new(
                 params,
                 Precision::full_bf16(),
@@ -559,14 +577,7 @@ fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
             )?;
             assert!(opt.masters().is_empty());
             for step in 0..3u64 {
-                let grads = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| {
-                        let g = random_tensor(s, 70 + 10 * step + i as u64, &Device::Cpu)?;
-                        Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let grads = bf16_grads(&shapes, 70 + 10 * step, d)?;
                 opt.step(grads, 1e-3)?;
             }
             Ok(opt)
@@ -627,21 +638,13 @@ fn full_bf16_adamw_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
 fn adafactor_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
     use ft_memory::adafactor::{Adafactor, AdafactorConfig};
     let Some(dev) = gpu() else { return Ok(()) };
-    if !ft_kernels::cuda::enabled() {
-        eprintln!("skipped: FT_CUDA_KERNELS is off");
+    if !kernels_on() {
         return Ok(());
     }
     let shapes: [&[usize]; 4] = [&[80, 67], &[12, 6, 3, 3], &[2, 70, 40], &[300]];
     for full_bf16 in [false, true] {
         let run = |d: &Device| -> anyhow::Result<MixedOptimizer> {
-            let params = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    let t = random_tensor(s, i as u64, &Device::Cpu)?.to_dtype(DType::BF16)?;
-                    Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
+            let params = bf16_params(&shapes, d)?;
             let precision = if full_bf16 {
                 Precision::full_bf16()
             } else {
@@ -655,14 +658,7 @@ fn adafactor_on_the_gpu_matches_the_host() -> anyhow::Result<()> {
                 None,
             )?;
             for step in 0..3u64 {
-                let grads = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| {
-                        let g = random_tensor(s, 90 + 10 * step + i as u64, &Device::Cpu)?;
-                        Ok(Some(g.to_dtype(DType::BF16)?.to_device(d)?))
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let grads = bf16_grads(&shapes, 90 + 10 * step, d)?;
                 let (params, model) = if full_bf16 {
                     (opt.params().to_vec(), None)
                 } else {
