@@ -14,7 +14,8 @@
 # the second candle run on candle's own ops (FT_CUDA_KERNELS=0). ONLY (default "tests attention sdxl
 # t5"; also "offload": both models with the optimizer state on the host, FT_OFFLOAD=1; "8bit":
 # both with 8-bit AdamW moments on the GPU, FT_OPTIM=adamw8bit; "lowmem": both as kohya's
-# low-memory recipe, bf16 weights without masters and Adafactor, next to PyTorch's same; "fused":
+# low-memory recipe, bf16 weights without masters and Adafactor, next to PyTorch's same, plus
+# SDXL's Adafactor on candle's ops at 128 px unless BASELINE=0; "fused":
 # that recipe with the fused backward pass on both sides, FT_FUSED=1) picks the
 # parts, so a run can be split over calls that each have a time limit; results are appended to
 # out/results.jsonl and the tables are printed from all of them.
