@@ -99,9 +99,8 @@ pub struct Adafactor {
     cfg: AdafactorConfig,
     t: u64,
     slots: Vec<Slot>,
-    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
-    sr: Option<u64>,
-    decay: crate::optim::DecayMask,
+    /// Stochastic rounding and weight-decay exemptions (`Optimizer::rules`).
+    rules: crate::optim::WriteRules,
 }
 
 /// The shapes of a tensor's factored second moment: its dims without the last, and without the
@@ -133,8 +132,7 @@ impl Adafactor {
             cfg,
             t: 0,
             slots: vec![Slot::default(); n_params],
-            sr: None,
-            decay: crate::optim::DecayMask::default(),
+            rules: crate::optim::WriteRules::default(),
         }
     }
 
@@ -235,8 +233,8 @@ impl Adafactor {
             let g = g.detach().contiguous()?;
             let shapes = self.checked_shapes(i, p.dims(), &g)?;
             let step = ft_kernels::cuda::AdafactorStep {
-                seed: crate::optim::kernel_seed(p, self.sr, self.t, i),
-                weight_decay: self.decay.wd(i, c.weight_decay),
+                seed: crate::optim::kernel_seed(p, self.rules.sr(), self.t, i),
+                weight_decay: self.rules.wd(i, c.weight_decay),
                 ..base
             };
             let dev = p.device();
@@ -381,14 +379,14 @@ impl Adafactor {
                 slot.m = Some(m.detach());
                 update = m;
             }
-            let wd = self.decay.wd(i, c.weight_decay);
+            let wd = self.rules.wd(i, c.weight_decay);
             let w = if wd != 0.0 {
                 let wd = lr_t.affine(-wd, 0.0)?;
                 (&w + w.broadcast_mul(&wd)?)?
             } else {
                 w
             };
-            crate::optim::write_param(p, &(w - update)?, self.sr, self.t, i)?;
+            crate::optim::write_param(p, &(w - update)?, self.rules.sr(), self.t, i)?;
         }
         Ok(())
     }
@@ -417,12 +415,8 @@ impl Optimizer for Adafactor {
         crate::optim::finish(params, grads, model, false)
     }
 
-    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
-        self.sr = seed;
-    }
-
-    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
-        self.decay = crate::optim::DecayMask::new(exempt);
+    fn rules(&mut self) -> &mut crate::optim::WriteRules {
+        &mut self.rules
     }
 
     fn state_bytes(&self) -> u64 {

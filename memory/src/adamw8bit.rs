@@ -128,9 +128,8 @@ pub struct AdamW8bit {
     cfg: AdamWConfig,
     t: u64,
     slots: Vec<Slot>,
-    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
-    sr: Option<u64>,
-    decay: crate::optim::DecayMask,
+    /// Stochastic rounding and weight-decay exemptions (`Optimizer::rules`).
+    rules: crate::optim::WriteRules,
     /// Both maps on the GPU (signed, then unsigned: 512 fp32 values) once a CUDA step ran.
     #[cfg(feature = "cuda")]
     device_maps: Option<Tensor>,
@@ -142,8 +141,7 @@ impl AdamW8bit {
             cfg,
             t: 0,
             slots: vec![Slot::default(); n_params],
-            sr: None,
-            decay: crate::optim::DecayMask::default(),
+            rules: crate::optim::WriteRules::default(),
             #[cfg(feature = "cuda")]
             device_maps: None,
         }
@@ -176,9 +174,9 @@ impl AdamW8bit {
                 )));
             }
             let w = model.map(|ms| ms[i].as_tensor());
-            let seed = crate::optim::kernel_seed(p, self.sr, self.t, i);
+            let seed = crate::optim::kernel_seed(p, self.rules.sr(), self.t, i);
             let base = ft_kernels::cuda::AdamWStep {
-                weight_decay: self.decay.wd(i, self.cfg.weight_decay),
+                weight_decay: self.rules.wd(i, self.cfg.weight_decay),
                 seed,
                 ..base
             };
@@ -381,7 +379,7 @@ impl AdamW8bit {
                 )));
             }
             let s = HostStep {
-                weight_decay: self.decay.wd(i, c.weight_decay),
+                weight_decay: self.rules.wd(i, c.weight_decay),
                 ..s
             };
             let slot = &mut self.slots[i];
@@ -391,7 +389,7 @@ impl AdamW8bit {
             .flatten()
             .ok_or_else(|| Error::Invalid(format!("parameter {i}: not host fp32 values")))??;
             let new_w = Tensor::from_vec(new_w, &shape, &dev)?.to_device(p.device())?;
-            crate::optim::write_param(p, &new_w, self.sr, self.t, i)?;
+            crate::optim::write_param(p, &new_w, self.rules.sr(), self.t, i)?;
         }
         Ok(())
     }
@@ -417,12 +415,8 @@ impl Optimizer for AdamW8bit {
         crate::optim::finish(params, grads, model, false)
     }
 
-    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
-        self.sr = seed;
-    }
-
-    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
-        self.decay = crate::optim::DecayMask::new(exempt);
+    fn rules(&mut self) -> &mut crate::optim::WriteRules {
+        &mut self.rules
     }
 
     fn state_bytes(&self) -> u64 {

@@ -321,7 +321,7 @@ impl MixedOptimizer {
         // The optimizer is lent to the early-step hook for the backward (it runs inside
         // candle's backprop), then taken back.
         let t0 = self.optimizer.state().0;
-        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(Lent));
+        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(Lent::default()));
         let lent = Arc::new(Mutex::new(optimizer));
         let stepper = ParamStepper {
             optimizer: lent.clone(),
@@ -379,7 +379,7 @@ impl MixedOptimizer {
         // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
         drop(stepper);
         let mut slot = lent.lock().unwrap_or_else(|p| p.into_inner());
-        self.optimizer = std::mem::replace(&mut *slot, Box::new(Lent));
+        self.optimizer = std::mem::replace(&mut *slot, Box::new(Lent::default()));
         rest
     }
 }
@@ -423,7 +423,8 @@ impl ParamStepper {
 }
 
 /// Stands in for the optimizer while a fused backward pass has lent it out.
-struct Lent;
+#[derive(Default)]
+struct Lent(crate::optim::WriteRules);
 
 impl Optimizer for Lent {
     fn update(
@@ -449,6 +450,7 @@ impl Optimizer for Lent {
             "the optimizer is lent to a fused backward pass".into(),
         ))
     }
-    fn set_stochastic_rounding(&mut self, _: Option<u64>) {}
-    fn exempt_from_weight_decay(&mut self, _: Vec<bool>) {}
+    fn rules(&mut self) -> &mut crate::optim::WriteRules {
+        &mut self.0
+    }
 }

@@ -33,14 +33,22 @@ pub trait Optimizer: Send {
     /// Restores what [`Optimizer::state`] returned.
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;
 
+    /// How this optimizer writes weights and which ones decay: what the two setters below
+    /// change, kept in one [`WriteRules`] by every optimizer.
+    fn rules(&mut self) -> &mut WriteRules;
+
     /// Write bf16 parameters with stochastic rounding from `seed` (a different stream per
     /// step and parameter, the same after a resume), or to nearest with `None`: for bf16
     /// weights trained without fp32 masters ([`crate::precision::Precision::full_bf16`]).
-    fn set_stochastic_rounding(&mut self, seed: Option<u64>);
+    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
+        self.rules().sr = seed;
+    }
 
     /// Parameters weight decay skips (`exempt[i]`), as HF Trainer skips biases and norm
     /// weights ([`hf_trainer_no_decay`]); by default every parameter decays.
-    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>);
+    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
+        self.rules().exempt = exempt;
+    }
 
     /// [`Optimizer::update`] without a gradient factor or model weights.
     fn step(&mut self, params: &[Var], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
@@ -67,18 +75,25 @@ pub fn hf_trainer_no_decay(name: &str) -> bool {
     n.contains("bias") || n.contains("layer_norm") || n.contains("layernorm")
 }
 
-/// Which parameters weight decay skips: none unless told (`Optimizer::exempt_from_weight_decay`).
+/// How an optimizer writes its updated weights and which ones decay, the same for every
+/// optimizer: the stochastic-rounding seed of bf16 weights without masters (none: to nearest)
+/// and the parameters weight decay skips (none unless told). Set through
+/// [`Optimizer::set_stochastic_rounding`] and [`Optimizer::exempt_from_weight_decay`].
 #[derive(Debug, Clone, Default)]
-pub(crate) struct DecayMask(Vec<bool>);
+pub struct WriteRules {
+    sr: Option<u64>,
+    exempt: Vec<bool>,
+}
 
-impl DecayMask {
-    pub(crate) fn new(exempt: Vec<bool>) -> Self {
-        DecayMask(exempt)
+impl WriteRules {
+    /// The stochastic-rounding seed, if bf16 weights are rounded stochastically.
+    pub(crate) fn sr(&self) -> Option<u64> {
+        self.sr
     }
 
     /// The weight decay parameter `i` gets from the configured `wd`.
     pub(crate) fn wd(&self, i: usize, wd: f64) -> f64 {
-        if self.0.get(i).copied().unwrap_or(false) {
+        if self.exempt.get(i).copied().unwrap_or(false) {
             0.0
         } else {
             wd
@@ -183,9 +198,8 @@ pub struct AdamW {
     /// Contiguous fp32 CPU parameters take the one-pass threaded update (`host_adamw`); off,
     /// every parameter takes the op-by-op reference (the tests compare the two).
     host_fused: bool,
-    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
-    sr: Option<u64>,
-    decay: DecayMask,
+    /// Stochastic rounding and weight-decay exemptions ([`Optimizer::rules`]).
+    rules: WriteRules,
 }
 
 impl AdamW {
@@ -204,8 +218,7 @@ impl AdamW {
             v: vec![None; n_params],
             // FT_HOST_ADAMW=0 turns the one-pass host update off, like the CUDA switches.
             host_fused: std::env::var("FT_HOST_ADAMW").map_or(true, |v| v != "0"),
-            sr: None,
-            decay: DecayMask::default(),
+            rules: WriteRules::default(),
         }
     }
 }
@@ -322,8 +335,8 @@ impl AdamW {
             let Some(g) = g else { continue };
             self.place_moments(i, p.device())?;
             let w = model.map(|ms| ms[i].as_tensor());
-            let seed = kernel_seed(p, self.sr, self.t, i);
-            let weight_decay = self.decay.wd(i, self.cfg.weight_decay);
+            let seed = kernel_seed(p, self.rules.sr(), self.t, i);
+            let weight_decay = self.rules.wd(i, self.cfg.weight_decay);
             let step = ft_kernels::cuda::AdamWStep {
                 seed,
                 weight_decay,
@@ -488,7 +501,7 @@ impl AdamW {
             // of the gradients it was computed from.
             let g = grad_for(p, g)?;
             self.place_moments(i, p.device())?;
-            let wd = self.decay.wd(i, c.weight_decay);
+            let wd = self.rules.wd(i, c.weight_decay);
             let host = crate::host_adamw::HostStep {
                 weight_decay: wd,
                 ..host
@@ -521,7 +534,7 @@ impl AdamW {
                 p32
             };
             let update = ((&m / denom)? * step_size)?;
-            write_param(p, &(decayed - update)?, self.sr, self.t, i)?;
+            write_param(p, &(decayed - update)?, self.rules.sr(), self.t, i)?;
             self.m[i] = Some(m.detach());
             self.v[i] = Some(v.detach());
         }
@@ -550,12 +563,8 @@ impl Optimizer for AdamW {
         finish(params, grads, model, false)
     }
 
-    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
-        self.sr = seed;
-    }
-
-    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
-        self.decay = DecayMask::new(exempt);
+    fn rules(&mut self) -> &mut WriteRules {
+        &mut self.rules
     }
 
     fn state_bytes(&self) -> u64 {
@@ -588,9 +597,8 @@ pub struct Sgd {
     nesterov: bool,
     t: u64,
     buf: Vec<Option<Tensor>>,
-    /// Stochastic rounding of bf16 parameters (see [`Optimizer::set_stochastic_rounding`]).
-    sr: Option<u64>,
-    decay: DecayMask,
+    /// Stochastic rounding and weight-decay exemptions ([`Optimizer::rules`]).
+    rules: WriteRules,
 }
 
 impl Sgd {
@@ -601,8 +609,7 @@ impl Sgd {
             nesterov,
             t: 0,
             buf: vec![None; n_params],
-            sr: None,
-            decay: DecayMask::default(),
+            rules: WriteRules::default(),
         }
     }
 }
@@ -625,7 +632,7 @@ impl Optimizer for Sgd {
                 g = (g * grad_mul)?;
             }
             let p32 = p.as_tensor().to_dtype(DType::F32)?.detach();
-            let wd = self.decay.wd(i, self.weight_decay);
+            let wd = self.rules.wd(i, self.weight_decay);
             if wd != 0.0 {
                 g = (g + (&p32 * wd)?)?;
             }
@@ -641,7 +648,7 @@ impl Optimizer for Sgd {
                 };
                 self.buf[i] = Some(b.detach());
             }
-            write_param(p, &(p32 - (g * lr)?)?, self.sr, self.t, i)?;
+            write_param(p, &(p32 - (g * lr)?)?, self.rules.sr(), self.t, i)?;
         }
         match model {
             Some(m) => write_back(params, m, grads),
@@ -649,12 +656,8 @@ impl Optimizer for Sgd {
         }
     }
 
-    fn set_stochastic_rounding(&mut self, seed: Option<u64>) {
-        self.sr = seed;
-    }
-
-    fn exempt_from_weight_decay(&mut self, exempt: Vec<bool>) {
-        self.decay = DecayMask::new(exempt);
+    fn rules(&mut self) -> &mut WriteRules {
+        &mut self.rules
     }
 
     fn state_bytes(&self) -> u64 {
