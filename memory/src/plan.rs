@@ -44,6 +44,9 @@ pub struct Segments {
     pub inside: u64,
     /// The most such values one segment holds.
     pub largest: u64,
+    /// Trainable tensors in exactly one segment: those a fused backward pass updates early,
+    /// which each step's `updated_in_backward` metric counts.
+    pub tensors: usize,
 }
 
 /// Bytes of optimizer state for one tensor of shape `dims`.

@@ -116,6 +116,17 @@ fn task_err(e: Box<dyn std::error::Error + Send + Sync>) -> Error {
     Error::Task(e)
 }
 
+/// The values `key` took in a run's `metrics.jsonl` (`output_dir/metrics.jsonl`), in order,
+/// from the lines that have it: a run's curve (`loss`), or `updated_in_backward`.
+pub fn logged(path: &std::path::Path, key: &str) -> Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get(key).filter(|x| !x.is_null()).cloned())
+        .collect())
+}
+
 struct Metrics {
     path: PathBuf,
     file: std::fs::File,

@@ -281,3 +281,48 @@ fn fused_backward_clips_each_tensor_by_its_own_norm() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The early step gets each segment's gradients in one call (so per-tensor clipping reads a
+/// segment's norms back once): as many calls as segments, each with that segment's parameters;
+/// what it hands back is gathered as usual, so a hook that takes nothing leaves the plain
+/// backward's gradients.
+#[test]
+fn early_step_gets_one_call_per_segment() -> anyhow::Result<()> {
+    use ft_memory::checkpoint::EarlyStep;
+    use std::sync::Mutex;
+    let _g = SERIAL.lock();
+    let (_store, layers) = stack(4, 8)?;
+    let vars: Vec<Var> = named_params(&layers).into_iter().map(|(_, v)| v).collect();
+    let ck = Checkpointer::new(true);
+    let x = (Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((3, 8))? * 0.2)?.sin()?;
+    let (_, plain) = loss_and_grads(&layers, &x, &ck, &vars)?;
+    let calls: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let seen = calls.clone();
+    let hook: EarlyStep = Arc::new(move |grads: Vec<(Var, Tensor)>| {
+        if let Ok(mut c) = seen.lock() {
+            c.push(grads.len());
+        }
+        Ok(grads)
+    });
+    ck.begin_forward();
+    let mut h = x;
+    for l in &layers {
+        h = ck.run(layer_fn(l), &[&h], &l.params)?;
+    }
+    let loss = h.sqr()?.mean_all()?;
+    let (grads, taken) = ck.gradients_with(&loss, &vars, Some(hook))?;
+    assert_eq!(taken, 0);
+    let calls = calls.lock().map(|c| c.clone()).unwrap_or_default();
+    assert_eq!(
+        calls,
+        vec![2; layers.len()],
+        "one call per segment, its weight and bias"
+    );
+    for (g, p) in grads.iter().zip(&plain) {
+        let (g, p) = (g.as_ref(), p.as_ref());
+        let g = g.ok_or_else(|| anyhow::anyhow!("gradient lost"))?;
+        let p = p.ok_or_else(|| anyhow::anyhow!("no plain gradient"))?;
+        assert_eq!(bits(g)?, bits(p)?);
+    }
+    Ok(())
+}

@@ -314,7 +314,8 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
             seg,
             Segments {
                 inside: 64 + 128,
-                largest: 128
+                largest: 128,
+                tensors: 2
             },
             "shapes only {shapes_only}"
         );

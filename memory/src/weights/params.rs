@@ -130,6 +130,7 @@ impl ParamStore {
         let size = |id: &_| sizes.get(id).copied().unwrap_or(0);
         crate::plan::Segments {
             inside: uses.keys().filter(|id| own(id)).map(size).sum(),
+            tensors: uses.keys().filter(|id| own(id)).count(),
             largest: sets
                 .iter()
                 .map(|s| s.iter().filter(|id| own(id)).map(size).sum())
