@@ -7,6 +7,8 @@
     gpu_bench_torch.py t5 <batch> <src> <tgt> [ck]   transformers T5ForConditionalGeneration with
                                                      FLAN-T5-XL's config
     gpu_bench_torch.py attention                     torch.nn.functional.scaled_dot_product_attention
+    gpu_bench_torch.py fused-check                   on the CPU: `bf16-adafactor-fused` gives the
+                                                     plain Adafactor's weights on a tiny T5
 
 Model runs use the settings of the Rust side as PyTorch users run them: `amp` is fp32 weights
 with bf16 autocast (diffusers' and HF Trainer's `--mixed_precision bf16`: the fp32 weights are the
@@ -224,6 +226,39 @@ def attention():
                           "result": {"fwd_bwd_s": secs, "peak_above_inputs": peak}}), flush=True)
 
 
+def fused_check():
+    """The fused mode against the plain one on a tiny bf16 T5 with checkpointing, on the CPU:
+    the same weights bit for bit after three steps, and no gradient left after each backward."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                   num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                   dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(cfg).to(torch.bfloat16)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = optimizer(model.parameters(), mode)
+        torch.manual_seed(1)
+        ids, labels = torch.randint(2, 64, (2, 7)), torch.randint(2, 64, (2, 5))
+        left = 0
+        for _ in range(3):
+            model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+            left = max(left, sum(p.grad is not None for p in model.parameters()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], left
+
+    plain, left_plain = run("bf16-adafactor")
+    fused, left_fused = run("bf16-adafactor-fused")
+    same = all(torch.equal(a, b) for a, b in zip(plain, fused))
+    print(json.dumps({"check": "fused-adafactor", "same_weights": same,
+                      "grads_left_plain": left_plain, "grads_left_fused": left_fused}))
+    if not same or left_fused != 0 or left_plain == 0:
+        sys.exit(1)
+
+
 def main():
     a = sys.argv[1:]
     ck = "ck" in a
@@ -233,6 +268,8 @@ def main():
         t5(int(a[1]), int(a[2]), int(a[3]), ck)
     elif a[0] == "attention":
         attention()
+    elif a[0] == "fused-check":
+        fused_check()
     else:
         sys.exit(__doc__)
 

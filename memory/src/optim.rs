@@ -369,7 +369,7 @@ fn fusable_in_place(p: &Var) -> bool {
 /// that is not a contiguous CUDA tensor they take); `Some(Some(model))` where the kernels write
 /// `model` too; `Some(None)` where there is no model or they cannot write it ([`finish`] then
 /// does). Only the parameters given a gradient are looked at: a fused backward pass updates one
-/// at a time, and looking at all 1,700 of the SDXL UNet's for each would be quadratic.
+/// at a time, and looking at all 1,680 of the SDXL UNet's for each would be quadratic.
 #[cfg(feature = "cuda")]
 pub(crate) fn fused_path<'a>(
     params: &[Var],

@@ -286,6 +286,16 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     eprintln!("{}", plan.table());
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     assert_eq!(plan.params, 2_567_463_684);
+    // 17 ResNets and 70 transformer layers are checkpointed: under --fused-backward with
+    // clipping, a step reads norms back once per segment and once for the rest, 88 times, not
+    // once for each of the 1,680 trainable tensors.
+    let (pb, store, _) = a.common.shapes_builder()?;
+    let cfg = ft_models::unet::UNetConfig::from_file(&root.join("sdxl/unet_config.json"))?;
+    assert_eq!(
+        ft_models::unet::UNet::new(&pb, &cfg)?.segments().len(),
+        17 + 70
+    );
+    assert_eq!(store.shapes(true).len(), 1680);
     // Weights and one micro-batch's gradients on the GPU; sums, masters, moments and the EMA
     // (38.26 + 9.56 GiB) on the host.
     assert!((gib(plan.device_bytes()) - 9.56).abs() < 0.01);

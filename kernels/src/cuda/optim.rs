@@ -274,7 +274,7 @@ fn adamw8bit_launch(
 
 /// Replaces every gradient by `g * inv_scale` in fp32 and reports whether any element is inf
 /// or NaN, reading one flag back for all of them (a per-tensor check costs one host sync per
-/// parameter: about 1,700 for the SDXL UNet).
+/// parameter: 1,680 for the SDXL UNet).
 pub fn unscale_check(grads: &mut [Option<Tensor>], inv_scale: f64) -> Result<bool> {
     let Some(first) = grads.iter().flatten().next() else {
         return Ok(false);
