@@ -8,7 +8,7 @@
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::optim::{check_f32_like, model_arg};
+use super::optim::{check_f32_like, check_in_place, model_arg};
 use super::{device_of, elem_grid, launch, out_ptr, output, suffix, tensor_ptr, Arg};
 
 /// One Adafactor update's scalars (transformers' names), for HF Trainer's and kohya's
@@ -61,12 +61,7 @@ pub fn adafactor_fused_in_place(
     grad: &Tensor,
     s: &AdafactorStep,
 ) -> Result<()> {
-    if !matches!(weight.dtype(), DType::BF16 | DType::F16) {
-        bail!(
-            "adafactor_fused_in_place: a bf16/f16 weight, got {:?}",
-            weight.dtype()
-        );
-    }
+    check_in_place("adafactor_fused_in_place", weight)?;
     launch_all(None, v, grad, Some(weight), s)
 }
 

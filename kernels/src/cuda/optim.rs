@@ -32,6 +32,17 @@ pub struct AdamWStep {
     pub seed: u64,
 }
 
+/// An in-place update (no fp32 master) takes a bf16/f16 weight: an fp32 one is its own master.
+pub(super) fn check_in_place(who: &str, weight: &Tensor) -> Result<()> {
+    if !matches!(weight.dtype(), DType::BF16 | DType::F16) {
+        bail!(
+            "{who}: a bf16/f16 weight, got {:?} (an fp32 one is its own master)",
+            weight.dtype()
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn check_f32_like(name: &str, t: &Tensor, n: usize) -> Result<()> {
     if t.dtype() != DType::F32 || t.elem_count() != n || !t.is_contiguous() {
         bail!(
@@ -68,13 +79,7 @@ pub fn adamw_fused_in_place(
     grad: &Tensor,
     s: &AdamWStep,
 ) -> Result<()> {
-    if !matches!(weight.dtype(), DType::BF16 | DType::F16) {
-        bail!(
-            "adamw_fused_in_place: a bf16/f16 weight, got {:?} (an fp32 one is its own master: \
-             adamw_fused)",
-            weight.dtype()
-        );
-    }
+    check_in_place("adamw_fused_in_place", weight)?;
     adamw_launch(None, m, v, grad, Some(weight), s)
 }
 
@@ -202,12 +207,7 @@ pub fn adamw8bit_fused_in_place(
     grad: &Tensor,
     s: &AdamWStep,
 ) -> Result<()> {
-    if !matches!(weight.dtype(), DType::BF16 | DType::F16) {
-        bail!(
-            "adamw8bit_fused_in_place: a bf16/f16 weight, got {:?}",
-            weight.dtype()
-        );
-    }
+    check_in_place("adamw8bit_fused_in_place", weight)?;
     adamw8bit_launch(None, q, grad, Some(weight), s)
 }
 
