@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu-bench.sh [out-dir]          # builds first (scripts/gpu-build.sh)
 #   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench`, `cuda_tests` (ft-kernels)
-#                                                # and `memory_cuda_tests` (ft-memory) in dir
+#                                                # and `memory_cuda_tests` (ft-trainer) in dir
 #
 # Needs python3 with torch (CUDA), transformers and diffusers for the PyTorch side; set
 # TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-bench.sh runs, with --features cuda (release): `gpu_bench` and the
-# ft-kernels and ft-memory CUDA test executables (`cuda_tests`, `memory_cuda_tests`), copied
+# ft-kernels and ft-trainer CUDA test executables (`cuda_tests`, `memory_cuda_tests`), copied
 # into DIR.
 #
 #   bash scripts/gpu-build.sh DIR             # CUDA_COMPUTE_CAP=90 (H100/H200) by default
@@ -10,7 +10,7 @@ DIR=${1:?usage: gpu-build.sh DIR}
 PY=${BENCH_PYTHON:-python3}
 . scripts/cuda-env.sh
 T=${CARGO_TARGET_DIR:-target}
-cargo build --release --features cuda -p ft-models --example gpu_bench
+cargo build --release --features cuda -p ft-trainer --example gpu_bench
 test_exe() {
   cargo test --release --features cuda -p "$1" --test cuda --no-run --message-format=json \
     | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
@@ -18,4 +18,4 @@ test_exe() {
 mkdir -p "$DIR"
 cp "$T/release/examples/gpu_bench" "$DIR/gpu_bench"
 cp "$(test_exe ft-kernels)" "$DIR/cuda_tests"
-cp "$(test_exe ft-memory)" "$DIR/memory_cuda_tests"
+cp "$(test_exe ft-trainer)" "$DIR/memory_cuda_tests"

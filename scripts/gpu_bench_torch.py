@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch side of `scripts/gpu-bench.sh`: the same train steps and attention calls as
-`models/examples/gpu_bench.rs`, on the GPU, one JSON line per measurement.
+`trainer/examples/gpu_bench.rs`, on the GPU, one JSON line per measurement.
 
     gpu_bench_torch.py sdxl <px>[,<px>...] [ck]      diffusers UNet2DConditionModel from
                                                      configs/sdxl/unet_config.json, batch 1

@@ -13,6 +13,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gradcheck;
+pub mod host;
 pub mod linear;
 pub mod norm;
 pub mod pool;

@@ -3,7 +3,7 @@
 //! uninterrupted run would have.
 
 use candle_core::{DType, Tensor};
-use ft_memory::rng::{hash_str, SplitMix64};
+use ft_params::rng::{hash_str, SplitMix64};
 
 /// Per-forward dropout state: `None` in evaluation, `Some(seed)` in training.
 #[derive(Debug, Clone, Copy, PartialEq)]

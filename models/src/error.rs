@@ -15,7 +15,7 @@ pub enum ModelError {
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]
-    Memory(#[from] ft_memory::Error),
+    Params(#[from] ft_params::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

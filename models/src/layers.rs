@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 use ft_kernels::{linear, norm};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_params::{Init, ParamBuilder};
 
 use crate::error::Result;
 

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, Var, D};
 use ft_kernels::{attention, upsample};
-use ft_memory::checkpoint::{Checkpointer, SegmentFn};
-use ft_memory::weights::ParamBuilder;
+use ft_params::checkpoint::{Checkpointer, SegmentFn};
+use ft_params::ParamBuilder;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use candle_core::Tensor;
 use ft_kernels::{attention, upsample};
-use ft_memory::weights::ParamBuilder;
+use ft_params::ParamBuilder;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};

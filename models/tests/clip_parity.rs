@@ -6,8 +6,9 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use ft_memory::weights::{ParamBuilder, ParamStore, SafetensorsFiles};
 use ft_models::clip::{ClipTextConfig, ClipTextModel};
+use ft_params::weights::SafetensorsFiles;
+use ft_params::{ParamBuilder, ParamStore};
 
 fn check(name: &str, with_projection: bool) -> anyhow::Result<()> {
     let dir = common::fixture(&format!("clip_tiny/{name}"));

@@ -2,8 +2,8 @@
 //! right, batch norm keeps running statistics, and FSCT's cosine attention is bounded.
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+use ft_params::{ParamBuilder, ParamStore};
 
 /// A built model, its trainable parameters and its store.
 type Built = (FewShotModel, Vec<(String, Var)>, std::sync::Arc<ParamStore>);

@@ -7,8 +7,9 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use ft_memory::weights::{ParamBuilder, ParamStore, SafetensorsFiles};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+use ft_params::weights::SafetensorsFiles;
+use ft_params::{ParamBuilder, ParamStore};
 
 fn check(variant: &str, method: Method) -> anyhow::Result<()> {
     let dir = common::fixture(&format!("fsct_tiny/{variant}"));

@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use candle_core::{DType, Device};
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::unet::{UNet, UNetConfig};
+use ft_params::{ParamBuilder, ParamStore};
 
 #[test]
 fn full_sdxl_unet_has_diffusers_parameter_count() -> anyhow::Result<()> {

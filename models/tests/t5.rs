@@ -2,10 +2,10 @@
 //! gradients of plain backprop, dropout masks repeat under recompute, buckets match transformers.
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::dropout::DropoutCtx;
 use ft_models::t5::{relative_position_bucket, shift_right, T5Batch, T5Config, T5};
+use ft_params::checkpoint::Checkpointer;
+use ft_params::{ParamBuilder, ParamStore};
 
 fn batch(dev: &Device) -> anyhow::Result<T5Batch> {
     let ids = Tensor::new(&[[5u32, 6, 7, 1, 0], [8, 9, 10, 11, 1]], dev)?;

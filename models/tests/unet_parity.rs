@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::weights::{ParamBuilder, ParamStore, SafetensorsFiles};
 use ft_models::unet::{UNet, UNetConfig};
+use ft_params::checkpoint::Checkpointer;
+use ft_params::weights::SafetensorsFiles;
+use ft_params::{ParamBuilder, ParamStore};
 
 fn dir() -> PathBuf {
     common::fixture("unet_tiny")

@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use ft_memory::weights::{ParamBuilder, ParamStore, SafetensorsFiles};
 use ft_models::vae::{Vae, VaeConfig, VaeParts};
+use ft_params::weights::SafetensorsFiles;
+use ft_params::{ParamBuilder, ParamStore};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vae_tiny")

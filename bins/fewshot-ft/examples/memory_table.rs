@@ -10,14 +10,14 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Var};
 use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, Splits};
-use ft_memory::accumulate::{GradAccumulator, LossNorm};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ledger::format_bytes;
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
+use ft_params::bytes::format_bytes;
+use ft_params::checkpoint::Checkpointer;
+use ft_params::{ParamBuilder, ParamStore};
+use ft_trainer::update::{GradAccumulator, LossNorm};
 
 #[global_allocator]
-static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
 fn measure(
     kind: BackboneKind,
@@ -40,7 +40,7 @@ fn measure(
         5,
         1,
     )?;
-    let mut opt = ft_memory::bench::f32_adamw(&store)?;
+    let mut opt = ft_trainer::train::bench::f32_adamw(&store)?;
     let params: Vec<Var> = opt.params().to_vec();
     let splits = Splits::synthetic(20, n_query + 1, 0);
     let img = ImageConfig {
@@ -62,11 +62,11 @@ fn measure(
         Ok(())
     };
     step(1)?;
-    let base = ft_memory::alloc::reset_peak() as u64;
+    let base = ft_trainer::ledger::alloc::reset_peak() as u64;
     let t0 = Instant::now();
     step(2)?;
     let secs = t0.elapsed().as_secs_f64();
-    let peak = ft_memory::alloc::peak_bytes() as u64 - base;
+    let peak = ft_trainer::ledger::alloc::peak_bytes() as u64 - base;
     Ok((peak, store.count(true).1, secs))
 }
 

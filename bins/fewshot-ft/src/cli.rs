@@ -3,16 +3,17 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use ft_memory::config::CommonArgs;
+use ft_trainer::train::{Binary, CommonArgs};
 use serde::{Deserialize, Serialize};
 
 /// Train and evaluate FSCT (cosine or softmax attention) or ProtoNet on N-way K-shot episodes.
+///
+/// `--model` is a folder written by an earlier run (model.safetensors, e.g. its best/) to start
+/// from; without it the weights are initialised from --seed. `--demo` trains Conv4 FSCT_cosine
+/// on generated images (no dataset needed).
 #[derive(Parser, Serialize, Deserialize, Debug, Clone)]
 #[command(version, about)]
 pub struct Args {
-    /// TOML file with any of these settings; flags given here override it.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
     /// Dataset folder: miniImageNet (train.csv, val.csv, test.csv, images/), train/ val/ test/
     /// folders of class folders, or one folder of class folders (split 64/16/20 by seed).
     #[arg(long)]
@@ -53,9 +54,6 @@ pub struct Args {
     /// Stop after this many validations without a better accuracy (0: never).
     #[arg(long, default_value_t = 0)]
     pub patience: usize,
-    /// Train Conv4 FSCT_cosine on generated images (no dataset needed).
-    #[arg(long)]
-    pub demo: bool,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,
@@ -74,9 +72,31 @@ impl Args {
             anyhow::bail!("--val-episodes and --test-episodes must be at least 1");
         }
         // `--plan` needs the model's settings alone.
-        if !self.demo && !self.common.plan && self.data_dir.is_none() {
+        if self.common.gradient_checkpointing || self.common.fused_backward {
+            anyhow::bail!(
+                "fewshot-ft's models have no checkpoint segments: --gradient-checkpointing and \
+                 --fused-backward do not apply"
+            );
+        }
+        if !self.common.demo && !self.common.plan && self.data_dir.is_none() {
             anyhow::bail!("--data-dir is required (or --demo for generated images)");
         }
         Ok(())
+    }
+}
+
+impl Binary for Args {
+    const DEMO: (&'static str, &'static str) = (
+        "configs/fewshot_demo.toml (built in)",
+        include_str!("../../../configs/fewshot_demo.toml"),
+    );
+    /// The paper's optimiser settings: the defaults unless a config file or flag says otherwise.
+    const DEFAULTS: Option<(&'static str, &'static str)> = Some((
+        "configs/fewshot_defaults.toml (built in)",
+        include_str!("../../../configs/fewshot_defaults.toml"),
+    ));
+
+    fn common(&self) -> &CommonArgs {
+        &self.common
     }
 }

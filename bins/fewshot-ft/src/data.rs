@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use ft_memory::rng::SplitMix64;
 use ft_models::fewshot::Episode;
+use ft_params::rng::SplitMix64;
 use rayon::prelude::*;
 
 /// Errors naming the file or class at fault.

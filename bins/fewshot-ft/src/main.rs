@@ -3,25 +3,10 @@
 use fewshot_ft::cli::Args;
 
 #[global_allocator]
-static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
-
-/// The paper's optimiser settings: the defaults unless a config file or flag says otherwise.
-const DEFAULTS: &str = include_str!("../../../configs/fewshot_defaults.toml");
-/// `--demo`: generated images, small episodes, a one-minute run.
-const DEMO: &str = include_str!("../../../configs/fewshot_demo.toml");
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
 fn main() -> anyhow::Result<()> {
-    let args: Args = ft_memory::config::parse_with_preset(
-        std::env::args_os(),
-        |a: &Args| a.config.clone(),
-        |a: &Args| {
-            Some(if a.demo {
-                ("configs/fewshot_demo.toml (built in)", DEMO)
-            } else {
-                ("configs/fewshot_defaults.toml (built in)", DEFAULTS)
-            })
-        },
-    )?;
+    let args: Args = ft_trainer::train::parse_args()?;
     if args.common.plan {
         print!("{}", fewshot_ft::run::plan(&args)?.report());
         return Ok(());

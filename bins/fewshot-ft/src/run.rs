@@ -1,19 +1,17 @@
 //! From arguments to a trained and tested model.
 
-use std::sync::Arc;
-
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ledger::Ledger;
-use ft_memory::train::{BestConfig, LoopConfig, RunSummary, Units};
-use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
+use ft_params::bytes::format_bytes;
+use ft_params::weights::ModelRepo;
+use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::{BestConfig, LoopPlan, RunSummary, SessionBuilder, Units};
 
 use crate::cli::Args;
 use crate::data::{EpisodeShape, ImageConfig, Splits};
 use crate::task::{Accuracy, FewShotTask};
 
 /// Everything a run needs, built from the arguments (also used by tests and benches).
-pub type Setup = ft_memory::train::Session<FewShotTask>;
+pub type Setup = ft_trainer::train::Session<FewShotTask>;
 
 /// Backbone, method and image side the arguments choose (84 px for Conv backbones, 224 for
 /// ResNets unless `--image-size`).
@@ -29,7 +27,7 @@ fn model_spec(args: &Args) -> anyhow::Result<(BackboneKind, Method, usize)> {
 
 /// `--plan`: the memory plan of the model the arguments choose, built from shapes (nothing
 /// allocated, no device opened).
-pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
+pub fn plan(args: &Args) -> anyhow::Result<StatePlan> {
     args.validate()?;
     let (kind, method, size) = model_spec(args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
@@ -39,14 +37,11 @@ pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
     Ok(args.common.state_plan(&store, &[], precision)?)
 }
 
+/// Data, model and optimizer from the arguments; `--demo` uses generated images.
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     args.validate()?;
-    let out = args.common.output_dir.clone();
-    std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
-    let device = args.common.device()?;
-    let precision = args.common.precision(&device)?;
     let (kind, method, size) = model_spec(args)?;
-    let splits = if args.demo {
+    let splits = if args.common.demo {
         Splits::synthetic(40, 40, args.common.seed)
     } else {
         let dir = args
@@ -62,27 +57,24 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     };
     splits.check(shape.n_way, shape.k_shot + shape.n_query)?;
 
-    let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
-    ledger.set_baseline();
-    let store = ParamStore::new();
-    let mut pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed);
-    if let Some(dir) = &args.common.resume {
-        pb = pb.with_source(Arc::new(
-            ModelRepo::Local(dir.clone()).safetensors("model")?,
-        ));
-    }
+    let mut s = SessionBuilder::new(&args.common)?;
+    // Weights come from the checkpoint being resumed, else a saved model, else the seed.
+    let weights = match (s.resumed_weights("model")?, &args.common.model) {
+        (Some(w), _) => Some(w),
+        (None, Some(dir)) => Some(ModelRepo::open(dir)?.safetensors("model")?),
+        (None, None) => None,
+    };
+    let pb = s.params(weights);
     let backbone = Backbone::new(&pb, kind, size, !args.pooled)?;
     let model = FewShotModel::new(&pb, backbone, method, shape.n_way, shape.k_shot)?;
-    ledger.mark("load", 0)?;
-    args.common
-        .announce_plan(&args.common.state_plan(&store, &[], precision)?);
+    s.loaded()?;
     let config_json = serde_json::json!({
         "backbone": args.backbone, "method": args.method, "n_way": shape.n_way, "k_shot": shape.k_shot,
         "image_size": size, "flatten": !args.pooled,
     });
     let task = FewShotTask::new(
         model,
-        store.clone(),
+        s.store().clone(),
         splits,
         shape,
         ImageConfig {
@@ -93,15 +85,17 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
             size,
             augment: false,
         },
-        device,
+        s.device().clone(),
         args.common.seed,
         args.n_episode,
         args.val_episodes,
         config_json,
     );
+    // No checkpoint segments: this model trains without checkpointing.
+    let optimizer = s.optimizer(&args.common.state_plan(s.store(), &[], s.precision())?)?;
+    // Validation and a checkpoint after every epoch, the best one kept.
     let steps_per_epoch = args.n_episode.div_ceil(args.common.accum) as u64;
-    let optimizer = args.common.optimizer(store.trainable()?, precision)?;
-    let loop_config = LoopConfig {
+    let plan = LoopPlan {
         eval_every: steps_per_epoch,
         save_every: steps_per_epoch,
         best: Some(BestConfig {
@@ -109,15 +103,9 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
             higher_is_better: true,
             patience: args.patience,
         }),
-        ..args.common.loop_config(Units::Samples, args.n_episode)?
+        ..LoopPlan::new(Units::Samples, args.n_episode)
     };
-    Ok(Setup {
-        task,
-        optimizer,
-        ledger,
-        loop_config,
-        checkpointer: Checkpointer::new(false),
-    })
+    Ok(s.session(task, optimizer, plan)?)
 }
 
 /// What a finished run reports.
@@ -136,7 +124,7 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
         args.method,
         args.n_way,
         args.k_shot,
-        ft_memory::ledger::format_bytes(bytes as i64),
+        format_bytes(bytes as i64),
         s.loop_config.max_steps
     );
     let summary = s.train()?;
@@ -161,7 +149,7 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
         "stopped_early": summary.stopped_early,
     });
     let path = args.common.output_dir.join("results.json");
-    ft_memory::fsutil::write_atomic(&path, |f| {
+    ft_params::fs::write_atomic(&path, |f| {
         std::io::Write::write_all(f, result.to_string().as_bytes())
     })?;
     Ok(Outcome { summary, test })

@@ -4,10 +4,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use ft_memory::ledger::Ledger;
-use ft_memory::train::{EpochCursor, StepCtx, Task, TaskResult};
-use ft_memory::weights::ParamStore;
 use ft_models::fewshot::{Episode, FewShotModel};
+use ft_params::ParamStore;
+use ft_trainer::ledger::Ledger;
+use ft_trainer::train::{Epochs, StepCtx, Task, TaskResult};
 
 use crate::data::{sample_episode, EpisodeShape, ImageConfig, Split, Splits};
 
@@ -34,8 +34,8 @@ pub struct FewShotTask {
     pub val_episodes: usize,
     /// Written as config.json beside the weights.
     pub config_json: serde_json::Value,
-    epoch: usize,
-    cursor: usize,
+    /// Episode indices, epoch by epoch (each episode drawn from its index).
+    epochs: Epochs<u64>,
 }
 
 impl FewShotTask {
@@ -65,8 +65,7 @@ impl FewShotTask {
             n_episode,
             val_episodes,
             config_json,
-            epoch: 0,
-            cursor: 0,
+            epochs: Epochs::default(),
         }
     }
 
@@ -102,7 +101,7 @@ impl FewShotTask {
 
     /// Copies the weights of a saved checkpoint into the model (e.g. the best one before testing).
     pub fn load_weights(&self, dir: &Path) -> anyhow::Result<()> {
-        let files = ft_memory::weights::SafetensorsFiles::open(&[dir.join("model.safetensors")])?;
+        let files = ft_params::weights::SafetensorsFiles::open(&[dir.join("model.safetensors")])?;
         for (name, t) in self.store.all() {
             // Every fewshot tensor is a Var (parameters and batch-norm buffers); `from_tensor` of
             // any other tensor would be a copy that `set` never carries into the model.
@@ -117,21 +116,24 @@ impl FewShotTask {
     }
 }
 
+/// The training episodes of `epoch`, by index: `n` of them, each epoch its own.
+fn episodes(n: usize, epoch: usize) -> Vec<u64> {
+    let n = n as u64;
+    (0..n).map(|i| epoch as u64 * n + i).collect()
+}
+
 impl Task for FewShotTask {
     type Batch = Episode;
 
     fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
-        self.epoch = epoch;
-        self.cursor = 0;
+        self.epochs.start(epoch, episodes(self.n_episode, epoch));
         Ok(())
     }
 
     fn next_batch(&mut self) -> TaskResult<Option<Episode>> {
-        if self.cursor >= self.n_episode {
+        let Some(index) = self.epochs.next_item() else {
             return Ok(None);
-        }
-        let index = (self.epoch * self.n_episode + self.cursor) as u64;
-        self.cursor += 1;
+        };
         Ok(Some(sample_episode(
             &self.splits.train,
             self.shape,
@@ -160,26 +162,20 @@ impl Task for FewShotTask {
     }
 
     fn save_model(&self, dir: &Path) -> TaskResult<()> {
-        ft_memory::fsutil::save_safetensors(&self.store.all(), &dir.join("model.safetensors"))?;
+        ft_params::fs::save_safetensors(&self.store.all(), &dir.join("model.safetensors"))?;
         let text = serde_json::to_string_pretty(&self.config_json)?;
-        ft_memory::fsutil::write_atomic(&dir.join("config.json"), |f| {
+        ft_params::fs::write_atomic(&dir.join("config.json"), |f| {
             std::io::Write::write_all(f, text.as_bytes())
         })?;
         Ok(())
     }
 
     fn data_state(&self) -> serde_json::Value {
-        EpochCursor {
-            epoch: self.epoch,
-            cursor: self.cursor,
-        }
-        .to_json()
+        self.epochs.cursor().to_json()
     }
 
     fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
-        let at = EpochCursor::from_json(s)?;
-        self.epoch = at.epoch;
-        self.cursor = at.cursor;
-        Ok(())
+        let n = self.n_episode;
+        self.epochs.restore(s, |epoch| episodes(n, epoch))
     }
 }

@@ -8,7 +8,7 @@ use clap::Parser;
 use fewshot_ft::cli::Args;
 use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, Splits};
 use fewshot_ft::run::{run, setup};
-use ft_memory::accumulate::{GradAccumulator, LossNorm};
+use ft_trainer::update::{GradAccumulator, LossNorm};
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("fewshot-{tag}-{}", std::process::id()));

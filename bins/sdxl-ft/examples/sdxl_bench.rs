@@ -4,15 +4,15 @@
 //! to choose one), then the memory plan of the full SDXL UNet from its real config.
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::bench::{measure_steps, python_reference, StepMeasure};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ledger::format_bytes;
-use ft_memory::rng::SplitMix64;
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::unet::{UNet, UNetConfig};
+use ft_params::bytes::format_bytes;
+use ft_params::checkpoint::Checkpointer;
+use ft_params::rng::SplitMix64;
+use ft_params::{ParamBuilder, ParamStore};
+use ft_trainer::train::bench::{measure_steps, python_reference, StepMeasure};
 
 #[global_allocator]
-static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
 const STEPS: usize = 3;
 const POOLED: usize = 64;
@@ -70,7 +70,7 @@ fn ours(cfg: &UNetConfig, latent: usize, checkpointing: bool) -> anyhow::Result<
     let dev = Device::Cpu;
     let store = ParamStore::new();
     let unet = UNet::new(&ParamBuilder::new(store.clone(), DType::F32, &dev, 0), cfg)?;
-    let mut opt = ft_memory::bench::f32_adamw(&store)?;
+    let mut opt = ft_trainer::train::bench::f32_adamw(&store)?;
     let params: Vec<Var> = opt.params().to_vec();
     let mut rng = SplitMix64::new(1);
     let mut randn = |shape: &[usize]| -> anyhow::Result<Tensor> {
@@ -209,7 +209,7 @@ fn main() -> anyhow::Result<()> {
         "\nFull SDXL UNet ({n} parameters, configs/sdxl/unet_config.json), bf16 weights, fp32 master \
          weights, AdamW, as sdxl-ft runs it:\n"
     );
-    print!("{}", ft_memory::bench::model_states_table(n));
+    print!("{}", ft_trainer::train::bench::model_states_table(n));
     println!(
         "\n| other | where | bytes |\n|---|---|---|\n| EMA (fp32, --ema-device cpu) | host | {} |",
         format_bytes((4 * n) as i64)

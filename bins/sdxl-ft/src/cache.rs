@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use ft_memory::ledger::{Category, Ledger};
-use ft_memory::rng::{hash_bytes, hash_str, SplitMix64};
-use ft_memory::weights::SafetensorsFiles;
 use ft_models::vae::VaeParts;
+use ft_params::rng::{hash_bytes, hash_str, SplitMix64};
+use ft_params::weights::SafetensorsFiles;
+use ft_trainer::ledger::{Category, Ledger};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{prepare, Crop, ImageFolder};
@@ -257,7 +257,7 @@ impl Cache {
                 return Ok(());
             }
             let name = format!("latents-{:05}.safetensors", shards.len());
-            ft_memory::fsutil::save_safetensors(shard, &dir.join(&name))?;
+            ft_params::fs::save_safetensors(shard, &dir.join(&name))?;
             shard.clear();
             shards.push(name);
             Ok(())
@@ -345,7 +345,7 @@ impl Cache {
             latent_shards: shards,
         };
         let text = serde_json::to_string_pretty(&manifest)?;
-        ft_memory::fsutil::write_atomic(&dir.join("manifest.json"), |f| {
+        ft_params::fs::write_atomic(&dir.join("manifest.json"), |f| {
             std::io::Write::write_all(f, text.as_bytes())
         })?;
         Ok(())
@@ -397,7 +397,7 @@ impl Cache {
             tensors.push((format!("hidden.{i}"), Tensor::cat(h, 1)?));
             tensors.push((format!("pooled.{i}"), p));
         }
-        ft_memory::fsutil::save_safetensors(&tensors, &dir.join("texts.safetensors"))?;
+        ft_params::fs::save_safetensors(&tensors, &dir.join("texts.safetensors"))?;
         Ok(())
     }
 

@@ -4,19 +4,17 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use ft_memory::config::CommonArgs;
+use ft_trainer::train::{Binary, CommonArgs};
 use serde::{Deserialize, Serialize};
 
 /// Full fine-tune of the SDXL UNet with cached conditioning, EMA off the device and chunked VAE decode.
+///
+/// `--model` is a diffusers folder or hub id (model_index.json, unet/, vae/, text_encoder*/,
+/// tokenizer*/, scheduler/). Each evaluation writes the validation loss and sample images.
+/// `--demo` trains a tiny SDXL-shaped model on generated images (or on --data-dir).
 #[derive(Parser, Serialize, Deserialize, Debug, Clone)]
 #[command(version, about)]
 pub struct Args {
-    /// TOML file with any of these settings; flags given here override it.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// diffusers folder or hub id (model_index.json, unet/, vae/, text_encoder*/, tokenizer*/, scheduler/).
-    #[arg(long, default_value = "stabilityai/stable-diffusion-xl-base-1.0")]
-    pub model: String,
     /// Weights variant: loads `*.{variant}.safetensors` (e.g. fp16) when the model has them.
     #[arg(long)]
     pub variant: Option<String>,
@@ -78,12 +76,6 @@ pub struct Args {
     /// Where the EMA lives: cpu (default, no device memory) or device.
     #[arg(long, default_value = "cpu")]
     pub ema_device: String,
-    /// Evaluate (validation loss and sample images) every N optimizer steps (0: only at the end).
-    #[arg(long, default_value_t = 0)]
-    pub eval_every: u64,
-    /// Save a checkpoint every N optimizer steps (0: only at the end).
-    #[arg(long, default_value_t = 0)]
-    pub save_every: u64,
     /// Validation loss over this many cached images, at fixed noise and timesteps.
     #[arg(long, default_value_t = 8)]
     pub eval_images: usize,
@@ -109,9 +101,6 @@ pub struct Args {
     /// enable_tiling; e.g. 64 for 1024 px images); 0 decodes whole images.
     #[arg(long, default_value_t = 0)]
     pub vae_tile: usize,
-    /// Train the bundled tiny SDXL-shaped model (on its synthetic images unless --data-dir is given).
-    #[arg(long)]
-    pub demo: bool,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,
@@ -156,9 +145,21 @@ impl Args {
         }
         self.sampler.parse::<ft_models::sampling::SamplerKind>()?;
         // `--plan` reads the model's configs alone.
-        if !self.demo && !self.common.plan && self.data_dir.is_none() {
+        if !self.common.demo && !self.common.plan && self.data_dir.is_none() {
             anyhow::bail!("--data-dir is required (or --demo for the bundled images)");
         }
         Ok(())
+    }
+}
+
+impl Binary for Args {
+    const DEFAULT_MODEL: Option<&'static str> = Some("stabilityai/stable-diffusion-xl-base-1.0");
+    const DEMO: (&'static str, &'static str) = (
+        "configs/sdxl_demo.toml (built in)",
+        include_str!("../../../configs/sdxl_demo.toml"),
+    );
+
+    fn common(&self) -> &CommonArgs {
+        &self.common
     }
 }

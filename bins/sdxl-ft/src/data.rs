@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Tensor};
-use ft_memory::rng::SplitMix64;
+use ft_params::rng::SplitMix64;
 
 const IMAGE_EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
 

@@ -10,11 +10,11 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
-use ft_memory::rng::SplitMix64;
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::clip::{ClipTextConfig, ClipTextModel};
 use ft_models::unet::{UNet, UNetConfig};
 use ft_models::vae::{Vae, VaeConfig};
+use ft_params::rng::SplitMix64;
+use ft_params::{ParamBuilder, ParamStore};
 use serde_json::json;
 
 const COLORS: [(&str, [u8; 3]); 4] = [
@@ -120,7 +120,7 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
 
 /// Saves every tensor of `store` as `path`.
 fn save_store(store: &Arc<ParamStore>, path: &Path) -> Result<()> {
-    ft_memory::fsutil::save_safetensors(&store.all(), path)?;
+    ft_params::fs::save_safetensors(&store.all(), path)?;
     Ok(())
 }
 

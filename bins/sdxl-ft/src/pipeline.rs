@@ -8,11 +8,12 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device};
-use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore, SafetensorsFiles};
 use ft_models::clip::{ClipTextConfig, ClipTextModel};
 use ft_models::diffusion::NoiseSchedule;
 use ft_models::unet::UNetConfig;
 use ft_models::vae::{Vae, VaeConfig, VaeParts};
+use ft_params::weights::{ModelRepo, SafetensorsFiles};
+use ft_params::{ParamBuilder, ParamStore};
 
 use crate::tokenize::ClipTokenizer;
 

@@ -2,17 +2,19 @@
 //! live only inside it), load the UNet once in the training dtype, train on the shared loop.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ema::Ema;
-use ft_memory::ledger::{format_bytes, Ledger};
-use ft_memory::train::{LoopConfig, RunSummary, Units};
-use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::diffusion::Prediction;
 use ft_models::unet::UNet;
+use ft_params::bytes::format_bytes;
+use ft_params::weights::ModelRepo;
+use ft_params::ParamStore;
+use ft_trainer::ledger::Category;
+use ft_trainer::train::ema::Ema;
+use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::{Binary, LoopPlan, RunSummary, SessionBuilder, Units};
+use ft_trainer::update::Precision;
 
 use crate::cache::{Cache, CacheSettings};
 use crate::cli::Args;
@@ -21,21 +23,17 @@ use crate::pipeline::Pipeline;
 use crate::task::{EvalSettings, Objective, SdxlTask};
 
 /// Everything a run needs, built from the arguments (also used by tests and benches).
-pub type Setup = ft_memory::train::Session<SdxlTask>;
+pub type Setup = ft_trainer::train::Session<SdxlTask>;
 
 /// The arguments validated, the output folder created and, with `--demo`, the bundled pipeline
 /// and images written there and pointed to.
 fn resolved(args: &Args) -> Result<Args> {
     let mut args = args.clone();
     args.validate()?;
-    let out = args.common.output_dir.clone();
-    // `--plan` writes nothing, unless `--demo` has to write its model to plan it.
-    if !args.common.plan || args.demo {
-        std::fs::create_dir_all(&out).map_err(|e| anyhow!("{}: {e}", out.display()))?;
-    }
-    if args.demo {
+    let out = args.common.create_output_dir()?;
+    if args.common.demo {
         let demo = crate::demo::write(&out.join("demo-data"), 48, args.common.seed)?;
-        args.model = demo.model.display().to_string();
+        args.common.model = Some(demo.model.display().to_string());
         args.data_dir.get_or_insert(demo.data);
     }
     Ok(args)
@@ -43,9 +41,9 @@ fn resolved(args: &Args) -> Result<Args> {
 
 /// `--plan`: the memory plan of the UNet's training from `unet/config.json` alone (built from
 /// shapes, no weights read, nothing allocated, no device opened), with the EMA when `--ema`.
-pub fn plan(args: &Args) -> Result<ft_memory::plan::StatePlan> {
+pub fn plan(args: &Args) -> Result<StatePlan> {
     let args = resolved(args)?;
-    let pipeline = Pipeline::open(&args.model, args.variant.clone())?;
+    let pipeline = open_pipeline(&args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     let unet = UNet::new(&pb, &pipeline.unet)?;
     unet_plan(&args, &store, &unet, precision)
@@ -56,8 +54,8 @@ fn unet_plan(
     args: &Args,
     store: &ParamStore,
     unet: &UNet,
-    precision: ft_memory::precision::Precision,
-) -> Result<ft_memory::plan::StatePlan> {
+    precision: Precision,
+) -> Result<StatePlan> {
     let plan = args.common.state_plan(store, &unet.segments(), precision)?;
     let (n, _) = store.count(true);
     Ok(if args.ema {
@@ -72,12 +70,10 @@ fn unet_plan(
 pub fn setup(args: &Args) -> Result<Setup> {
     let args = resolved(args)?;
     let out = args.common.output_dir.clone();
-    let device = args.common.device()?;
-    let precision = args.common.precision(&device)?;
-    let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
-    ledger.set_baseline();
+    let mut s = SessionBuilder::new(&args.common)?;
+    let (device, precision) = (s.device().clone(), s.precision());
 
-    let mut pipeline = Pipeline::open(&args.model, args.variant.clone())?;
+    let mut pipeline = open_pipeline(&args)?;
     let mut schedule = pipeline.schedule.clone();
     if let Some(p) = &args.prediction_type {
         schedule.prediction = match p.as_str() {
@@ -154,24 +150,19 @@ pub fn setup(args: &Args) -> Result<Setup> {
         &folder,
         &prompts,
         &settings,
-        &mut ledger,
+        s.ledger(),
     )?;
     report_cache(&cache);
 
     // The UNet: from the checkpoint being resumed, else the pipeline's weights.
-    let files = match &args.common.resume {
-        Some(dir) => ModelRepo::Local(dir.clone()).safetensors("unet/diffusion_pytorch_model")?,
+    let files = match s.resumed_weights("unet/diffusion_pytorch_model")? {
+        Some(files) => files,
         None => pipeline.weights("unet", "diffusion_pytorch_model")?,
     };
-    let store = ParamStore::new();
-    let pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed)
-        .with_source(Arc::new(files));
-    let unet = UNet::new(&pb, &pipeline.unet)?;
-    ledger.mark("load", 0)?;
-
-    args.common
-        .announce_plan(&unet_plan(&args, &store, &unet, precision)?);
-    let optimizer = args.common.optimizer(store.trainable()?, precision)?;
+    let unet = UNet::new(&s.params(Some(files)), &pipeline.unet)?;
+    s.loaded()?;
+    let store = s.store().clone();
+    let optimizer = s.optimizer(&unet_plan(&args, &store, &unet, precision)?)?;
     let ema = if args.ema {
         let ema_device = if args.ema_device == "cpu" {
             Device::Cpu
@@ -193,14 +184,12 @@ pub fn setup(args: &Args) -> Result<Setup> {
         if let Some(dir) = &args.common.resume {
             let saved =
                 ModelRepo::Local(dir.clone()).safetensors("unet_ema/diffusion_pytorch_model")?;
-            ema.load(|name, shape| saved.load(name, Some(shape), DType::F32, &Device::Cpu, false))?;
+            ema.load(|name, shape| {
+                Ok(saved.load(name, Some(shape), DType::F32, &Device::Cpu, false)?)
+            })?;
         }
-        ledger.set_on(
-            ft_memory::ledger::Category::Ema,
-            "unet",
-            ema.bytes(),
-            ema.device(),
-        );
+        s.ledger()
+            .set_on(Category::Ema, "unet", ema.bytes(), ema.device());
         Some(ema)
     } else {
         None
@@ -233,20 +222,13 @@ pub fn setup(args: &Args) -> Result<Setup> {
         args.common.batch_size,
         args.common.seed,
     );
-    let loop_config = LoopConfig {
-        eval_every: args.eval_every,
-        save_every: args.save_every,
-        ..args
-            .common
-            .loop_config(Units::Samples, task.batches_per_epoch())?
-    };
-    Ok(Setup {
-        task,
-        optimizer,
-        ledger,
-        loop_config,
-        checkpointer: Checkpointer::new(args.common.gradient_checkpointing),
-    })
+    let batches = task.batches_per_epoch();
+    Ok(s.session(task, optimizer, LoopPlan::new(Units::Samples, batches))?)
+}
+
+/// The diffusers pipeline `--model` (or the default) names, with `--variant`.
+fn open_pipeline(args: &Args) -> Result<Pipeline> {
+    Pipeline::open(args.model().unwrap_or_default(), args.variant.clone())
 }
 
 fn report_cache(cache: &Cache) {
@@ -275,7 +257,7 @@ pub fn run(args: &Args) -> Result<RunSummary> {
         "sdxl-ft: UNet with {n} trainable parameters ({}), {} steps of {} x {} images, {:?}, checkpointing {}",
         format_bytes(bytes as i64),
         s.loop_config.max_steps,
-        s.loop_config.accum,
+        s.loop_config.mode.micro_batches(),
         s.task.batch_size,
         s.task.dtype,
         s.checkpointer.enabled()

@@ -6,16 +6,16 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ema::Ema;
-use ft_memory::ledger::{Category, Ledger};
-use ft_memory::rng::SplitMix64;
-use ft_memory::train::{EpochCursor, StepCtx, Task, TaskResult};
-use ft_memory::weights::ParamStore;
 use ft_models::diffusion::NoiseSchedule;
 use ft_models::sampling::{Sampler, SamplerKind};
 use ft_models::unet::UNet;
 use ft_models::vae::VaeParts;
+use ft_params::checkpoint::Checkpointer;
+use ft_params::rng::SplitMix64;
+use ft_params::ParamStore;
+use ft_trainer::ledger::{Category, Ledger};
+use ft_trainer::train::ema::Ema;
+use ft_trainer::train::{EpochOrder, Epochs, Grouping, StepCtx, Task, TaskResult};
 
 use crate::cache::Cache;
 use crate::pipeline::Pipeline;
@@ -59,11 +59,10 @@ pub struct SdxlTask {
     pub dtype: DType,
     pub batch_size: usize,
     pub seed: u64,
-    epoch: usize,
-    /// Index of the next micro-batch in `batches`.
-    cursor: usize,
-    /// This epoch's micro-batches, each of one latent shape (one aspect bucket).
-    batches: Vec<Vec<usize>>,
+    /// The cached images' order, epoch by epoch: micro-batches of one latent shape (one aspect
+    /// bucket) each.
+    order: EpochOrder,
+    epochs: Epochs<Vec<usize>>,
 }
 
 /// A micro-batch: indices into the cache.
@@ -89,7 +88,16 @@ impl SdxlTask {
         batch_size: usize,
         seed: u64,
     ) -> Self {
-        let mut t = SdxlTask {
+        let order = EpochOrder {
+            items: cache.len(),
+            batch_size,
+            seed,
+            shuffle: true,
+            grouping: Grouping::Buckets(latent_shapes(&cache, cache.len())),
+        };
+        let mut epochs = Epochs::default();
+        epochs.start(0, order.batches(0));
+        SdxlTask {
             unet,
             store,
             pipeline,
@@ -102,53 +110,14 @@ impl SdxlTask {
             dtype,
             batch_size,
             seed,
-            epoch: 0,
-            cursor: 0,
-            batches: Vec::new(),
-        };
-        t.plan_epoch();
-        t
+            order,
+            epochs,
+        }
     }
 
     /// Micro-batches in one pass over the cached images (short last ones per bucket included).
     pub fn batches_per_epoch(&self) -> usize {
-        self.batches.len()
-    }
-
-    /// Splits `indices` into micro-batches of one latent shape each, keeping their order.
-    fn group(&self, indices: impl IntoIterator<Item = usize>) -> Vec<Vec<usize>> {
-        let mut groups: std::collections::BTreeMap<[usize; 3], Vec<usize>> = Default::default();
-        for i in indices {
-            groups
-                .entry(self.cache.manifest.entries[i].latent)
-                .or_default()
-                .push(i);
-        }
-        groups
-            .values()
-            .flat_map(|g| g.chunks(self.batch_size.max(1)).map(|c| c.to_vec()))
-            .collect()
-    }
-
-    /// The epoch's micro-batches: a seeded shuffle of the images, cut into batches per bucket,
-    /// and (with several buckets) the batches shuffled again, as kohya's bucketing does.
-    fn plan_epoch(&mut self) {
-        let mut rng =
-            SplitMix64::new(self.seed ^ (self.epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut order: Vec<usize> = (0..self.cache.len()).collect();
-        rng.shuffle(&mut order);
-        let mut batches = self.group(order);
-        let shapes: std::collections::BTreeSet<[usize; 3]> = self
-            .cache
-            .manifest
-            .entries
-            .iter()
-            .map(|e| e.latent)
-            .collect();
-        if shapes.len() > 1 {
-            rng.shuffle(&mut batches);
-        }
-        self.batches = batches;
+        self.order.batches_per_epoch()
     }
 
     /// The loss of every sample in `batch`, each the mean squared error over its latent
@@ -237,7 +206,14 @@ impl SdxlTask {
     pub fn validation_loss(&self) -> Result<f64> {
         let n = self.eval.loss_images.min(self.cache.len());
         let mut total = 0f64;
-        for batch in self.group(0..n) {
+        let first = EpochOrder {
+            items: n,
+            batch_size: self.batch_size,
+            seed: self.seed,
+            shuffle: false,
+            grouping: Grouping::Buckets(latent_shapes(&self.cache, n)),
+        };
+        for batch in first.batches(0) {
             let l = self.per_sample_losses(
                 &batch,
                 self.seed ^ 0xE7A1 ^ batch[0] as u64,
@@ -343,18 +319,12 @@ impl Task for SdxlTask {
     type Batch = Batch;
 
     fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
-        self.epoch = epoch;
-        self.cursor = 0;
-        self.plan_epoch();
+        self.epochs.start(epoch, self.order.batches(epoch));
         Ok(())
     }
 
     fn next_batch(&mut self) -> TaskResult<Option<Batch>> {
-        let b = self.batches.get(self.cursor).cloned();
-        if b.is_some() {
-            self.cursor += 1;
-        }
-        Ok(b)
+        Ok(self.epochs.next_item())
     }
 
     fn counts(&self, batch: &Batch) -> (usize, usize) {
@@ -413,20 +383,21 @@ impl Task for SdxlTask {
     }
 
     fn data_state(&self) -> serde_json::Value {
-        EpochCursor {
-            epoch: self.epoch,
-            cursor: self.cursor,
-        }
-        .to_json()
+        self.epochs.cursor().to_json()
     }
 
     fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
-        let at = EpochCursor::from_json(s)?;
-        self.epoch = at.epoch;
-        self.plan_epoch();
-        self.cursor = at.cursor;
-        Ok(())
+        let order = &self.order;
+        self.epochs.restore(s, |epoch| order.batches(epoch))
     }
+}
+
+/// The latent shape of each of the first `n` cached images: their aspect buckets.
+fn latent_shapes(cache: &Cache, n: usize) -> Vec<Vec<usize>> {
+    cache.manifest.entries[..n]
+        .iter()
+        .map(|e| e.latent.to_vec())
+        .collect()
 }
 
 /// Writes `unet/config.json` and `diffusion_pytorch_model.safetensors` into `dir` (diffusers'
@@ -437,9 +408,9 @@ pub fn save_unet(
     tensors: &[(String, Tensor)],
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
-    ft_memory::fsutil::save_safetensors(tensors, &dir.join("diffusion_pytorch_model.safetensors"))?;
+    ft_params::fs::save_safetensors(tensors, &dir.join("diffusion_pytorch_model.safetensors"))?;
     let text = serde_json::to_string_pretty(config)?;
-    ft_memory::fsutil::write_atomic(&dir.join("config.json"), |f| {
+    ft_params::fs::write_atomic(&dir.join("config.json"), |f| {
         std::io::Write::write_all(f, text.as_bytes())
     })?;
     Ok(())

@@ -6,11 +6,11 @@
 mod common;
 
 use common::{args, tensors, tmp};
-use ft_memory::train;
+use ft_trainer::train;
 use sdxl_ft::run::setup;
 
 #[global_allocator]
-static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
 #[test]
 fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> anyhow::Result<()> {

@@ -47,8 +47,8 @@ fn hub_id_opens_a_cached_diffusers_snapshot_offline() -> anyhow::Result<()> {
     sdxl_ft::demo::write_images(&images, 8, 2)?;
     let data = images.display().to_string();
     let mut a = args(&out.join("run"), &["--data-dir", &data, "--max-steps", "2"])?;
-    a.demo = false;
-    a.model = "tiny-org/tiny-sdxl".into();
+    a.common.demo = false;
+    a.common.model = Some("tiny-org/tiny-sdxl".into());
     let mut s = sdxl_ft::run::setup(&a)?;
     let summary = s.train()?;
     assert_eq!(summary.steps, 2);

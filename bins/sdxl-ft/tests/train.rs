@@ -6,6 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{args, tensors, tmp};
+use ft_trainer::train::Binary;
 use sdxl_ft::run::setup;
 
 #[test]
@@ -166,9 +167,9 @@ fn bad_captions_and_configs_name_the_file_and_line() -> anyhow::Result<()> {
 fn shipped_configs_parse_and_validate() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
     let full = root.join("full_sdxl.toml").display().to_string();
-    let a: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+    let a: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
         ["sdxl-ft", "--config", &full, "--data-dir", "images"],
-        |a: &sdxl_ft::cli::Args| a.config.clone(),
+        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
     )?;
     a.validate()?;
     assert_eq!((a.res, a.common.batch_size, a.common.accum), (128, 1, 16));
@@ -176,14 +177,14 @@ fn shipped_configs_parse_and_validate() -> anyhow::Result<()> {
     // Seed 001's 24 GB card needs the optimizer state on the host.
     assert!(a.common.offload_optimizer);
     assert_eq!(a.common.precision.as_deref(), Some("bf16"));
-    assert_eq!(a.model, "stabilityai/stable-diffusion-xl-base-1.0");
+    assert_eq!(a.model(), Some("stabilityai/stable-diffusion-xl-base-1.0"));
     let demo = root.join("sdxl_demo.toml").display().to_string();
-    let d: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+    let d: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
         ["sdxl-ft", "--config", &demo, "--max-steps", "3"],
-        |a: &sdxl_ft::cli::Args| a.config.clone(),
+        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
     )?;
     d.validate()?;
-    assert!(d.demo);
+    assert!(d.common.demo);
     assert_eq!(d.common.max_steps, Some(3), "flags override the file");
     Ok(())
 }
@@ -209,7 +210,7 @@ fn bf16_weights_with_fp32_masters_and_checkpointing_train() -> anyhow::Result<()
     let after = s.task.validation_loss()?;
     assert!(after < before, "validation loss {before:.4} -> {after:.4}");
     let dir = summary.final_dir.unwrap_or_default();
-    let unet = ft_memory::weights::SafetensorsFiles::open(&[
+    let unet = ft_params::weights::SafetensorsFiles::open(&[
         dir.join("unet/diffusion_pytorch_model.safetensors")
     ])?;
     let name = unet.names().next().unwrap_or_default().to_string();
@@ -224,7 +225,7 @@ fn bf16_weights_with_fp32_masters_and_checkpointing_train() -> anyhow::Result<()
 
 #[test]
 fn aspect_buckets_cut_images_to_their_nearest_ratio_and_batch_per_bucket() -> anyhow::Result<()> {
-    use ft_memory::train::Task;
+    use ft_trainer::train::Task;
     let buckets = sdxl_ft::data::buckets(32, 8);
     assert!(buckets.contains(&(32, 32)) && buckets.contains(&(40, 24)));
     assert!(buckets.iter().all(|(h, w)| h * w <= 32 * 32));
@@ -278,9 +279,9 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     }
     let preset = root.join("full_sdxl.toml").display().to_string();
     let model = demo.model.display().to_string();
-    let a: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+    let a: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
         ["sdxl-ft", "--config", &preset, "--model", &model, "--plan"],
-        |a: &sdxl_ft::cli::Args| a.config.clone(),
+        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
     )?;
     let plan = sdxl_ft::run::plan(&a)?;
     eprintln!("{}", plan.table());
@@ -334,9 +335,9 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     // block's ResNet with 2,560 input channels), not the UNet's 4.78 GiB; without the fused
     // backward the same recipe holds 10.47 GiB.
     let low = root.join("sdxl_24gb.toml").display().to_string();
-    let pure: sdxl_ft::cli::Args = ft_memory::config::parse_from(
+    let pure: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
         ["sdxl-ft", "--config", &low, "--model", &model, "--plan"],
-        |a: &sdxl_ft::cli::Args| a.config.clone(),
+        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
     )?;
     pure.validate()?;
     assert!(pure.common.full_bf16 && pure.common.accum == 1 && pure.common.fused_backward);
@@ -364,7 +365,7 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
 /// host masters): the same losses, evaluation and EMA as with the state beside the model.
 #[test]
 fn offloaded_optimizer_trains_the_unet_the_same() -> anyhow::Result<()> {
-    let run = |tag: &str, extra: &[&str]| -> anyhow::Result<ft_memory::train::RunSummary> {
+    let run = |tag: &str, extra: &[&str]| -> anyhow::Result<ft_trainer::train::RunSummary> {
         let out = tmp(tag);
         let mut flags = vec![
             "--precision",
@@ -423,7 +424,7 @@ fn fused_backward_updates_what_the_unet_lists_as_segments() -> anyhow::Result<()
     let (trainable, _) = s.task.store.count(true);
     let summary = s.train()?;
     assert_eq!(summary.steps, 2);
-    let early = ft_memory::train::logged(&out.join("metrics.jsonl"), "updated_in_backward")?;
+    let early = ft_trainer::train::logged(&out.join("metrics.jsonl"), "updated_in_backward")?;
     assert_eq!(early, vec![serde_json::json!(seg.tensors); 2]);
     // The plan of the same run bounds the gradients by the segments.
     let plan = sdxl_ft::run::plan(&args(&out, &flags)?)?;

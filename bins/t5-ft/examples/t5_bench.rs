@@ -6,15 +6,15 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ledger::format_bytes;
-use ft_memory::rng::SplitMix64;
-use ft_memory::weights::{ParamBuilder, ParamStore};
 use ft_models::dropout::DropoutCtx;
 use ft_models::t5::{T5Batch, T5Config, T5};
+use ft_params::bytes::format_bytes;
+use ft_params::checkpoint::Checkpointer;
+use ft_params::rng::SplitMix64;
+use ft_params::{ParamBuilder, ParamStore};
 
 #[global_allocator]
-static ALLOC: ft_memory::alloc::CountingAlloc = ft_memory::alloc::CountingAlloc;
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
 const BATCH: usize = 8;
 const SRC: usize = 64;
@@ -48,7 +48,7 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
     let store = ParamStore::new();
     let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0);
     let model = T5::new(&pb, &cfg)?;
-    let mut opt = ft_memory::bench::f32_adamw(&store)?;
+    let mut opt = ft_trainer::train::bench::f32_adamw(&store)?;
     let params: Vec<Var> = opt.params().to_vec();
     let mut rng = SplitMix64::new(1);
     let mut ids = |n: usize| -> Vec<u32> {
@@ -70,7 +70,7 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
         opt.step(grads, 1e-4)?;
         Ok(())
     };
-    let m = ft_memory::bench::measure_steps(STEPS, &mut step)?;
+    let m = ft_trainer::train::bench::measure_steps(STEPS, &mut step)?;
     let (_, pbytes) = store.count(true);
     let state = opt.optimizer().state_bytes();
     Ok(Row {
@@ -90,7 +90,7 @@ fn torch(checkpointing: bool) -> Option<Row> {
         env!("CARGO_MANIFEST_DIR"),
         "/../../scripts/t5_bench_torch.py"
     );
-    let v = ft_memory::bench::python_reference(
+    let v = ft_trainer::train::bench::python_reference(
         script,
         &[
             "--steps".into(),
@@ -129,7 +129,14 @@ fn data_throughput() -> anyhow::Result<(usize, f64)> {
     let file = t5_ft::data::RecordFile::open(&dir.join("train.jsonl"), fields)?;
     let coll =
         t5_ft::tokenize::Collator::from_file(&dir.join("model/tokenizer.json"), 64, 32, 0, 32)?;
-    for b in t5_ft::data::epoch_batches(&file, 64, 0, 0, true, false) {
+    let order = ft_trainer::train::EpochOrder {
+        items: file.len(),
+        batch_size: 64,
+        seed: 0,
+        shuffle: true,
+        grouping: ft_trainer::train::Grouping::None,
+    };
+    for b in order.batches(0) {
         coll.collate(&file.read(&b)?, &Device::Cpu)?;
     }
     let n = file.len();
@@ -188,7 +195,7 @@ fn main() -> anyhow::Result<()> {
     )?;
     let n = xl.param_count() as u64;
     println!("\nFLAN-T5-XL ({n} parameters), bf16 weights with fp32 master weights and AdamW:\n");
-    print!("{}", ft_memory::bench::model_states_table(n));
+    print!("{}", ft_trainer::train::bench::model_states_table(n));
     println!("\n| activations | bytes |\n|---|---|");
     let tokens_small = (BATCH * (SRC + TGT)) as f64;
     let scale = (xl.num_layers * (xl.d_model + xl.d_ff)) as f64

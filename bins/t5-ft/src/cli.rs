@@ -3,20 +3,16 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use ft_memory::config::CommonArgs;
+use ft_trainer::train::{Binary, CommonArgs};
 use serde::{Deserialize, Serialize};
 
-/// Fine-tune a (FLAN-)T5 model on input/target pairs, loading its weights once in the training dtype.
+/// Fine-tune a (FLAN-)T5 model on input/target pairs, loading its weights once in the training
+/// dtype. `--model` is a folder or hub id with config.json and tokenizer.json (e.g.
+/// google/flan-t5-xl); without model.safetensors the weights are initialised from --seed.
+/// `--demo`: a tiny T5 learns to reverse digit sequences.
 #[derive(Parser, Serialize, Deserialize, Debug, Clone)]
 #[command(version, about)]
 pub struct Args {
-    /// TOML file with any of these settings; flags given here override it.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Model folder or hub id (e.g. google/flan-t5-xl). Needs config.json and tokenizer.json;
-    /// without model.safetensors the weights are initialised from --seed.
-    #[arg(long, default_value = "google/flan-t5-small")]
-    pub model: String,
     /// Training data: JSONL, or CSV with a header row (by extension).
     #[arg(long)]
     pub train_file: Option<PathBuf>,
@@ -41,21 +37,12 @@ pub struct Args {
     /// Skip malformed records (and count them) instead of stopping at the first.
     #[arg(long)]
     pub skip_bad_lines: bool,
-    /// Evaluate every N optimizer steps (0: only at the end).
-    #[arg(long, default_value_t = 0)]
-    pub eval_every: u64,
     /// Evaluate on at most this many records (0: all).
     #[arg(long, default_value_t = 0)]
     pub eval_limit: usize,
     /// Longest greedy generation in evaluation.
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
-    /// Save a checkpoint every N optimizer steps (0: only at the end).
-    #[arg(long, default_value_t = 0)]
-    pub save_every: u64,
-    /// Train the bundled tiny model on the bundled synthetic task (reverse a digit sequence).
-    #[arg(long)]
-    pub demo: bool,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,
@@ -69,9 +56,21 @@ impl Args {
             anyhow::bail!("--max-source-length and --max-target-length must be at least 1");
         }
         // `--plan` reads the model's config alone.
-        if !self.demo && !self.common.plan && self.train_file.is_none() {
+        if !self.common.demo && !self.common.plan && self.train_file.is_none() {
             anyhow::bail!("--train-file is required (or --demo for the bundled task)");
         }
         Ok(())
+    }
+}
+
+impl Binary for Args {
+    const DEFAULT_MODEL: Option<&'static str> = Some("google/flan-t5-small");
+    const DEMO: (&'static str, &'static str) = (
+        "configs/t5_demo.toml (built in)",
+        include_str!("../../../configs/t5_demo.toml"),
+    );
+
+    fn common(&self) -> &CommonArgs {
+        &self.common
     }
 }

@@ -10,8 +10,6 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use ft_memory::rng::SplitMix64;
-
 /// One input/target pair.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Example {
@@ -293,34 +291,4 @@ impl RecordFile {
         }
         Ok(out)
     }
-}
-
-/// The order of one epoch: record indices cut into batches.
-pub fn epoch_batches(
-    file: &RecordFile,
-    batch_size: usize,
-    seed: u64,
-    epoch: usize,
-    shuffle: bool,
-    group_by_length: bool,
-) -> Vec<Vec<usize>> {
-    let mut order: Vec<usize> = (0..file.len()).collect();
-    let mut rng = SplitMix64::new(seed ^ (epoch as u64).wrapping_mul(0xA24B_AED4_963E_E407));
-    if shuffle {
-        rng.shuffle(&mut order);
-    }
-    if group_by_length {
-        let mega = batch_size.max(1) * 50;
-        for chunk in order.chunks_mut(mega) {
-            chunk.sort_by_key(|&i| std::cmp::Reverse(file.byte_len(i)));
-        }
-    }
-    let mut batches: Vec<Vec<usize>> = order
-        .chunks(batch_size.max(1))
-        .map(|c| c.to_vec())
-        .collect();
-    if group_by_length && shuffle {
-        rng.shuffle(&mut batches);
-    }
-    batches
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use ft_memory::rng::SplitMix64;
+use ft_params::rng::SplitMix64;
 
 const CONFIG: &str = include_str!("../../../configs/demo/t5/config.json");
 const TOKENIZER: &str = include_str!("../../../configs/demo/t5/tokenizer.json");

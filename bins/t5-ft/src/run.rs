@@ -1,49 +1,52 @@
 //! From arguments to a finished run: resolve the model, load it once, build data, train.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use candle_core::DType;
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::ledger::Ledger;
-use ft_memory::train::{LoopConfig, RunSummary, Units};
-use ft_memory::weights::{ModelRepo, ParamBuilder, ParamStore};
 use ft_models::t5::{T5Config, T5};
+use ft_params::bytes::format_bytes;
+use ft_params::weights::ModelRepo;
+use ft_trainer::optim::hf_trainer_no_decay;
+use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::{
+    Binary, EpochOrder, Grouping, LoopPlan, RunSummary, SessionBuilder, Units,
+};
 
 use crate::cli::Args;
 use crate::data::{Fields, RecordFile};
-use crate::task::{Order, T5Task};
+use crate::task::T5Task;
 use crate::tokenize::Collator;
 
 /// Everything a run needs, built from the arguments (also used by tests and benches).
-pub type Setup = ft_memory::train::Session<T5Task>;
+pub type Setup = ft_trainer::train::Session<T5Task>;
 
 /// The arguments validated, the output folder created and, with `--demo`, the bundled task
 /// written there and pointed to.
 fn resolved(args: &Args) -> anyhow::Result<Args> {
     let mut args = args.clone();
     args.validate()?;
-    let out = args.common.output_dir.clone();
-    // `--plan` writes nothing, unless `--demo` has to write its model to plan it.
-    if !args.common.plan || args.demo {
-        std::fs::create_dir_all(&out).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
-    }
-    if args.demo {
+    let out = args.common.create_output_dir()?;
+    if args.common.demo {
         let dir = out.join("demo-data");
         crate::demo::write(&dir, 2000, 64, args.common.seed)?;
-        args.model = dir.join("model").display().to_string();
+        args.common.model = Some(dir.join("model").display().to_string());
         args.train_file = Some(dir.join("train.jsonl"));
         args.eval_file = Some(dir.join("eval.jsonl"));
     }
     Ok(args)
 }
 
+/// The model folder or hub repository the arguments name, and its config.
+fn model_config(args: &Args) -> anyhow::Result<(ModelRepo, T5Config)> {
+    let repo = ModelRepo::open(args.model().unwrap_or_default())?;
+    let cfg = T5Config::from_file(&repo.get("config.json")?)?;
+    Ok((repo, cfg))
+}
+
 /// `--plan`: the memory plan from the model's config.json alone (the model built from shapes,
 /// no weights read, nothing allocated, no device opened).
-pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
+pub fn plan(args: &Args) -> anyhow::Result<StatePlan> {
     let args = resolved(args)?;
-    let repo = ModelRepo::open(&args.model)?;
-    let cfg = T5Config::from_file(&repo.get("config.json")?)?;
+    let (_, cfg) = model_config(&args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     let model = T5::new(&pb, &cfg)?;
     Ok(args
@@ -54,30 +57,19 @@ pub fn plan(args: &Args) -> anyhow::Result<ft_memory::plan::StatePlan> {
 /// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let args = resolved(args)?;
-    let out = args.common.output_dir.clone();
-    let device = args.common.device()?;
-    let precision = args.common.precision(&device)?;
-    let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
-    ledger.set_baseline();
-
-    let repo = ModelRepo::open(&args.model)?;
-    let cfg = T5Config::from_file(&repo.get("config.json")?)?;
+    let mut s = SessionBuilder::new(&args.common)?;
+    let (repo, cfg) = model_config(&args)?;
     let tokenizer_path = repo.get("tokenizer.json")?;
     // Weights come from the checkpoint being resumed, else the model, else the seed.
-    let weights = match &args.common.resume {
-        Some(dir) => Some(ModelRepo::Local(dir.clone()).safetensors("model")?),
+    let weights = match s.resumed_weights("model")? {
+        Some(w) => Some(w),
         None if repo.has("model.safetensors") || repo.has("model.safetensors.index.json") => {
             Some(repo.safetensors("model")?)
         }
         None => None,
     };
-    let store = ParamStore::new();
-    let mut pb = ParamBuilder::new(store.clone(), precision.storage, &device, args.common.seed);
-    if let Some(files) = weights {
-        pb = pb.with_source(Arc::new(files));
-    }
-    let model = T5::new(&pb, &cfg)?;
-    ledger.mark("load", 0)?;
+    let model = T5::new(&s.params(weights), &cfg)?;
+    s.loaded()?;
     let segments = model.segments();
 
     let fields = Fields {
@@ -109,44 +101,42 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         cfg.pad_token_id,
         cfg.vocab_size,
     )?;
-    let order = Order {
+    let order = EpochOrder {
+        items: train_file.len(),
         batch_size: args.common.batch_size,
         seed: args.common.seed,
         shuffle: true,
-        group_by_length: args.group_by_length,
+        grouping: if args.group_by_length {
+            Grouping::ByLength(
+                (0..train_file.len())
+                    .map(|i| train_file.byte_len(i))
+                    .collect(),
+            )
+        } else {
+            Grouping::None
+        },
     };
     let mut task = T5Task::new(
         model,
-        store.clone(),
+        s.store().clone(),
         collator,
         train_file,
         eval_file,
         order,
-        device,
+        s.device().clone(),
         tokenizer_path,
     );
     task.max_new_tokens = args.max_new_tokens;
     task.eval_limit = args.eval_limit;
 
-    args.common
-        .announce_plan(&args.common.state_plan(&store, &segments, precision)?);
-    let mut optimizer = args.common.optimizer(store.trainable()?, precision)?;
+    let plan = args
+        .common
+        .state_plan(s.store(), &segments, s.precision())?;
+    let mut optimizer = s.optimizer(&plan)?;
     // As HF Trainer: no weight decay for biases (T5's relative attention bias) and layer norms.
-    optimizer.exempt_from_weight_decay(ft_memory::optim::hf_trainer_no_decay);
-    let loop_config = LoopConfig {
-        eval_every: args.eval_every,
-        save_every: args.save_every,
-        ..args
-            .common
-            .loop_config(Units::Tokens, task.batches_per_epoch())?
-    };
-    Ok(Setup {
-        task,
-        optimizer,
-        ledger,
-        loop_config,
-        checkpointer: Checkpointer::new(args.common.gradient_checkpointing),
-    })
+    optimizer.exempt_from_weight_decay(hf_trainer_no_decay);
+    let batches = task.batches_per_epoch();
+    Ok(s.session(task, optimizer, LoopPlan::new(Units::Tokens, batches))?)
 }
 
 /// Trains as the arguments say and prints the memory table.
@@ -155,13 +145,13 @@ pub fn run(args: &Args) -> anyhow::Result<RunSummary> {
     let (n, bytes) = s.task.store.count(true);
     eprintln!(
         "t5-ft: {n} trainable parameters ({}), {} steps, precision {:?}",
-        ft_memory::ledger::format_bytes(bytes as i64),
+        format_bytes(bytes as i64),
         s.loop_config.max_steps,
         s.optimizer
             .params()
             .first()
             .map(|p| p.dtype())
-            .unwrap_or(DType::F32)
+            .unwrap_or(candle_core::DType::F32)
     );
     let summary = s.train()?;
     eprintln!("{}", s.ledger.table());

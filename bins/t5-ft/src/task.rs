@@ -4,23 +4,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use ft_memory::ledger::Ledger;
-use ft_memory::train::{StepCtx, Task, TaskResult};
-use ft_memory::weights::ParamStore;
 use ft_models::dropout::DropoutCtx;
 use ft_models::t5::{T5Batch, T5};
+use ft_params::ParamStore;
+use ft_trainer::ledger::Ledger;
+use ft_trainer::train::{EpochOrder, Epochs, StepCtx, Task, TaskResult};
 
-use crate::data::{epoch_batches, RecordFile};
+use crate::data::RecordFile;
 use crate::tokenize::Collator;
-
-/// Data order settings.
-#[derive(Debug, Clone)]
-pub struct Order {
-    pub batch_size: usize,
-    pub seed: u64,
-    pub shuffle: bool,
-    pub group_by_length: bool,
-}
 
 /// A T5 model with its training and evaluation data.
 pub struct T5Task {
@@ -29,16 +20,15 @@ pub struct T5Task {
     pub collator: Collator,
     pub train: RecordFile,
     pub eval: Option<RecordFile>,
-    pub order: Order,
+    /// The training records' order, epoch by epoch.
+    pub order: EpochOrder,
     pub device: Device,
     pub tokenizer_path: PathBuf,
     /// Longest generation in evaluation.
     pub max_new_tokens: usize,
     /// Evaluate on at most this many records (0 = all).
     pub eval_limit: usize,
-    epoch: usize,
-    batches: Vec<Vec<usize>>,
-    cursor: usize,
+    epochs: Epochs<Vec<usize>>,
 }
 
 impl T5Task {
@@ -49,7 +39,7 @@ impl T5Task {
         collator: Collator,
         train: RecordFile,
         eval: Option<RecordFile>,
-        order: Order,
+        order: EpochOrder,
         device: Device,
         tokenizer_path: PathBuf,
     ) -> Self {
@@ -64,15 +54,13 @@ impl T5Task {
             tokenizer_path,
             max_new_tokens: 32,
             eval_limit: 0,
-            epoch: 0,
-            batches: Vec::new(),
-            cursor: 0,
+            epochs: Epochs::default(),
         }
     }
 
     /// Micro-batches per epoch.
     pub fn batches_per_epoch(&self) -> usize {
-        self.train.len().div_ceil(self.order.batch_size.max(1))
+        self.order.batches_per_epoch()
     }
 
     fn eval_batches(&self) -> Vec<Vec<usize>> {
@@ -96,7 +84,7 @@ impl T5Task {
         let Some(eval) = &self.eval else {
             return Ok(Vec::new());
         };
-        let ck = ft_memory::checkpoint::Checkpointer::new(false);
+        let ck = ft_params::checkpoint::Checkpointer::new(false);
         let (mut loss_sum, mut tokens, mut exact, mut n) = (0f64, 0usize, 0usize, 0usize);
         for idx in self.eval_batches() {
             let examples = eval.read(&idx)?;
@@ -139,13 +127,13 @@ pub fn save_hf(model: &T5, store: &ParamStore, tokenizer: &Path, dir: &Path) -> 
         obj.insert("is_gated_act".into(), gated.into());
     }
     let text = serde_json::to_string_pretty(&cfg)?;
-    ft_memory::fsutil::write_atomic(&dir.join("config.json"), |f| {
+    ft_params::fs::write_atomic(&dir.join("config.json"), |f| {
         std::io::Write::write_all(f, text.as_bytes())
     })?;
-    ft_memory::fsutil::save_safetensors(&store.all(), &dir.join("model.safetensors"))?;
+    ft_params::fs::save_safetensors(&store.all(), &dir.join("model.safetensors"))?;
     let tok =
         std::fs::read(tokenizer).map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer.display()))?;
-    ft_memory::fsutil::write_atomic(&dir.join("tokenizer.json"), |f| {
+    ft_params::fs::write_atomic(&dir.join("tokenizer.json"), |f| {
         std::io::Write::write_all(f, &tok)
     })?;
     Ok(())
@@ -155,26 +143,15 @@ impl Task for T5Task {
     type Batch = T5Batch;
 
     fn start_epoch(&mut self, epoch: usize) -> TaskResult<()> {
-        self.epoch = epoch;
-        let o = &self.order;
-        self.batches = epoch_batches(
-            &self.train,
-            o.batch_size,
-            o.seed,
-            epoch,
-            o.shuffle,
-            o.group_by_length,
-        );
-        self.cursor = 0;
+        self.epochs.start(epoch, self.order.batches(epoch));
         Ok(())
     }
 
     fn next_batch(&mut self) -> TaskResult<Option<T5Batch>> {
-        let Some(idx) = self.batches.get(self.cursor) else {
+        let Some(idx) = self.epochs.next_item() else {
             return Ok(None);
         };
-        let examples = self.train.read(idx)?;
-        self.cursor += 1;
+        let examples = self.train.read(&idx)?;
         Ok(Some(self.collator.collate(&examples, &self.device)?))
     }
 
@@ -201,17 +178,11 @@ impl Task for T5Task {
     }
 
     fn data_state(&self) -> serde_json::Value {
-        serde_json::json!({"epoch": self.epoch, "cursor": self.cursor})
+        self.epochs.cursor().to_json()
     }
 
     fn restore_data_state(&mut self, s: &serde_json::Value) -> TaskResult<()> {
-        let epoch = s["epoch"]
-            .as_u64()
-            .ok_or("trainer_state: data.epoch missing")? as usize;
-        self.start_epoch(epoch)?;
-        self.cursor = s["cursor"]
-            .as_u64()
-            .ok_or("trainer_state: data.cursor missing")? as usize;
-        Ok(())
+        let order = &self.order;
+        self.epochs.restore(s, |epoch| order.batches(epoch))
     }
 }

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use ft_memory::checkpoint::Checkpointer;
-use ft_memory::weights::SafetensorsFiles;
 use ft_models::dropout::DropoutCtx;
+use ft_params::checkpoint::Checkpointer;
+use ft_params::weights::SafetensorsFiles;
 use t5_ft::cli::Args;
 use t5_ft::run::setup;
 
@@ -155,7 +155,7 @@ fn saved_checkpoint_is_left_for_the_transformers_check() -> anyhow::Result<()> {
         .task
         .model
         .forward(&batch, &DropoutCtx::eval(), &Checkpointer::new(false))?;
-    ft_memory::fsutil::save_safetensors(
+    ft_params::fs::save_safetensors(
         &[("logits".into(), logits)],
         &dir.join("logits.safetensors"),
     )?;

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use ft_memory::train;
+use ft_trainer::train;
+use ft_trainer::train::Binary;
 use t5_ft::cli::Args;
 use t5_ft::run::setup;
 
@@ -244,7 +245,7 @@ fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
     std::fs::write(small.join("config.json"), cfg.to_string())?;
     std::fs::copy(fixture.join("tokenizer.json"), small.join("tokenizer.json"))?;
     let mut a = base(&csv, &[]);
-    a.model = small.display().to_string();
+    a.common.model = Some(small.display().to_string());
     let e = setup_err(&a);
     assert!(e.contains("tokenizer") && e.contains("10"), "{e}");
 
@@ -257,7 +258,7 @@ fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
     cfg["vocab_size"] = 32.into();
     cfg["d_ff"] = 48.into();
     std::fs::write(small.join("config.json"), cfg.to_string())?;
-    a.model = small.display().to_string();
+    a.common.model = Some(small.display().to_string());
     let e = setup_err(&a);
     assert!(
         e.contains("DenseReluDense") && e.contains("model.safetensors"),
@@ -293,12 +294,12 @@ fn offloaded_optimizer_follows_the_same_curve_and_resumes() -> anyhow::Result<()
 fn shipped_xl_config_parses_and_offloads_the_optimizer() -> anyhow::Result<()> {
     let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/flan_t5_xl.toml");
     let cfg = cfg.display().to_string();
-    let a: Args = ft_memory::config::parse_from(
+    let a: Args = ft_trainer::train::config::parse_from(
         ["t5-ft", "--config", &cfg, "--train-file", "train.jsonl"],
-        |a: &Args| a.config.clone(),
+        |a: &Args| a.common.config.clone(),
     )?;
     a.validate()?;
-    assert_eq!(a.model, "google/flan-t5-xl");
+    assert_eq!(a.model(), Some("google/flan-t5-xl"));
     assert_eq!((a.common.batch_size, a.common.accum), (8, 16));
     assert!(a.common.gradient_checkpointing && a.common.offload_optimizer);
     Ok(())
@@ -322,7 +323,7 @@ fn eight_bit_adamw_trains_and_resumes() -> anyhow::Result<()> {
         );
     }
     let ckpt = dir.join("checkpoint-3");
-    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    let files = ft_params::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
     let exp_avg_u8 = files
         .names()
         .filter(|n| n.starts_with("exp_avg."))
@@ -347,7 +348,7 @@ fn eight_bit_adamw_trains_and_resumes() -> anyhow::Result<()> {
 fn adafactor_trains_and_resumes() -> anyhow::Result<()> {
     let dir = tmp("adafactor");
     let ckpt = trains_and_resumes(&dir, &["--optim", "adafactor"])?;
-    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    let files = ft_params::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
     let names: Vec<&str> = files.names().collect();
     for (prefix, present) in [
         ("exp_avg_sq_row.", true),
@@ -400,12 +401,12 @@ fn full_bf16_trains_and_resumes() -> anyhow::Result<()> {
     // One micro-batch a step: the bf16 gradients go to the update as they are.
     let flags = ["--optim", "adafactor", "--full-bf16", "--accum", "1"];
     let ckpt = trains_and_resumes(&dir, &flags)?;
-    let files = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
+    let files = ft_params::weights::SafetensorsFiles::open(&[ckpt.join("optimizer.safetensors")])?;
     assert!(
         !files.names().any(|n| n.starts_with("master.")),
         "masters saved"
     );
-    let model = ft_memory::weights::SafetensorsFiles::open(&[ckpt.join("model.safetensors")])?;
+    let model = ft_params::weights::SafetensorsFiles::open(&[ckpt.join("model.safetensors")])?;
     let dtypes: std::collections::BTreeSet<String> = model
         .names()
         .filter_map(|n| model.meta(n).map(|m| format!("{:?}", m.dtype)))
@@ -451,7 +452,7 @@ fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
     assert_eq!(weights(&fused_dir)?, weights(&plain_dir)?, "final weights");
     // The layers' parameters were updated during the backward (the embedding and final norm
     // after it).
-    let early = ft_memory::train::logged(&fused_dir.join("metrics.jsonl"), "updated_in_backward")?;
+    let early = ft_trainer::train::logged(&fused_dir.join("metrics.jsonl"), "updated_in_backward")?;
     assert_eq!(early, vec![serde_json::json!(seg.tensors); 4]);
     assert!(seg.tensors > 10);
     // The plan holds the gradients outside the blocks (embeddings, final norms) and of the
@@ -496,7 +497,7 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     let model = dir.display().to_string();
     let out = dir.join("out");
     let out_arg = out.display().to_string();
-    let plan = |extra: &[&str]| -> anyhow::Result<ft_memory::plan::StatePlan> {
+    let plan = |extra: &[&str]| -> anyhow::Result<ft_trainer::train::plan::StatePlan> {
         // Seed 002's accumulation (configs/flan_t5_xl.toml), fp32 gradient sums, unless given.
         let mut v = vec!["t5-ft", "--model", &model, "--device", "cuda", "--plan"];
         if !extra.contains(&"--accum") {
@@ -548,7 +549,7 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     // Adafactor: one value per row and per column of each matrix, 9.65 MiB for the model,
     // beside 21.23 GiB of AdamW moments.
     let af = plan(&["--optim", "adafactor"])?;
-    let states = |p: &ft_memory::plan::StatePlan, what: &str| {
+    let states = |p: &ft_trainer::train::plan::StatePlan, what: &str| {
         p.rows
             .iter()
             .find(|r| r.component.contains(what))
@@ -572,7 +573,7 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     // once (embeddings, final norms, the largest block), all on the GPU.
     let preset = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/flan_t5_xl_24gb.toml");
     let preset = preset.display().to_string();
-    let low: Args = ft_memory::config::parse_from(
+    let low: Args = ft_trainer::train::config::parse_from(
         [
             "t5-ft",
             "--config",
@@ -583,7 +584,7 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
             "--output-dir",
             &out_arg,
         ],
-        |a: &Args| a.config.clone(),
+        |a: &Args| a.common.config.clone(),
     )?;
     low.validate()?;
     let low = t5_ft::run::plan(&low)?;

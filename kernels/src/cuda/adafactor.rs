@@ -2,7 +2,7 @@
 //! more than one chunk of 32 rows; two under two dims), where the op-by-op update makes about 35
 //! candle ops, most of them passes over fp32 copies of the whole tensor.
 //!
-//! The arithmetic is `ft_memory::adafactor`'s, operation for operation; only the order of the
+//! The arithmetic is `ft_trainer::optim::adafactor`'s, operation for operation; only the order of the
 //! sums differs from the host's (each is fixed, so a step is deterministic), so a GPU step
 //! agrees with the CPU's to rounding, not bit for bit.
 

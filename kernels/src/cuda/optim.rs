@@ -124,7 +124,7 @@ fn adamw_launch(
 }
 
 /// The kernel arguments every AdamW entry point ends with, in order: the scalars rounded to f32
-/// from their f64 values as the host update (`ft_memory`'s `host_adamw`) rounds them, so that
+/// from their f64 values as the host update (`ft_trainer`'s `optim::host_adamw`) rounds them, so that
 /// the kernels' per-element arithmetic gives the host's bits.
 fn step_args(s: &AdamWStep, seed: u64) -> [Arg; 11] {
     // 0 stands for "no weight decay" (a real factor is near 1): the host skips the multiply
@@ -169,7 +169,7 @@ pub(super) fn model_arg(
     })
 }
 
-/// Blockwise 8-bit AdamW moments on one CUDA device, as `ft_memory::adamw8bit` lays them out:
+/// Blockwise 8-bit AdamW moments on one CUDA device, as `ft_trainer::optim::adamw8bit` lays them out:
 /// one byte per value indexing a 256-value map, one fp32 absolute maximum per 256 values.
 pub struct Moments8bit<'a> {
     /// First-moment codes (U8, one per weight) into the signed map.

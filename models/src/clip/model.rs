@@ -3,7 +3,7 @@
 
 use candle_core::{DType, IndexOp, Tensor};
 use ft_kernels::{attention, linear};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_params::{Init, ParamBuilder};
 
 use super::config::ClipTextConfig;
 use crate::error::{ModelError, Result};

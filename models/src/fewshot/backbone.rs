@@ -5,7 +5,7 @@
 
 use candle_core::{Tensor, D};
 use ft_kernels::pool;
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_params::{Init, ParamBuilder};
 
 use super::batch_norm::BatchNorm2d;
 use crate::error::{ModelError, Result};

@@ -3,7 +3,7 @@
 //! estimate), running statistics in evaluation. A composition of ops with correct backwards.
 
 use candle_core::{Tensor, Var};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_params::{Init, ParamBuilder};
 
 use crate::error::Result;
 

@@ -14,7 +14,7 @@
 
 use candle_core::{DType, Tensor, D};
 use ft_kernels::{linear, softmax};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_params::{Init, ParamBuilder};
 
 use super::backbone::Backbone;
 use crate::error::{ModelError, Result};

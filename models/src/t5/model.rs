@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
 use ft_kernels::{attention, linear, norm, softmax};
-use ft_memory::checkpoint::{Checkpointer, SegmentFn};
-use ft_memory::weights::{Init, ParamBuilder};
+use ft_params::checkpoint::{Checkpointer, SegmentFn};
+use ft_params::{Init, ParamBuilder};
 
 use super::config::{FfAct, T5Config};
 use super::position::bucket_grid;

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use ft_memory::weights::SafetensorsFiles;
+use ft_params::weights::SafetensorsFiles;
 
 /// `tests/fixtures/<rel>` at the workspace root.
 pub fn fixture(rel: &str) -> PathBuf {

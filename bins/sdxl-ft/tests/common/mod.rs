@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use ft_memory::weights::SafetensorsFiles;
+use ft_params::weights::SafetensorsFiles;
 use sdxl_ft::cli::Args;
 pub fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("sdxl-ft-{name}-{}", std::process::id()));

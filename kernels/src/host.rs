@@ -1,0 +1,195 @@
+//! Threaded single passes over host tensors: what an offloaded optimizer does with gradients on
+//! the CPU at every micro-batch (sum into fp32) and every step (global norm, clip, round the
+//! updated masters to the weights' dtype).
+//!
+//! candle's CPU kernels run these on one thread, several passes each (a widening cast, then an
+//! add into a new tensor): at SDXL-UNet size (2.57B parameters) that is seconds per micro-batch
+//! against a fraction of a second of GPU work. Each function here gives the bits of the candle
+//! op it replaces (f32 add and multiply, round-to-nearest-even narrowing; tested in
+//! `trainer/tests/host_ops.rs`), except the sum of squares, which adds in
+//! f64 per thread and so is at least as accurate as candle's f32 sum.
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, DType, InplaceOp2, Layout, Storage, Tensor,
+};
+use half::{bf16, f16};
+
+use rayon::prelude::*;
+
+/// Elements one task takes: below this, spreading the work costs more than it saves. A
+/// multiple of the 8-bit optimizer's 256-value blocks, so its tasks hold whole blocks.
+pub const CHUNK: usize = 1 << 16;
+
+/// Runs `f(offset, chunk)` over `out` in chunks of [`CHUNK`] on rayon's threads.
+pub fn par_chunks<A: Send>(out: &mut [A], f: impl Fn(usize, &mut [A]) + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, c)| f(i * CHUNK, c));
+}
+
+/// Runs `f` on the elements of a contiguous f32 CPU tensor; `None` for anything else.
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(f(&v[a..b])),
+        _ => None,
+    }
+}
+
+/// `acc += g` in place, `acc` a contiguous f32 CPU tensor, `g` a contiguous f32/bf16/f16 CPU
+/// tensor of the same shape (widened exactly). `Ok(false)` when the tensors are not of that
+/// kind: the caller then adds with candle's ops. `acc` must own its storage (the accumulator's
+/// sums do): every tensor sharing it sees the change.
+pub fn add_into(acc: &Tensor, g: &Tensor) -> candle_core::Result<bool> {
+    let host_contiguous = |t: &Tensor| t.device().is_cpu() && t.is_contiguous();
+    if acc.dtype() != DType::F32
+        || !host_contiguous(acc)
+        || !host_contiguous(g)
+        || acc.dims() != g.dims()
+        || !matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    {
+        return Ok(false);
+    }
+    acc.inplace_op2(g, &AddInto)?;
+    Ok(true)
+}
+
+struct AddInto;
+
+impl InplaceOp2 for AddInto {
+    fn name(&self) -> &'static str {
+        "host-add-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let (Some((a, b)), Some((c, d))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("host-add-into: tensors must be contiguous")
+        };
+        let dtype = s2.dtype();
+        let CpuStorage::F32(acc) = s1 else {
+            candle_core::bail!("host-add-into: the sum must be f32")
+        };
+        let acc = &mut acc[a..b];
+        if d - c != acc.len() {
+            candle_core::bail!("host-add-into: {} vs {} elements", acc.len(), d - c);
+        }
+        match s2 {
+            CpuStorage::F32(g) => add_widened(acc, &g[c..d], |x| x),
+            CpuStorage::BF16(g) => add_widened(acc, &g[c..d], bf16::to_f32),
+            CpuStorage::F16(g) => add_widened(acc, &g[c..d], f16::to_f32),
+            _ => candle_core::bail!("host-add-into: no {dtype:?} gradients"),
+        }
+        Ok(())
+    }
+}
+
+fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f32 + Sync) {
+    par_chunks(acc, |at, out| {
+        for (x, y) in out.iter_mut().zip(&g[at..]) {
+            *x += widen(*y);
+        }
+    });
+}
+
+/// A contiguous bf16/f16/f32 CPU tensor widened to a new f32 tensor (exact, as candle's cast;
+/// always a tensor of its own, so that [`add_into`] may add into it); `None` for anything else.
+pub fn widened(g: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    if !g.device().is_cpu() || !g.is_contiguous() {
+        return None;
+    }
+    fn widen<T: Copy + Sync + candle_core::WithDType>(
+        g: &Tensor,
+        to_f32: impl Fn(T) -> f32 + Sync,
+    ) -> candle_core::Result<Tensor> {
+        let (storage, layout) = g.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("widen: not contiguous")
+        };
+        let Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("widen: not on the CPU")
+        };
+        let x = &T::cpu_storage_as_slice(cpu)?[a..b];
+        let mut out = vec![0f32; x.len()];
+        par_chunks(&mut out, |at, o| {
+            for (o, v) in o.iter_mut().zip(&x[at..]) {
+                *o = to_f32(*v);
+            }
+        });
+        Tensor::from_vec(out, g.shape(), g.device())
+    }
+    match g.dtype() {
+        DType::F32 => Some(widen::<f32>(g, |x| x)),
+        DType::BF16 => Some(widen::<bf16>(g, bf16::to_f32)),
+        DType::F16 => Some(widen::<f16>(g, f16::to_f32)),
+        _ => None,
+    }
+}
+
+/// `g * coef` as candle's `affine` computes it (`x * coef + 0.0` in f32), for a contiguous f32
+/// CPU tensor; `None` for anything else.
+pub fn scaled(g: &Tensor, coef: f64) -> Option<candle_core::Result<Tensor>> {
+    if !g.device().is_cpu() {
+        return None;
+    }
+    let (mul, add) = (coef as f32, 0f32);
+    with_f32(g, |x| {
+        let mut out = vec![0f32; x.len()];
+        par_chunks(&mut out, |at, o| {
+            for (o, v) in o.iter_mut().zip(&x[at..]) {
+                *o = *v * mul + add;
+            }
+        });
+        Tensor::from_vec(out, g.shape(), g.device())
+    })
+}
+
+/// Sum of squares of a contiguous f32 CPU tensor; `None` for anything else. Each block of
+/// [`CHUNK`] elements is summed in f64 and the block sums are added in order, so the result
+/// does not depend on how many cores share the work (the clip factor, and so the weights, are
+/// the same on every machine).
+pub fn sum_squares(g: &Tensor) -> Option<f64> {
+    if !g.device().is_cpu() {
+        return None;
+    }
+    with_f32(g, |x| {
+        let block = |c: &[f32]| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>();
+        let sums: Vec<f64> = x.par_chunks(CHUNK).map(block).collect();
+        sums.iter().sum()
+    })
+}
+
+/// A contiguous f32 CPU tensor rounded to bf16 or f16 (to nearest, ties to even, as candle's
+/// cast); `None` for anything else.
+pub fn narrowed(t: &Tensor, dtype: DType) -> Option<candle_core::Result<Tensor>> {
+    if !t.device().is_cpu() {
+        return None;
+    }
+    fn cast<T: Copy + Send + Default + candle_core::WithDType>(
+        x: &[f32],
+        t: &Tensor,
+        round: impl Fn(f32) -> T + Sync,
+    ) -> candle_core::Result<Tensor> {
+        let mut out = vec![T::default(); x.len()];
+        par_chunks(&mut out, |at, o| {
+            for (o, v) in o.iter_mut().zip(&x[at..]) {
+                *o = round(*v);
+            }
+        });
+        Tensor::from_vec(out, t.shape(), t.device())
+    }
+    match dtype {
+        DType::BF16 => with_f32(t, |x| cast(x, t, bf16::from_f32)),
+        DType::F16 => with_f32(t, |x| cast(x, t, f16::from_f32)),
+        _ => None,
+    }
+}

@@ -1,0 +1,105 @@
+//! Checkpointed backward gives the gradients of plain backprop; the early step of a fused
+//! backward pass gets each segment's gradients at once.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_params::checkpoint::{Checkpointer, SegmentFn};
+use ft_params::{Init, ParamBuilder, ParamStore};
+
+mod common;
+use common::{bits, layer_fn, loss_and_grads, named_params, stack};
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[test]
+fn checkpointed_gradients_equal_plain_backprop_exactly() -> anyhow::Result<()> {
+    let (store, layers) = stack(6, 24)?;
+    let params: Vec<Var> = store.trainable()?.into_iter().map(|(_, v)| v).collect();
+    let x = Tensor::randn(0f32, 1., (5, 24), &Device::Cpu)?;
+    let (l0, plain) = loss_and_grads(&layers, &x, &Checkpointer::new(false), &params)?;
+    let (l1, ckpt) = loss_and_grads(&layers, &x, &Checkpointer::new(true), &params)?;
+    assert_eq!(l0, l1);
+    assert_eq!(plain.len(), params.len());
+    for (i, (a, b)) in plain.iter().zip(&ckpt).enumerate() {
+        let (a, b) = (
+            a.as_ref().expect("plain grad"),
+            b.as_ref().expect("ckpt grad"),
+        );
+        let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(d, 0.0, "parameter {i} differs by {d}");
+        assert!(
+            a.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0,
+            "parameter {i} has no gradient"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn untracked_input_and_two_input_segments_still_reach_parameters() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 3);
+    let w = pb.get(&[4, 4], "w", Init::Normal { std: 0.5 })?;
+    let wv = Var::from_tensor(&w)?;
+    let x = Tensor::randn(0f32, 1., (3, 4), &dev)?; // raw data: not tracked
+    let ctx = Tensor::randn(0f32, 1., (3, 4), &dev)?;
+    let w2 = w.clone();
+    let f: SegmentFn = Arc::new(move |xs: &[Tensor]| (xs[0].matmul(&w2)? * &xs[1])?.tanh());
+    let run = |enabled: bool| -> anyhow::Result<Tensor> {
+        let ck = Checkpointer::new(enabled);
+        let y = ck.run(f.clone(), &[&x, &ctx], std::slice::from_ref(&wv))?;
+        let loss = y.sum_all()?;
+        let g = ck.gradients(&loss, std::slice::from_ref(&wv))?;
+        Ok(g[0].clone().expect("gradient for w"))
+    };
+    let (a, b) = (run(false)?, run(true)?);
+    assert_eq!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    Ok(())
+}
+
+/// The early step gets each segment's gradients in one call (so per-tensor clipping reads a
+/// segment's norms back once): as many calls as segments, each with that segment's parameters;
+/// what it hands back is gathered as usual, so a hook that takes nothing leaves the plain
+/// backward's gradients.
+#[test]
+fn early_step_gets_one_call_per_segment() -> anyhow::Result<()> {
+    use ft_params::checkpoint::EarlyStep;
+    use std::sync::Mutex;
+    let _g = SERIAL.lock();
+    let (_store, layers) = stack(4, 8)?;
+    let vars: Vec<Var> = named_params(&layers).into_iter().map(|(_, v)| v).collect();
+    let ck = Checkpointer::new(true);
+    let x = (Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((3, 8))? * 0.2)?.sin()?;
+    let (_, plain) = loss_and_grads(&layers, &x, &ck, &vars)?;
+    let calls: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let seen = calls.clone();
+    let hook: EarlyStep = Arc::new(move |grads: Vec<(Var, Tensor)>| {
+        if let Ok(mut c) = seen.lock() {
+            c.push(grads.len());
+        }
+        Ok(grads)
+    });
+    ck.begin_forward();
+    let mut h = x;
+    for l in &layers {
+        h = ck.run(layer_fn(l), &[&h], &l.params)?;
+    }
+    let loss = h.sqr()?.mean_all()?;
+    let (grads, taken) = ck.gradients_with(&loss, &vars, Some(hook))?;
+    assert_eq!(taken, 0);
+    let calls = calls.lock().map(|c| c.clone()).unwrap_or_default();
+    assert_eq!(
+        calls,
+        vec![2; layers.len()],
+        "one call per segment, its weight and bias"
+    );
+    for (g, p) in grads.iter().zip(&plain) {
+        let (g, p) = (g.as_ref(), p.as_ref());
+        let g = g.ok_or_else(|| anyhow::anyhow!("gradient lost"))?;
+        let p = p.ok_or_else(|| anyhow::anyhow!("no plain gradient"))?;
+        assert_eq!(bits(g)?, bits(p)?);
+    }
+    Ok(())
+}

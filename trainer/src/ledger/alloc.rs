@@ -1,0 +1,105 @@
+//! A counting global allocator: exact live and peak heap bytes of the process on CPU.
+//!
+//! On CPU every tensor lives on the heap, so the bytes the allocator has handed out are the
+//! measured side of the ledger. A binary or test opts in with
+//!
+//! ```ignore
+//! #[global_allocator]
+//! static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
+//! ```
+//!
+//! Without that line the counters stay at zero and [`is_active`] says so, so callers can tell
+//! "nothing allocated" from "nothing measured".
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+
+/// The system allocator with two counters: live bytes and the high-water mark since the last
+/// [`reset_peak`].
+pub struct CountingAlloc;
+
+#[inline]
+fn add(bytes: usize) {
+    let live = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(live, Ordering::Relaxed);
+}
+
+#[inline]
+fn sub(bytes: usize) {
+    LIVE.fetch_sub(bytes, Ordering::Relaxed);
+}
+
+// SAFETY: every method forwards to `System` with the caller's layout unchanged; the counters are
+// side effects that do not touch the returned memory.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            ACTIVE.store(true, Ordering::Relaxed);
+            add(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            ACTIVE.store(true, Ordering::Relaxed);
+            add(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        sub(layout.size());
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                add(new_size - layout.size());
+            } else {
+                sub(layout.size() - new_size);
+            }
+        }
+        p
+    }
+}
+
+/// Bytes currently allocated through [`CountingAlloc`].
+pub fn live_bytes() -> usize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// Highest [`live_bytes`] seen since the process started or the last [`reset_peak`].
+pub fn peak_bytes() -> usize {
+    PEAK.load(Ordering::Relaxed)
+}
+
+/// Starts a new high-water mark at the current live bytes, so a phase's own peak can be read.
+pub fn reset_peak() -> usize {
+    let live = LIVE.load(Ordering::Relaxed);
+    PEAK.store(live, Ordering::Relaxed);
+    live
+}
+
+/// True once [`CountingAlloc`] has served an allocation, i.e. it is the global allocator.
+pub fn is_active() -> bool {
+    ACTIVE.load(Ordering::Relaxed)
+}
+
+/// Runs `f` and returns its result with the peak bytes it added above the live bytes at its start.
+///
+/// Other threads' allocations count too; tests that compare peaks run their work on one thread.
+pub fn measure_peak<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let start = reset_peak();
+    let out = f();
+    let peak = peak_bytes().saturating_sub(start);
+    (out, peak)
+}

@@ -1,0 +1,354 @@
+//! The flags every trainer shares, declared once: flattened into each binary's arguments and
+//! config file (field names are the TOML keys and the `--long-flags`). A binary declares only
+//! what is its own.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+use serde::Serialize;
+
+use super::plan::{state_plan, StatePlan};
+use super::schedule::{LrSchedule, ScheduleKind};
+use crate::error::{Error, Result};
+use crate::optim::registry::{self, OptimSettings, OptimSpec};
+use crate::update::{MixedOptimizer, Precision, StatePlacement, StepMode, StepModeRequest};
+
+/// Settings every trainer shares.
+#[derive(clap::Args, Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
+pub struct CommonArgs {
+    /// TOML file with any of these settings; flags given here override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model folder or hub id to start from (each binary's default is shown here when it has
+    /// one).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Train the bundled tiny model on bundled (generated) data; flags still override its
+    /// settings.
+    #[arg(long)]
+    pub demo: bool,
+    /// Folder for checkpoints, samples, metrics.jsonl and memory.jsonl.
+    #[arg(long, default_value = "runs/latest")]
+    pub output_dir: PathBuf,
+    /// Evaluate every N optimizer steps, and at the end (0: only at the end). Default: only at
+    /// the end; fewshot-ft validates after every epoch.
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Save a checkpoint every N optimizer steps, and at the end (0: only at the end). Default:
+    /// only at the end; fewshot-ft saves after every epoch.
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Resume from a checkpoint folder written by an earlier run.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Run on this device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weights precision: f32, bf16 (fp32 master weights) or f16 (also dynamic loss scaling).
+    /// Default: bf16 on GPU, f32 on CPU.
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// bf16 weights without fp32 master copies (kohya's --full_bf16): 4 bytes per parameter
+    /// less; every updated weight is rounded stochastically so that small updates survive on
+    /// average. Implies --precision bf16.
+    #[arg(long)]
+    pub full_bf16: bool,
+    /// Micro-batch size.
+    #[arg(long, default_value_t = 1)]
+    pub batch_size: usize,
+    /// Micro-batches (episodes, for fewshot-ft) per optimizer step: gradient accumulation.
+    #[arg(
+        long,
+        visible_alias = "gradient-accumulation-steps",
+        default_value_t = 1
+    )]
+    pub accum: usize,
+    /// Optimizer: adamw (fp32 moments), adamw8bit (bitsandbytes-style blockwise 8-bit
+    /// moments, about 2 bytes per parameter instead of 8; on a GPU updated by a CUDA kernel
+    /// beside the model, with --offload-optimizer on the host), adafactor (transformers'
+    /// Adafactor as HF Trainer builds it: factored second moments, no first moment) or sgd
+    /// (torch.optim.SGD's defaults: no momentum, no state).
+    #[arg(long, default_value = "adamw")]
+    pub optim: String,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    /// Weight decay (decoupled for AdamW and Adafactor). t5-ft exempts biases and layer norms,
+    /// as HF Trainer does; sdxl-ft and fewshot-ft decay every tensor, as diffusers' training
+    /// scripts and the FSCT code do.
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// Learning-rate schedule after warmup: constant, linear or cosine.
+    #[arg(long, default_value = "constant")]
+    pub schedule: String,
+    /// Optimizer steps of linear warmup from 0.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// Stop after this many optimizer steps (overrides epochs when set).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Clip gradients to this global L2 norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Recompute activations in backward instead of storing them.
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
+    /// Keep the fp32 master weights, the optimizer state and the accumulated gradients in host
+    /// memory (DeepSpeed's ZeRO-Offload of the optimizer): the GPU holds only the weights, one
+    /// micro-batch's gradients and the activations; the step runs on the CPU.
+    #[arg(long)]
+    pub offload_optimizer: bool,
+    /// Update each checkpointed segment's parameters as soon as the backward has produced their
+    /// gradients, then drop them (kohya's --fused_backward_pass): the model's gradients never
+    /// exist all at once. Needs --gradient-checkpointing and --accum 1; clipping is per tensor.
+    #[arg(long)]
+    pub fused_backward: bool,
+    /// Seed of initialisation, shuffling and dropout.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Print the memory plan (model-state bytes on the GPU and in host memory, from the model's
+    /// shapes; no weights loaded) and exit without training.
+    #[arg(long)]
+    pub plan: bool,
+}
+
+impl CommonArgs {
+    /// Rejects settings no run can satisfy, naming the setting.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::Invalid(what.to_string()));
+        if self.batch_size == 0 {
+            return bad("--batch-size must be at least 1");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("--lr must be a positive number");
+        }
+        if self.max_grad_norm < 0.0 {
+            return bad("--max-grad-norm must be >= 0");
+        }
+        if let Some(p) = &self.precision {
+            let parsed = Precision::parse(p)?;
+            if self.full_bf16 && parsed.storage != DType::BF16 {
+                return bad("--full-bf16 trains bf16 weights: it cannot go with --precision other than bf16");
+            }
+        }
+        self.step_mode()?;
+        if self.full_bf16 && self.offload_optimizer {
+            return bad(
+                "--full-bf16 keeps no fp32 master weights, and --offload-optimizer keeps them on \
+                 the host: use one of the two",
+            );
+        }
+        self.schedule.parse::<ScheduleKind>()?;
+        let cuda_n = |s: &str| {
+            s.strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok())
+        };
+        if !(self.device == "cpu" || self.device == "cuda" || cuda_n(&self.device)) {
+            return Err(Error::Invalid(format!(
+                "--device `{}`: expected cpu, cuda or cuda:N",
+                self.device
+            )));
+        }
+        let spec = self.optim_spec()?;
+        // A plan is only arithmetic: it may be made for a GPU run on any machine.
+        if spec.gpu_needs_kernels
+            && self.device != "cpu"
+            && !self.offload_optimizer
+            && !self.plan
+            && !cuda_kernels_on()
+        {
+            return Err(Error::Invalid(format!(
+                "--optim {} on a GPU needs this build's CUDA kernels (built with --features \
+                 cuda, FT_CUDA_KERNELS not off), or --offload-optimizer to update its state on \
+                 the host",
+                spec.name()
+            )));
+        }
+        if self.max_steps == Some(0) {
+            return bad("--max-steps must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// How each step is taken: `--accum` micro-batches, or `--fused-backward` (which needs
+    /// `--gradient-checkpointing`, one micro-batch and no loss scaling). The one place the
+    /// combination is checked.
+    pub fn step_mode(&self) -> Result<StepMode> {
+        StepMode::new(StepModeRequest {
+            micro_batches: self.accum,
+            fused_backward: self.fused_backward,
+            checkpointing: self.gradient_checkpointing,
+            loss_scaling: self.planned_precision()?.loss_scaling,
+        })
+    }
+
+    /// The `--device` as a candle device: `cpu`, `cuda` or `cuda:N`.
+    pub fn device(&self) -> Result<Device> {
+        let cuda = |n: usize| {
+            Device::new_cuda(n).map_err(|e| {
+                Error::Invalid(format!(
+                    "--device {}: CUDA device {n} could not be opened ({e}); without the `cuda` \
+                     feature or a GPU, use --device cpu",
+                    self.device
+                ))
+            })
+        };
+        match self.device.as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => cuda(0),
+            s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => cuda(n),
+                None => Err(Error::Invalid(format!(
+                    "--device `{s}`: expected cpu, cuda or cuda:N"
+                ))),
+            },
+        }
+    }
+
+    /// `--precision`, or bf16 with fp32 master weights on a GPU and f32 on the CPU (where some
+    /// candle kernels, conv2d among them, have no bf16).
+    pub fn precision(&self, device: &Device) -> Result<Precision> {
+        self.precision_for(device.is_cpu())
+    }
+
+    /// The precision `--device` will get, without opening the device (for `--plan`).
+    pub fn planned_precision(&self) -> Result<Precision> {
+        self.precision_for(self.device == "cpu")
+    }
+
+    fn precision_for(&self, cpu: bool) -> Result<Precision> {
+        if self.full_bf16 {
+            return Ok(Precision::full_bf16());
+        }
+        match &self.precision {
+            Some(p) => Precision::parse(p),
+            None if cpu => Precision::parse("f32"),
+            None => Precision::parse("bf16"),
+        }
+    }
+
+    /// Optimizer steps of the run: `--max-steps`, else `--epochs` passes of
+    /// `micro_batches_per_epoch` micro-batches grouped by `--accum`.
+    pub fn max_steps(&self, micro_batches_per_epoch: usize) -> u64 {
+        let per_epoch = micro_batches_per_epoch.div_ceil(self.accum.max(1)) as u64;
+        self.max_steps
+            .unwrap_or(per_epoch * self.epochs as u64)
+            .max(1)
+    }
+
+    /// `--optim`'s entry in the optimizer registry.
+    pub fn optim_spec(&self) -> Result<&'static OptimSpec> {
+        registry::find(&self.optim)
+    }
+
+    /// The `--optim` optimizer (`--lr` through the schedule, `--weight-decay`) over `params`,
+    /// with fp32 masters as the precision asks, on the host with `--offload-optimizer`, and
+    /// clipping at `--max-grad-norm` (0 disables).
+    pub fn optimizer(
+        &self,
+        params: Vec<(String, candle_core::Var)>,
+        precision: Precision,
+    ) -> Result<MixedOptimizer> {
+        let clip = (self.max_grad_norm > 0.0).then_some(self.max_grad_norm);
+        let spec = self.optim_spec()?;
+        let settings = OptimSettings {
+            weight_decay: self.weight_decay,
+        };
+        let placement = StatePlacement::offload(self.offload_optimizer);
+        let mut opt = MixedOptimizer::new(
+            params,
+            precision,
+            placement,
+            |n| (spec.build)(n, &settings),
+            clip,
+        )?;
+        // The stochastic rounding of weights without masters follows --seed, like the rest of
+        // the run's randomness.
+        if precision.stochastic_rounding && opt.masters().is_empty() {
+            let seed = ft_params::rng::SplitMix64::new(self.seed ^ 0x5EED_0B16).next_u64();
+            opt.optimizer_mut().set_stochastic_rounding(Some(seed));
+        }
+        Ok(opt)
+    }
+
+    /// The memory plan of training the trainable tensors of `store` (a loaded model, or one
+    /// built from shapes only) with these flags under `precision`; `segments` are the model's
+    /// checkpoint segments (each one's tensors), which bound the gradients under
+    /// `--fused-backward`.
+    pub fn state_plan(
+        &self,
+        store: &ft_params::ParamStore,
+        segments: &[Vec<candle_core::Tensor>],
+        precision: Precision,
+    ) -> Result<StatePlan> {
+        let plan = state_plan(
+            &store.shapes(true),
+            &precision,
+            StatePlacement::offload(self.offload_optimizer),
+            self.optim_spec()?,
+            self.accum,
+            self.device != "cpu",
+        );
+        Ok(if self.fused_backward {
+            plan.under_fused_backward(store.segments(segments))
+        } else {
+            plan
+        })
+    }
+
+    /// For `--plan`: the precision the run will use and a builder that records the model's
+    /// parameter shapes into the returned store without allocating them (on the CPU, nothing
+    /// opened). Build the model with it, then pass the store to [`Self::state_plan`].
+    pub fn shapes_builder(
+        &self,
+    ) -> Result<(
+        ft_params::ParamBuilder,
+        std::sync::Arc<ft_params::ParamStore>,
+        Precision,
+    )> {
+        let precision = self.planned_precision()?;
+        let store = ft_params::ParamStore::new();
+        let pb = ft_params::ParamBuilder::new(store.clone(), precision.storage, &Device::Cpu, 0)
+            .shapes_only();
+        Ok((pb, store, precision))
+    }
+
+    /// The output folder, created unless this is a `--plan` (which writes nothing, except
+    /// what `--demo` needs to write to be planned).
+    pub fn create_output_dir(&self) -> Result<PathBuf> {
+        let out = self.output_dir.clone();
+        if !self.plan || self.demo {
+            std::fs::create_dir_all(&out).map_err(|e| Error::io(&out, e))?;
+        }
+        Ok(out)
+    }
+
+    /// `--schedule` with `--lr` and `--warmup-steps` over `total_steps`.
+    pub fn schedule(&self, total_steps: u64) -> Result<LrSchedule> {
+        Ok(LrSchedule {
+            kind: self.schedule.parse()?,
+            base_lr: self.lr,
+            warmup_steps: self.warmup_steps,
+            total_steps,
+        })
+    }
+}
+
+/// Whether this build launches its own CUDA kernels (what an optimizer whose update exists only
+/// as a kernel needs on a GPU).
+fn cuda_kernels_on() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        ft_kernels::cuda::enabled()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}

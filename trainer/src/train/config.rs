@@ -1,0 +1,136 @@
+//! Command line plus config file, shared by the binaries: `--config FILE` gives defaults, flags
+//! typed on the command line override the file, a built-in preset (a binary's defaults, its
+//! `--demo`) sits below the file, and built-in defaults fill the rest.
+//!
+//! A binary declares one struct that derives `clap::Parser`, `Serialize` and `Deserialize` (field
+//! names are the TOML keys and the `--long-flags`). [`parse`] merges the three layers and reports a
+//! config file's unknown key or wrong type with the file's name.
+
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use clap::Parser;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+/// Parses the process's arguments; `config_path` picks the `--config` field out of the parsed CLI.
+pub fn parse<T>(config_path: impl Fn(&T) -> Option<PathBuf>) -> Result<T>
+where
+    T: Parser + Serialize + DeserializeOwned,
+{
+    parse_from(std::env::args_os(), config_path)
+}
+
+/// [`parse_from`] with a built-in TOML preset between the flags' defaults and the config file:
+/// built-in defaults < preset (a binary's own defaults, or its `--demo` settings) < `--config`
+/// file < flags typed on the command line.
+pub fn parse_with_preset<T, I, A>(
+    args: I,
+    config_path: impl Fn(&T) -> Option<PathBuf>,
+    preset: impl Fn(&T) -> Option<(&'static str, &'static str)>,
+) -> Result<T>
+where
+    T: Parser + Serialize + DeserializeOwned,
+    I: IntoIterator<Item = A>,
+    A: Into<std::ffi::OsString> + Clone,
+{
+    parse_command(T::command(), args, config_path, preset)
+}
+
+/// [`parse_with_preset`] over `command`: `T`'s own, changed by its binary (a default that the
+/// shared flags cannot declare, such as `--model`'s).
+pub fn parse_command<T, I, A>(
+    command: clap::Command,
+    args: I,
+    config_path: impl Fn(&T) -> Option<PathBuf>,
+    preset: impl Fn(&T) -> Option<(&'static str, &'static str)>,
+) -> Result<T>
+where
+    T: Parser + Serialize + DeserializeOwned,
+    I: IntoIterator<Item = A>,
+    A: Into<std::ffi::OsString> + Clone,
+{
+    let known: Vec<String> = command
+        .get_arguments()
+        .map(|a| a.get_id().as_str().to_string())
+        .collect();
+    let matches = command.get_matches_from(args);
+    let parsed = T::from_arg_matches(&matches).map_err(|e| Error::Invalid(e.to_string()))?;
+    let explicit: Vec<String> = matches
+        .ids()
+        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| id.as_str().to_string())
+        .collect();
+    let with_preset = match preset(&parsed) {
+        Some((label, text)) => merge_text(&parsed, text, label, &known, &explicit)?,
+        None => parsed,
+    };
+    match config_path(&with_preset) {
+        Some(path) => merge_file(&with_preset, &path, &known, &explicit),
+        None => Ok(with_preset),
+    }
+}
+
+/// [`parse`] over explicit arguments (the first is the program name). `--help` and bad flags exit
+/// through clap as usual.
+pub fn parse_from<T, I, A>(args: I, config_path: impl Fn(&T) -> Option<PathBuf>) -> Result<T>
+where
+    T: Parser + Serialize + DeserializeOwned,
+    I: IntoIterator<Item = A>,
+    A: Into<std::ffi::OsString> + Clone,
+{
+    parse_with_preset(args, config_path, |_: &T| None)
+}
+
+/// `parsed` (CLI values with built-in defaults) overlaid with the file's values, except those given
+/// explicitly on the command line.
+pub fn merge_file<T>(parsed: &T, path: &Path, known: &[String], explicit: &[String]) -> Result<T>
+where
+    T: Serialize + DeserializeOwned,
+{
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    merge_text(parsed, &text, &path.display().to_string(), known, explicit)
+}
+
+/// [`merge_file`] over TOML text; `label` names it in errors.
+pub fn merge_text<T>(
+    parsed: &T,
+    text: &str,
+    label: &str,
+    known: &[String],
+    explicit: &[String],
+) -> Result<T>
+where
+    T: Serialize + DeserializeOwned,
+{
+    let cfg_err = |reason: String| Error::Config {
+        path: label.to_string(),
+        reason,
+    };
+    let file: toml::Table = toml::from_str(text).map_err(|e| cfg_err(e.to_string()))?;
+    let mut merged =
+        toml::Table::try_from(parsed).map_err(|e| cfg_err(format!("internal: {e}")))?;
+    for (key, value) in file {
+        let key = key.replace('-', "_");
+        if key == "config" || !known.contains(&key) {
+            let mut valid: Vec<&str> = known
+                .iter()
+                .map(|s| s.as_str())
+                .filter(|k| *k != "config" && *k != "help" && *k != "version")
+                .collect();
+            valid.sort();
+            return Err(cfg_err(format!(
+                "unknown key `{key}` (valid keys: {})",
+                valid.join(", ")
+            )));
+        }
+        if !explicit.contains(&key) {
+            merged.insert(key, value);
+        }
+    }
+    toml::Value::Table(merged)
+        .try_into()
+        .map_err(|e: toml::de::Error| cfg_err(e.to_string()))
+}

@@ -1,0 +1,37 @@
+//! The training framework the three binaries share: their flags and config files, the memory
+//! plan, the loop with its schedule, evaluation, checkpoints and exact resume, the EMA, the data
+//! order, and the bench helpers.
+//!
+//! - [`cli`] ([`CommonArgs`]: the shared flags), [`config`] (TOML file and presets under the
+//!   flags), [`binary`] (what a binary tells them).
+//! - [`session`]: one way from flags to a [`Session`]; [`plan`]: model-state bytes before a run.
+//! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `eval` (best checkpoint,
+//!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`].
+//! - [`order`]: the epoch order of every binary's data; [`schedule`]: learning rates; [`ema`].
+//! - [`bench`]: what the bench commands share.
+
+pub mod bench;
+pub mod binary;
+pub mod cli;
+pub mod config;
+pub mod ema;
+mod eval;
+pub mod metrics;
+pub mod order;
+pub mod plan;
+mod run;
+mod saved;
+pub mod schedule;
+pub mod session;
+pub mod settings;
+pub mod task;
+
+pub use binary::{parse_args, parse_args_from, Binary};
+pub use cli::CommonArgs;
+pub use metrics::logged;
+pub use order::{EpochCursor, EpochOrder, Epochs, Grouping};
+pub use run::run;
+pub use saved::save_checkpoint;
+pub use session::{LoopPlan, Session, SessionBuilder};
+pub use settings::{BestConfig, LoopConfig, RunSummary};
+pub use task::{StepCtx, Task, TaskResult, Units};

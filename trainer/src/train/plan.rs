@@ -1,0 +1,221 @@
+//! The memory plan of a run before it allocates: the model-state bytes by component and where
+//! each lives (the training device or the host), from the trainable tensors' sizes and the
+//! run's precision, optimizer and state placement. Every binary prints it before training and
+//! with `--plan` instead of training (the model then built from shapes only, nothing
+//! allocated); the ledger measures what really happens. Activations are not in it: they depend
+//! on data shapes and checkpointing, and the ledger's `forward`/`backward` points show them.
+
+use candle_core::DType;
+
+use ft_params::bytes::format_bytes;
+use ft_params::Segments;
+
+use crate::optim::OptimSpec;
+use crate::update::{Precision, StatePlacement};
+
+/// One component of the model states.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanRow {
+    pub component: String,
+    pub bytes: u64,
+    /// Held in host memory rather than on the training device.
+    pub on_host: bool,
+}
+
+/// The model-state bytes of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatePlan {
+    pub params: u64,
+    pub rows: Vec<PlanRow>,
+    /// Whether the training device is a GPU (else the host is the device).
+    pub gpu: bool,
+    /// The rows of one micro-batch's gradients in their dtype (on the device, and moved to the
+    /// host), and that dtype's size: what a fused backward pass bounds.
+    grad_rows: Vec<usize>,
+    grad_size: u64,
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "fp32",
+        _ => "other",
+    }
+}
+
+/// The plan for trainable tensors of these shapes, trained with `optim`.
+pub fn state_plan(
+    shapes: &[Vec<usize>],
+    precision: &Precision,
+    placement: StatePlacement,
+    optim: &OptimSpec,
+    accum: usize,
+    gpu: bool,
+) -> StatePlan {
+    let n: u64 = shapes
+        .iter()
+        .map(|s| s.iter().product::<usize>() as u64)
+        .sum();
+    let w = precision.storage.size_in_bytes() as u64;
+    let host = placement == StatePlacement::Host;
+    let dt = dtype_name(precision.storage);
+    let mut rows = vec![
+        (format!("weights ({dt})"), w * n, false),
+        (format!("one micro-batch's gradients ({dt})"), w * n, false),
+    ];
+    let mut grad_rows = vec![1];
+    // One micro-batch a step: its gradients are what the optimizer reads (`GradAccumulator`
+    // widens only from the second), moved to the host in their dtype when the state is there.
+    if accum > 1 {
+        rows.push((
+            "gradient sums (fp32, accumulated across micro-batches)".into(),
+            4 * n,
+            host,
+        ));
+    } else if host && gpu {
+        grad_rows.push(rows.len());
+        rows.push((
+            format!("the step's gradients ({dt}), moved to the host"),
+            w * n,
+            true,
+        ));
+    }
+    if host || (precision.master_weights && precision.storage != DType::F32) {
+        rows.push(("fp32 master weights".into(), 4 * n, host));
+    }
+    let moments = shapes.iter().map(|s| (optim.state_bytes)(s)).sum();
+    rows.push((optim.state_label.into(), moments, host));
+    StatePlan {
+        params: n,
+        rows: rows
+            .into_iter()
+            .map(|(component, bytes, on_host)| PlanRow {
+                component,
+                bytes,
+                on_host,
+            })
+            .collect(),
+        gpu,
+        grad_rows,
+        grad_size: w,
+    }
+}
+
+impl StatePlan {
+    /// The plan under a fused backward pass (`--fused-backward`): one micro-batch's gradients
+    /// never exist all at once, only those of the parameters outside every checkpoint segment
+    /// and of the largest segment (at most; the rows say so).
+    pub fn under_fused_backward(mut self, s: Segments) -> Self {
+        let outside = self.params.saturating_sub(s.inside);
+        let live = self.grad_size * (outside + s.largest);
+        for &i in &self.grad_rows {
+            let r = &mut self.rows[i];
+            r.bytes = r.bytes.min(live);
+            r.component = format!(
+                "{}: at most at once under --fused-backward, {} outside checkpoint segments + \
+                 {} of the largest segment",
+                r.component,
+                fmt(self.grad_size * outside),
+                fmt(self.grad_size * s.largest)
+            );
+        }
+        self
+    }
+
+    /// Adds a component (an EMA, say) to the plan.
+    pub fn with(mut self, component: &str, bytes: u64, on_host: bool) -> Self {
+        self.rows.push(PlanRow {
+            component: component.into(),
+            bytes,
+            on_host,
+        });
+        self
+    }
+
+    /// Bytes on the training device at most (everything, when that is the CPU).
+    pub fn device_bytes(&self) -> u64 {
+        self.rows
+            .iter()
+            .filter(|r| !self.gpu || !r.on_host)
+            .map(|r| r.bytes)
+            .sum()
+    }
+
+    /// Bytes in host memory kept apart from a GPU (0 when training on the CPU).
+    pub fn host_bytes(&self) -> u64 {
+        if !self.gpu {
+            return 0;
+        }
+        self.rows
+            .iter()
+            .filter(|r| r.on_host)
+            .map(|r| r.bytes)
+            .sum()
+    }
+
+    /// A markdown table: each component with its place, then the totals.
+    pub fn table(&self) -> String {
+        let device = if self.gpu { "GPU" } else { "CPU" };
+        let mut s = format!(
+            "memory plan, model states of {} trainable parameters (activations come on top):\n\
+             | component | where | bytes |\n|---|---|---|\n",
+            self.params
+        );
+        for r in &self.rows {
+            let at = if self.gpu && r.on_host {
+                "host"
+            } else {
+                device
+            };
+            s += &format!("| {} | {at} | {} |\n", r.component, fmt(r.bytes));
+        }
+        s += &format!(
+            "| total on the {device} | {device} | {} |\n",
+            fmt(self.device_bytes())
+        );
+        if self.gpu {
+            s += &format!(
+                "| total in host memory | host | {} |\n",
+                fmt(self.host_bytes())
+            );
+        }
+        s
+    }
+
+    /// The table, then the host-memory warning when there is one: what a run prints before it
+    /// starts and `--plan` prints instead of running.
+    pub fn report(&self) -> String {
+        match self.host_warning() {
+            Some(w) => format!("{}{w}\n", self.table()),
+            None => self.table(),
+        }
+    }
+
+    /// A warning when the host state of a GPU run exceeds the host memory available now.
+    pub fn host_warning(&self) -> Option<String> {
+        let need = self.host_bytes();
+        let have = host_available()?;
+        (need > have).then(|| {
+            format!(
+                "warning: the state planned for host memory needs {}, and {} is available now: \
+                 the run may swap or be killed (8-bit moments, --optim adamw8bit, need a quarter \
+                 of fp32 ones)",
+                fmt(need),
+                fmt(have)
+            )
+        })
+    }
+}
+
+fn fmt(b: u64) -> String {
+    format_bytes(b as i64)
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes (Linux); `None` elsewhere.
+pub fn host_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

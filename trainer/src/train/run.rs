@@ -1,0 +1,263 @@
+//! The loop itself: a step gathers its micro-batches (the loss is normalised over all of them),
+//! runs each forward under the checkpointer, then the backward and the update as the
+//! [`StepMode`] says; then the task's after-step hook, the ledger's marks, a metrics line, the
+//! progress bar, and the evaluation and save schedule.
+
+use std::time::Instant;
+
+use candle_core::{DType, Var};
+use ft_params::bytes::format_bytes;
+use ft_params::checkpoint::Checkpointer;
+
+use super::eval::Best;
+use super::metrics::{progress_bar, Metrics};
+use super::saved::{load_checkpoint_state, save_checkpoint};
+use super::settings::{LoopConfig, RunSummary};
+use super::task::{StepCtx, Task, Units};
+use crate::error::{Error, Result};
+use crate::ledger::{measure, Category, Ledger};
+use crate::update::{GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
+
+/// The seed of one micro-batch's dropout masks: a function of (run seed, step, micro) only.
+fn mix(seed: u64, step: u64, micro: usize) -> u64 {
+    let mut r = ft_params::rng::SplitMix64::new(
+        seed ^ step.wrapping_mul(0x9E37_79B9) ^ ((micro as u64) << 48),
+    );
+    r.next_u64()
+}
+
+/// What one step did, for its metrics line.
+struct StepReport {
+    loss: f64,
+    lr: f64,
+    samples: usize,
+    outcome: StepOutcome,
+    /// Parameters updated during the backward (a fused backward pass).
+    updated_in_backward: usize,
+}
+
+/// The state of a run between steps.
+struct Loop<'a, T: Task> {
+    task: &'a mut T,
+    opt: &'a mut MixedOptimizer,
+    checkpointer: &'a Checkpointer,
+    ledger: &'a mut Ledger,
+    cfg: &'a LoopConfig,
+    params: Vec<Var>,
+    acc: GradAccumulator,
+    step: u64,
+    epoch: usize,
+}
+
+/// Runs the loop over `task` with `opt` until `cfg.max_steps` (or early stopping).
+pub fn run<T: Task>(
+    task: &mut T,
+    opt: &mut MixedOptimizer,
+    checkpointer: &Checkpointer,
+    ledger: &mut Ledger,
+    cfg: &LoopConfig,
+) -> Result<RunSummary> {
+    std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::io(&cfg.output_dir, e))?;
+    let (mut step, mut epoch) = (0u64, 0usize);
+    if let Some(dir) = &cfg.resume {
+        let st = load_checkpoint_state(dir, opt)?;
+        (step, epoch) = (st.step, st.epoch);
+        task.restore_data_state(&st.data).map_err(Error::Task)?;
+    } else {
+        task.start_epoch(epoch).map_err(Error::Task)?;
+    }
+    let mut metrics = Metrics::open(cfg.output_dir.join("metrics.jsonl"), cfg.resume.is_some())?;
+    opt.account(ledger, "model");
+    ledger.mark("load", step)?;
+    let bar = progress_bar(cfg.max_steps, step, cfg.progress);
+    let mut l = Loop {
+        params: opt.params().to_vec(),
+        acc: GradAccumulator::on(&opt.state_device()),
+        task,
+        opt,
+        checkpointer,
+        ledger,
+        cfg,
+        step,
+        epoch,
+    };
+    let mut summary = RunSummary::default();
+    let mut best = Best::new(cfg.best.clone());
+    while l.step < cfg.max_steps {
+        let t0 = Instant::now();
+        let r = l.train_step()?;
+        let secs = t0.elapsed().as_secs_f64();
+        summary.losses.push(r.loss);
+        let live = measure::read_live(l.opt.params().first().map(|p| p.device()));
+        let per_s = r.samples as f64 / secs.max(1e-9);
+        metrics.write(serde_json::json!({
+            "step": l.step, "epoch": l.epoch, "loss": r.loss, "lr": r.lr,
+            "grad_norm": r.outcome.grad_norm, "skipped": !r.outcome.applied,
+            "samples_per_s": per_s, "step_time_s": secs, "memory_bytes": live,
+            "updated_in_backward": cfg.mode.fused_backward().then_some(r.updated_in_backward),
+        }))?;
+        bar.set_message(format!(
+            "loss {:.4} {per_s:.1} samples/s mem {}",
+            r.loss,
+            format_bytes(live as i64)
+        ));
+        bar.set_position(l.step);
+
+        let step = l.step;
+        let last = step == cfg.max_steps;
+        if (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) || last {
+            l.ledger.mark("eval/before", step)?;
+            let m = l.task.evaluate(step, l.ledger).map_err(Error::Task)?;
+            l.ledger.mark("eval/after", step)?;
+            metrics.write(eval_line(step, &m))?;
+            if !m.is_empty() {
+                bar.println(format!("step {step}: {}", eval_text(&m)));
+            }
+            if let Some(v) = best.improved(&m) {
+                let dir = cfg.output_dir.join("best");
+                save_checkpoint(l.task, l.opt, step, l.epoch, &dir)?;
+                summary.best = Some((v, dir));
+            }
+            summary.last_eval = m;
+            if best.should_stop() && !last {
+                bar.println(format!(
+                    "early stopping at step {step}: no improvement in {} evaluations",
+                    best.bad_evals()
+                ));
+                summary.final_dir = Some(l.save(step)?);
+                summary.stopped_early = true;
+                break;
+            }
+        }
+        if (cfg.save_every > 0 && step.is_multiple_of(cfg.save_every)) || last {
+            summary.final_dir = Some(l.save(step)?);
+        }
+    }
+    bar.finish();
+    summary.steps = l.step;
+    Ok(summary)
+}
+
+impl<T: Task> Loop<'_, T> {
+    /// One optimizer step: gather, forward and backward each micro-batch, update.
+    fn train_step(&mut self) -> Result<StepReport> {
+        let step = self.step;
+        let batches = self.gather()?;
+        let counts: Vec<(usize, usize)> = batches.iter().map(|b| self.task.counts(b)).collect();
+        let units: Vec<usize> = counts.iter().map(|c| c.0).collect();
+        let samples: usize = counts.iter().map(|c| c.1).sum();
+        let norm = match self.cfg.units {
+            Units::Tokens => LossNorm::tokens(&units),
+            Units::Samples => LossNorm::samples(&units),
+        };
+        let lr = self.cfg.schedule.lr_at(step);
+        let fused = self.cfg.mode.fused_backward();
+        let (mut loss_sum, mut updated_in_backward) = (0f64, 0usize);
+        for (micro, batch) in batches.iter().enumerate() {
+            let ctx = StepCtx {
+                step,
+                micro,
+                dropout_seed: mix(self.cfg.seed, step, micro),
+                checkpointer: self.checkpointer,
+            };
+            self.checkpointer.begin_forward();
+            let summed = self.task.summed_loss(batch, &ctx).map_err(Error::Task)?;
+            let loss = norm.scale(&summed)?;
+            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let scaled = if self.opt.loss_scale() != 1.0 {
+                (loss * self.opt.loss_scale())?
+            } else {
+                loss
+            };
+            self.ledger.mark("forward", step)?;
+            if fused {
+                // Backward and update together: no gradients of the whole model at once.
+                updated_in_backward +=
+                    self.opt.backward_and_step(self.checkpointer, &scaled, lr)?;
+            } else {
+                let grads = self.checkpointer.gradients(&scaled, &self.params)?;
+                drop(scaled);
+                self.acc.add(grads)?;
+                let (bytes, device) = (self.acc.bytes(), self.acc.device().clone());
+                self.ledger
+                    .set_on(Category::Gradients, "model", bytes, &device);
+            }
+            self.ledger.mark("backward", step)?;
+        }
+        drop(batches);
+        let outcome = if fused {
+            StepOutcome {
+                applied: true,
+                grad_norm: None,
+            }
+        } else {
+            self.opt.step(self.acc.take(), lr)?
+        };
+        self.ledger.remove(Category::Gradients, "model");
+        self.opt.account(self.ledger, "model");
+        self.step += 1;
+        let weights = if self.opt.masters().is_empty() {
+            self.opt.params()
+        } else {
+            self.opt.masters()
+        };
+        self.task
+            .after_step(self.step, weights, self.ledger)
+            .map_err(Error::Task)?;
+        self.ledger.mark("step", self.step)?;
+        Ok(StepReport {
+            loss: loss_sum,
+            lr,
+            samples,
+            outcome,
+            updated_in_backward,
+        })
+    }
+
+    /// The step's micro-batches, gathered first: the loss is normalised by all of their units.
+    /// A short last step of an epoch stays short, like a DataLoader's last batch.
+    fn gather(&mut self) -> Result<Vec<T::Batch>> {
+        let want = self.cfg.mode.micro_batches();
+        let mut batches = Vec::with_capacity(want);
+        let mut fresh_epochs = 0;
+        while batches.len() < want {
+            match self.task.next_batch().map_err(Error::Task)? {
+                Some(b) => batches.push(b),
+                None if !batches.is_empty() => break,
+                None => {
+                    fresh_epochs += 1;
+                    if fresh_epochs > 1 {
+                        return Err(Error::Invalid("the training data yields no batch".into()));
+                    }
+                    self.epoch += 1;
+                    self.task.start_epoch(self.epoch).map_err(Error::Task)?;
+                }
+            }
+        }
+        Ok(batches)
+    }
+
+    /// Saves `checkpoint-{step}` and returns its folder.
+    fn save(&mut self, step: u64) -> Result<std::path::PathBuf> {
+        let dir = self.cfg.output_dir.join(format!("checkpoint-{step}"));
+        save_checkpoint(self.task, self.opt, step, self.epoch, &dir)?;
+        Ok(dir)
+    }
+}
+
+/// An evaluation's metrics line: `eval_{name}` for each metric.
+fn eval_line(step: u64, m: &[(String, f64)]) -> serde_json::Value {
+    let mut line = serde_json::Map::new();
+    line.insert("step".into(), step.into());
+    for (k, v) in m {
+        line.insert(format!("eval_{k}"), serde_json::json!(v));
+    }
+    serde_json::Value::Object(line)
+}
+
+fn eval_text(m: &[(String, f64)]) -> String {
+    m.iter()
+        .map(|(k, v)| format!("{k} {v:.4}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

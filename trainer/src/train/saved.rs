@@ -1,0 +1,180 @@
+//! Checkpoints of a run: model files, `optimizer.safetensors` and `trainer_state.json`, written
+//! atomically as a folder; and reading them back for an exact resume.
+
+use std::io::Write as _;
+use std::path::Path;
+
+use super::task::Task;
+use crate::error::{Error, Result};
+use crate::update::MixedOptimizer;
+
+/// What `trainer_state.json` holds.
+pub(super) struct TrainerState {
+    pub step: u64,
+    pub epoch: usize,
+    pub data: serde_json::Value,
+}
+
+/// Writes model files, `optimizer.safetensors` and `trainer_state.json` into `dir`, atomically
+/// as a whole: everything goes to `dir.tmp` first, which is renamed over `dir` at the end.
+pub fn save_checkpoint<T: Task>(
+    task: &T,
+    opt: &MixedOptimizer,
+    step: u64,
+    epoch: usize,
+    dir: &Path,
+) -> Result<()> {
+    let tmp = dir.with_extension("tmp");
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    task.save_model(&tmp).map_err(Error::Task)?;
+    let (opt_step, loss_scale, tensors) = opt.state();
+    ft_params::fs::save_safetensors(&tensors, &tmp.join("optimizer.safetensors"))?;
+    let state = serde_json::json!({
+        "global_step": step,
+        "epoch": epoch,
+        "optimizer_step": opt_step,
+        "loss_scale": loss_scale,
+        "data": task.data_state(),
+    });
+    ft_params::fs::write_atomic(&tmp.join("trainer_state.json"), |f| {
+        f.write_all(
+            serde_json::to_string_pretty(&state)
+                .unwrap_or_default()
+                .as_bytes(),
+        )
+    })?;
+    if dir.exists() {
+        let old = dir.with_extension("old");
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    }
+    Ok(())
+}
+
+pub(super) fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<TrainerState> {
+    let path = dir.join("trainer_state.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let field = |k: &str| {
+        v.get(k).ok_or_else(|| Error::Json {
+            path: path.clone(),
+            reason: format!("missing `{k}`"),
+        })
+    };
+    let step = field("global_step")?.as_u64().unwrap_or(0);
+    let epoch = field("epoch")?.as_u64().unwrap_or(0) as usize;
+    let opt_step = field("optimizer_step")?.as_u64().unwrap_or(0);
+    let loss_scale = field("loss_scale")?.as_f64().unwrap_or(1.0);
+    let data = field("data")?.clone();
+    let opt_path = dir.join("optimizer.safetensors");
+    // Where the optimizer keeps its state: the model's device, or the host when offloaded.
+    let device = opt.state_device();
+    let files = ft_params::weights::SafetensorsFiles::open(std::slice::from_ref(&opt_path))?;
+    // One tensor at a time: the optimizer keeps a copy of each moment, so the file's tensor is
+    // freed before the next is read (all of them at once would hold a second set of moments and
+    // masters, gigabytes on a large model).
+    opt.load_state(opt_step, loss_scale, &[])?;
+    let names: Vec<String> = files.names().map(|s| s.to_string()).collect();
+    for name in names {
+        // 8-bit moments stay bytes; everything else is fp32 state.
+        let dtype = match files.meta(&name).map(|m| m.dtype) {
+            Some(safetensors::Dtype::U8) => candle_core::DType::U8,
+            _ => candle_core::DType::F32,
+        };
+        let t = files.load(&name, None, dtype, &device, false)?;
+        opt.load_state(opt_step, loss_scale, &[(name, t)])?;
+    }
+    Ok(TrainerState { step, epoch, data })
+}
+
+/// Alone in the library's unit-test binary, so the counting allocator sees only this test.
+#[cfg(test)]
+mod resume_memory {
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use super::load_checkpoint_state;
+    use crate::ledger::alloc::{measure_peak, CountingAlloc};
+    use crate::optim::AdamWConfig;
+    use crate::update::{MixedOptimizer, Precision, StatePlacement};
+
+    #[global_allocator]
+    static ALLOC: CountingAlloc = CountingAlloc;
+
+    const PARAMS: usize = 8;
+    const ELEMS: usize = 2 << 20;
+
+    fn optimizer() -> anyhow::Result<MixedOptimizer> {
+        let params = (0..PARAMS)
+            .map(|i| {
+                let t = Tensor::ones(ELEMS, DType::BF16, &Device::Cpu)?;
+                Ok((format!("p{i}"), Var::from_tensor(&t)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(MixedOptimizer::adamw(
+            params,
+            Precision::parse("bf16")?,
+            StatePlacement::WithModel,
+            AdamWConfig::default(),
+            None,
+        )?)
+    }
+
+    /// Resuming reads `optimizer.safetensors` one tensor at a time: the peak above the fresh
+    /// optimizer is the restored moments plus about one tensor, not the file's whole contents
+    /// (moments and masters) held next to the optimizer's copies of the moments. The restored
+    /// state is the saved one.
+    #[test]
+    fn resume_holds_about_one_file_tensor_beyond_the_restored_state() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("ft-resume-memory-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let saved = {
+            let mut a = optimizer()?;
+            let grads = (0..PARAMS)
+                .map(|i| Ok(Some(Tensor::full(0.1 * i as f32, ELEMS, &Device::Cpu)?)))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            a.step(grads, 1e-3)?;
+            let (step, scale, tensors) = a.state();
+            ft_params::fs::save_safetensors(&tensors, &dir.join("optimizer.safetensors"))?;
+            let state = serde_json::json!({"global_step": 1, "epoch": 0, "optimizer_step": step,
+                                           "loss_scale": scale, "data": null});
+            std::fs::write(dir.join("trainer_state.json"), state.to_string())?;
+            tensors[1].1.to_vec1::<f32>()?
+        };
+        let mut b = optimizer()?;
+        let tensor = ELEMS * 4;
+        let (restored, peak) = measure_peak(|| load_checkpoint_state(&dir, &mut b));
+        let restored = restored?;
+        std::fs::remove_dir_all(&dir)?;
+        assert_eq!(restored.step, 1);
+        let (step, _, state) = b.state();
+        assert_eq!(step, 1);
+        assert_eq!(state[1].1.to_vec1::<f32>()?, saved);
+        // Moments restored: 2 per parameter. The file also holds a master per parameter.
+        let moments = 2 * PARAMS * tensor;
+        eprintln!(
+            "resume peak {} MiB: restored moments {} MiB, file {} MiB",
+            peak >> 20,
+            moments >> 20,
+            (3 * PARAMS * tensor) >> 20
+        );
+        assert!(peak >= moments, "peak {peak} below the restored moments");
+        assert!(
+            peak <= moments + 3 * tensor,
+            "resume peaked at {} MiB for {} MiB of restored moments (the file holds {} MiB)",
+            peak >> 20,
+            moments >> 20,
+            (3 * PARAMS * tensor) >> 20
+        );
+        Ok(())
+    }
+}

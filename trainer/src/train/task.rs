@@ -1,0 +1,56 @@
+//! What a trainer supplies to the shared loop: a [`Task`] (its data and model) and what the loop
+//! hands each forward pass.
+
+use std::path::Path;
+
+use candle_core::{Tensor, Var};
+use ft_params::checkpoint::Checkpointer;
+
+use crate::ledger::Ledger;
+
+/// Result of a task method; binaries can use anyhow errors (they convert with `?` + `.into()`).
+pub type TaskResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// What the loop passes to a forward pass.
+pub struct StepCtx<'a> {
+    /// Optimizer steps done before this one.
+    pub step: u64,
+    /// Index of the micro-batch within the step.
+    pub micro: usize,
+    /// Seed of this micro-batch's dropout masks: a function of (run seed, step, micro) only, so a
+    /// resumed run draws the masks an uninterrupted one would have.
+    pub dropout_seed: u64,
+    pub checkpointer: &'a Checkpointer,
+}
+
+/// What a loss is averaged over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Units {
+    Tokens,
+    Samples,
+}
+
+/// A trainer's data and model, as the loop sees them.
+pub trait Task {
+    type Batch;
+    /// Starts epoch `epoch` (re-shuffles); called before its first `next_batch`.
+    fn start_epoch(&mut self, epoch: usize) -> TaskResult<()>;
+    /// The next micro-batch of the epoch, `None` at its end.
+    fn next_batch(&mut self) -> TaskResult<Option<Self::Batch>>;
+    /// Loss units in a batch (label tokens for seq2seq, samples for images) and samples in it.
+    fn counts(&self, batch: &Self::Batch) -> (usize, usize);
+    /// The batch's loss *summed* over its units (the loop divides by the step's total units).
+    fn summed_loss(&mut self, batch: &Self::Batch, ctx: &StepCtx) -> TaskResult<Tensor>;
+    /// Called after each optimizer step with the updated weights (the fp32 masters when the
+    /// model is stored in low precision): an EMA folds them in here. `step` counts steps done.
+    fn after_step(&mut self, _step: u64, _weights: &[Var], _ledger: &mut Ledger) -> TaskResult<()> {
+        Ok(())
+    }
+    /// Evaluation metrics at `step` (the ledger gets `eval/...` points from the loop around it).
+    fn evaluate(&mut self, step: u64, ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>>;
+    /// Writes the model in its Hugging Face layout into `dir`.
+    fn save_model(&self, dir: &Path) -> TaskResult<()>;
+    /// Position in the data (epoch, order, cursor) for resume.
+    fn data_state(&self) -> serde_json::Value;
+    fn restore_data_state(&mut self, state: &serde_json::Value) -> TaskResult<()>;
+}

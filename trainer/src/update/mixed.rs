@@ -1,0 +1,268 @@
+//! The optimizer step as trainers see it: fp32 master weights, loss-scale check, clipping, update,
+//! and the rounded write-back into the model's bf16/f16 weights.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_params::bytes::tensor_bytes;
+
+use super::norm::{clip_coefficient, clip_factor, sum_of_squares};
+use super::{LossScaler, Precision, StatePlacement};
+use crate::error::Result;
+use crate::ledger::{Category, Ledger};
+use crate::optim::Optimizer;
+
+/// What one call to [`MixedOptimizer::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// False when the step was skipped because a gradient overflowed (f16 loss scaling).
+    pub applied: bool,
+    /// Global gradient norm before clipping (unscaled), when computed.
+    pub grad_norm: Option<f64>,
+}
+
+/// Model parameters, their fp32 masters (when the model is stored in low precision), an
+/// optimizer over the masters, an optional loss scaler and a clipping threshold.
+pub struct MixedOptimizer {
+    names: Vec<String>,
+    pub(super) model: Vec<Var>,
+    /// fp32 copies updated by the optimizer; empty when the model itself is fp32 and its state
+    /// stays with it.
+    pub(super) masters: Vec<Var>,
+    placement: StatePlacement,
+    pub(super) optimizer: Box<dyn Optimizer>,
+    pub(super) scaler: Option<LossScaler>,
+    pub(super) max_grad_norm: Option<f64>,
+}
+
+/// Seed of the stochastic rounding of bf16 weights trained without masters.
+const STOCHASTIC_ROUNDING_SEED: u64 = 0x5EED_0B16;
+
+impl MixedOptimizer {
+    /// The usual case: AdamW with `cfg` over `params` under `precision`, its state placed by
+    /// `placement`, clipping at `max_grad_norm`.
+    pub fn adamw(
+        params: Vec<(String, Var)>,
+        precision: Precision,
+        placement: StatePlacement,
+        cfg: crate::optim::AdamWConfig,
+        max_grad_norm: Option<f64>,
+    ) -> Result<Self> {
+        Self::new(
+            params,
+            precision,
+            placement,
+            |n| Box::new(crate::optim::AdamW::new(n, cfg)),
+            max_grad_norm,
+        )
+    }
+
+    /// Wraps `params` (as listed by the `ParamStore`) under `precision`, with masters and
+    /// optimizer state placed by `placement`. `make_optimizer` gets the number of parameters.
+    pub fn new(
+        params: Vec<(String, Var)>,
+        precision: Precision,
+        placement: StatePlacement,
+        make_optimizer: impl FnOnce(usize) -> Box<dyn Optimizer>,
+        max_grad_norm: Option<f64>,
+    ) -> Result<Self> {
+        let (names, model): (Vec<String>, Vec<Var>) = params.into_iter().unzip();
+        let host = placement == StatePlacement::Host;
+        let needs_master =
+            host || (precision.master_weights && model.iter().any(|v| v.dtype() != DType::F32));
+        let masters = if needs_master {
+            model
+                .iter()
+                // `detach` first: an f32 parameter's `to_dtype(F32)` is the Var itself, and a
+                // master must be a tensor of its own. Offloaded masters are cast on the host,
+                // after a transfer of the weight's own bytes: nothing fp32 on the device.
+                .map(|v| {
+                    let w = v.as_tensor().detach();
+                    let w = if host { w.to_device(&Device::Cpu)? } else { w };
+                    Ok(Var::from_tensor(&w.to_dtype(DType::F32)?)?)
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        let mut optimizer = make_optimizer(model.len());
+        // Without masters, bf16 weights are what the optimizer writes: stochastically rounded
+        // when the precision asks (a fixed seed here, the streams varying with the step and
+        // parameter; the trainers set one from --seed through `CommonArgs::optimizer`).
+        if precision.stochastic_rounding && masters.is_empty() {
+            optimizer.set_stochastic_rounding(Some(STOCHASTIC_ROUNDING_SEED));
+        }
+        Ok(MixedOptimizer {
+            names,
+            model,
+            masters,
+            placement,
+            optimizer,
+            scaler: precision.loss_scaling.then(LossScaler::default),
+            max_grad_norm,
+        })
+    }
+
+    /// The model's trainable parameters, in optimizer order.
+    pub fn params(&self) -> &[Var] {
+        &self.model
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The factor to multiply the loss by before backward (1 without loss scaling).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map(|s| s.scale).unwrap_or(1.0)
+    }
+
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.optimizer.as_ref()
+    }
+
+    /// Leaves the parameters whose names `exempt` picks out of weight decay (HF Trainer:
+    /// [`crate::optim::hf_trainer_no_decay`]); returns how many.
+    pub fn exempt_from_weight_decay(&mut self, exempt: impl Fn(&str) -> bool) -> usize {
+        let mask: Vec<bool> = self.names.iter().map(|n| exempt(n)).collect();
+        let count = mask.iter().filter(|e| **e).count();
+        self.optimizer.exempt_from_weight_decay(mask);
+        count
+    }
+
+    pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
+        self.optimizer.as_mut()
+    }
+
+    /// fp32 master weights (empty when the model is fp32).
+    pub fn masters(&self) -> &[Var] {
+        &self.masters
+    }
+
+    /// Where the masters and optimizer state live.
+    pub fn placement(&self) -> StatePlacement {
+        self.placement
+    }
+
+    /// The device of the masters and optimizer state: the host when offloaded, else the
+    /// model's (a checkpoint's optimizer state is restored there).
+    pub fn state_device(&self) -> Device {
+        match (self.placement, self.model.first()) {
+            (StatePlacement::WithModel, Some(p)) => p.device().clone(),
+            _ => Device::Cpu,
+        }
+    }
+
+    /// Tells the ledger the bytes of parameters, master weights and optimizer state (the last
+    /// two as host memory when offloaded).
+    pub fn account(&self, ledger: &mut Ledger, component: &str) {
+        ledger.set_tensors(
+            Category::Parameters,
+            component,
+            self.model.iter().map(|v| v.as_tensor()),
+        );
+        let on = self.state_device();
+        ledger.set_on(
+            Category::MasterWeights,
+            component,
+            self.masters
+                .iter()
+                .map(|v| tensor_bytes(v.as_tensor()))
+                .sum(),
+            &on,
+        );
+        ledger.set_on(
+            Category::OptimizerState,
+            component,
+            self.optimizer.state_bytes(),
+            &on,
+        );
+    }
+
+    /// Everything needed to resume exactly: fp32 masters (the bf16 weights alone lose the bits
+    /// below their precision), optimizer moments, the optimizer's step count and the loss scale.
+    pub fn state(&self) -> (u64, f64, Vec<(String, Tensor)>) {
+        let (t, mut tensors) = self.optimizer.state();
+        for (i, m) in self.masters.iter().enumerate() {
+            tensors.push((format!("master.{i}"), m.as_tensor().clone()));
+        }
+        (t, self.loss_scale(), tensors)
+    }
+
+    /// Restores what [`MixedOptimizer::state`] returned (the model weights are loaded separately).
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        loss_scale: f64,
+        tensors: &[(String, Tensor)],
+    ) -> Result<()> {
+        self.optimizer.load_state(step, tensors)?;
+        for (name, t) in tensors {
+            if let Some(i) = name.strip_prefix("master.") {
+                let i: usize = i.parse().map_err(|_| {
+                    crate::Error::Invalid(format!("optimizer state `{name}`: bad index"))
+                })?;
+                // Without masters (an fp32 model whose state stays beside it) a saved master,
+                // from a run with the state on the host, is the weight itself: set that.
+                let target = if self.masters.is_empty() {
+                    self.model.get(i)
+                } else {
+                    self.masters.get(i)
+                };
+                let m = target.ok_or_else(|| {
+                    crate::Error::Invalid(format!("optimizer state `{name}`: no parameter {i}"))
+                })?;
+                m.set(&t.to_dtype(m.dtype())?.to_device(m.device())?)?;
+            }
+        }
+        if let Some(s) = self.scaler.as_mut() {
+            s.scale = loss_scale;
+        }
+        Ok(())
+    }
+
+    /// Applies one optimizer step with the summed, still loss-scaled gradients of the step.
+    pub fn step(&mut self, grads: Vec<Option<Tensor>>, lr: f64) -> Result<StepOutcome> {
+        // The loss scale's inverse and clipping's factor are applied as the optimizer reads
+        // each gradient: no fp32 or scaled copy of the gradients (of a single micro-batch's
+        // f16/bf16 ones, or of the sums). With a loss scale, one read-only sum of squares is the
+        // overflow check and the norm: the scale is a power of two, so the norm and the factor
+        // have the bits of unscaling first.
+        let mut unscaled_norm = None;
+        let mut grad_mul = 1.0;
+        if let Some(scaler) = self.scaler.as_mut() {
+            let inv = 1.0 / scaler.scale;
+            let sq = sum_of_squares(&grads)?;
+            let found_inf = !sq.is_finite();
+            scaler.update(found_inf);
+            if found_inf {
+                return Ok(StepOutcome {
+                    applied: false,
+                    grad_norm: None,
+                });
+            }
+            unscaled_norm = Some(sq.sqrt() * inv);
+            grad_mul = inv;
+        }
+        let grad_norm = match self.max_grad_norm {
+            Some(max) => {
+                let (norm, coef) = match unscaled_norm {
+                    Some(norm) => (norm, clip_factor(norm, max)),
+                    None => clip_coefficient(&grads, max)?,
+                };
+                grad_mul *= coef;
+                Some(norm)
+            }
+            None => None,
+        };
+        let coef = grad_mul;
+        if self.masters.is_empty() {
+            self.optimizer.update(&self.model, &grads, lr, coef, None)?;
+        } else {
+            self.optimizer
+                .update(&self.masters, &grads, lr, coef, Some(&self.model))?;
+        }
+        Ok(StepOutcome {
+            applied: true,
+            grad_norm,
+        })
+    }
+}

@@ -1,0 +1,30 @@
+//! The update step: what turns a loss into new weights, between the optimizers' math and the
+//! training loop.
+//!
+//! - [`Precision`] (storage dtype, fp32 masters or stochastic rounding) and [`LossScaler`] (f16).
+//! - [`StepMode`]: plain, accumulated, or fused into the backward; decided once.
+//! - [`GradAccumulator`] and [`LossNorm`]: accumulation that equals one large batch.
+//! - `norm`: global and per-tensor gradient norms, clipping factors.
+//! - [`MixedOptimizer`]: masters, loss-scale check, clipping, the optimizer's update and the
+//!   write-back, with the state beside the model or on the host ([`StatePlacement`]); its
+//!   fused backward pass (`fused_backward`).
+
+mod accumulate;
+mod fused_backward;
+mod mixed;
+mod mode;
+mod norm;
+mod placement;
+mod precision;
+mod scaler;
+
+pub use accumulate::{GradAccumulator, LossNorm};
+pub use mixed::{MixedOptimizer, StepOutcome};
+pub use mode::{StepMode, StepModeRequest};
+pub use norm::{
+    all_finite, clip_coefficient, clip_factor, clip_grad_norm, global_norm, sum_of_squares,
+    sum_of_squares_each,
+};
+pub use placement::StatePlacement;
+pub use precision::Precision;
+pub use scaler::LossScaler;

@@ -1,0 +1,86 @@
+//! How a step turns micro-batches into one update: decided and checked once, where the
+//! configuration is read, so that nothing downstream checks it again.
+
+use crate::error::{Error, Result};
+
+/// How each optimizer step is taken.
+///
+/// Built only by [`StepMode::new`], which refuses combinations no run can satisfy: a value of
+/// this type is a mode the loop and the update layer may follow without checking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepMode(Kind);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// One micro-batch: backward, then the update.
+    Plain,
+    /// Several micro-batches: each one's gradients summed (`GradAccumulator`), then one update.
+    Accumulate(usize),
+    /// One micro-batch whose backward updates each checkpointed segment's parameters as soon as
+    /// their gradients are final, and drops them (`MixedOptimizer::backward_and_step`).
+    FusedBackward,
+}
+
+/// What [`StepMode::new`] is decided from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepModeRequest {
+    /// Micro-batches per step (`--accum`).
+    pub micro_batches: usize,
+    /// `--fused-backward`.
+    pub fused_backward: bool,
+    /// Whether the model runs as checkpointed segments (`--gradient-checkpointing`, on a model
+    /// that has segments).
+    pub checkpointing: bool,
+    /// Whether the loss is scaled (f16).
+    pub loss_scaling: bool,
+}
+
+impl StepMode {
+    /// The mode a run asks for, or the one error that names what stands in its way.
+    pub fn new(r: StepModeRequest) -> Result<Self> {
+        let bad = |what: &str| Err(Error::Invalid(what.to_string()));
+        if r.micro_batches == 0 {
+            return bad("--accum must be at least 1");
+        }
+        if !r.fused_backward {
+            return Ok(StepMode(match r.micro_batches {
+                1 => Kind::Plain,
+                n => Kind::Accumulate(n),
+            }));
+        }
+        if r.micro_batches != 1 {
+            return bad(
+                "--fused-backward updates the weights during one micro-batch's backward: it \
+                 cannot go with --accum above 1",
+            );
+        }
+        if !r.checkpointing {
+            return bad(
+                "--fused-backward updates parameters as checkpointed segments are recomputed: \
+                 add --gradient-checkpointing (on a model that has checkpoint segments)",
+            );
+        }
+        if r.loss_scaling {
+            return bad("--fused-backward has no loss scaling: use bf16 or f32, not f16");
+        }
+        Ok(StepMode(Kind::FusedBackward))
+    }
+
+    /// One plain micro-batch a step.
+    pub fn plain() -> Self {
+        StepMode(Kind::Plain)
+    }
+
+    /// Micro-batches per step.
+    pub fn micro_batches(self) -> usize {
+        match self.0 {
+            Kind::Accumulate(n) => n,
+            Kind::Plain | Kind::FusedBackward => 1,
+        }
+    }
+
+    /// Whether the backward updates the parameters (and no gradients are accumulated).
+    pub fn fused_backward(self) -> bool {
+        self.0 == Kind::FusedBackward
+    }
+}

@@ -1,0 +1,165 @@
+//! Checkpointing lowers the measured peak; a fused backward pass updates each checkpointed
+//! layer during the backward, exactly as backward-then-step would.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_params::checkpoint::Checkpointer;
+use ft_trainer::ledger::alloc;
+
+mod common;
+use common::{bits, layer_fn, loss_and_grads, named_params, stack, stack_of};
+
+#[global_allocator]
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[test]
+fn checkpointing_lowers_the_measured_peak_on_a_deep_stack() -> anyhow::Result<()> {
+    let _g = SERIAL.lock();
+    let (store, layers) = stack(24, 128)?;
+    let params: Vec<Var> = store.trainable()?.into_iter().map(|(_, v)| v).collect();
+    let x = Tensor::randn(0f32, 1., (256, 128), &Device::Cpu)?;
+    let peak = |enabled: bool| -> anyhow::Result<usize> {
+        let ck = Checkpointer::new(enabled);
+        let (r, p) = alloc::measure_peak(|| loss_and_grads(&layers, &x, &ck, &params));
+        r?;
+        Ok(p)
+    };
+    let plain = peak(false)?;
+    let ckpt = peak(true)?;
+    println!("deep stack peak: plain {plain} B, checkpointed {ckpt} B");
+    // 24 layers x 6 activations of 128 KiB each (plain) versus 24 boundaries + one layer.
+    assert!(
+        (ckpt as f64) < 0.5 * plain as f64,
+        "checkpointed peak {ckpt} not well below plain {plain}"
+    );
+    Ok(())
+}
+
+/// The fused backward pass (`MixedOptimizer::backward_and_step`) on a stack of checkpointed
+/// layers with bf16 weights, with fp32 masters and without (`full_bf16`, stochastic rounding):
+/// every layer's parameters are updated during the backward, and the weights after three steps
+/// equal those of backward-then-step bit for bit. A parameter used inside a segment and outside
+/// it is refused.
+#[test]
+fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()> {
+    use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
+    use ft_trainer::update::Precision;
+    use ft_trainer::update::{MixedOptimizer, StatePlacement};
+    let _g = SERIAL.lock();
+    let adamw = |n| -> Box<dyn Optimizer> { Box::new(AdamW::new(n, AdamWConfig::default())) };
+    type Run = (Vec<Vec<u32>>, usize);
+    let run = |precision: Precision, fused: bool, outside: bool| -> anyhow::Result<Run> {
+        let (_store, layers) = stack_of(DType::BF16, 4, 16)?;
+        let named = named_params(&layers);
+        let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
+        let mut opt =
+            MixedOptimizer::new(named, precision, StatePlacement::WithModel, adamw, None)?;
+        let ck = Checkpointer::new(true);
+        let mut taken = 0;
+        for step in 0..3 {
+            let x = (Tensor::arange(0f32, 48.0, &Device::Cpu)?.reshape((3, 16))?
+                * (0.1 + step as f64))?
+                .sin()?
+                .to_dtype(DType::BF16)?;
+            ck.begin_forward();
+            let mut h = x;
+            for l in &layers {
+                h = ck.run(layer_fn(l), &[&h], &l.params)?;
+            }
+            if outside {
+                // Layer 0's weight read again outside its segment.
+                h = h.matmul(&layers[0].w)?;
+            }
+            let loss = h.to_dtype(DType::F32)?.sqr()?.mean_all()?;
+            if fused {
+                taken += opt.backward_and_step(&ck, &loss, 1e-2)?;
+            } else {
+                let grads = ck.gradients(&loss, &vars)?;
+                opt.step(grads, 1e-2)?;
+            }
+        }
+        let bits = vars
+            .iter()
+            .map(|v| Ok(bits(v.as_tensor())?))
+            .collect::<anyhow::Result<_>>()?;
+        Ok((bits, taken))
+    };
+    for precision in [Precision::parse("bf16")?, Precision::full_bf16()] {
+        let (plain, _) = run(precision, false, false)?;
+        let (fused, taken) = run(precision, true, false)?;
+        assert_eq!(
+            taken,
+            3 * 8,
+            "every parameter of every layer, in each of three steps"
+        );
+        assert_eq!(fused, plain, "{precision:?}");
+    }
+    let e = run(Precision::parse("bf16")?, true, true)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("inside a checkpointed segment and outside"),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// With clipping, the fused backward pass clips each tensor by its own norm (kohya's rule; the
+/// norms of a segment's tensors are read back together): with plain SGD on f32 weights each
+/// update is `-lr * min(1, max / (||g_i|| + 1e-6)) * g_i` of the plain backward's gradient, some
+/// tensors clipped and some not. Checked for two steps against that formula.
+#[test]
+fn fused_backward_clips_each_tensor_by_its_own_norm() -> anyhow::Result<()> {
+    use ft_trainer::optim::{Optimizer, Sgd};
+    use ft_trainer::update::Precision;
+    use ft_trainer::update::{MixedOptimizer, StatePlacement};
+    let _g = SERIAL.lock();
+    let (_store, layers) = stack(3, 16)?;
+    let named = named_params(&layers);
+    let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
+    let sgd = |n| -> Box<dyn Optimizer> { Box::new(Sgd::new(n, 0.0, 0.0, false)) };
+    let (lr, max) = (0.5, 0.05);
+    let mut opt = MixedOptimizer::new(
+        named,
+        Precision::parse("f32")?,
+        StatePlacement::WithModel,
+        sgd,
+        Some(max),
+    )?;
+    let ck = Checkpointer::new(true);
+    let mut clipped = 0;
+    for step in 0..2 {
+        let x = (Tensor::arange(0f32, 64.0, &Device::Cpu)?.reshape((4, 16))?
+            * (0.3 + step as f64))?
+            .sin()?;
+        // The plain backward's gradients at the current weights, and the weights they give.
+        let (_, grads) = loss_and_grads(&layers, &x, &ck, &vars)?;
+        let mut want = Vec::new();
+        for (v, g) in vars.iter().zip(&grads) {
+            let g = g.as_ref().ok_or_else(|| anyhow::anyhow!("no gradient"))?;
+            let norm = g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            let coef = (max / (norm.sqrt() + 1e-6)).min(1.0);
+            clipped += usize::from(coef < 1.0);
+            want.push((v.as_tensor() - (g * (lr * coef))?)?);
+        }
+        ck.begin_forward();
+        let mut h = x;
+        for l in &layers {
+            h = ck.run(layer_fn(l), &[&h], &l.params)?;
+        }
+        let loss = h.sqr()?.mean_all()?;
+        assert_eq!(opt.backward_and_step(&ck, &loss, lr)?, vars.len());
+        for (i, (v, w)) in vars.iter().zip(&want).enumerate() {
+            let d = (v.as_tensor() - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(d < 1e-6, "step {step}, tensor {i}: off by {d}");
+        }
+    }
+    assert!(
+        clipped > 0 && clipped < 2 * vars.len(),
+        "{clipped} of {} updates clipped: some should be, not all",
+        2 * vars.len()
+    );
+    Ok(())
+}

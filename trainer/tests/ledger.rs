@@ -1,0 +1,97 @@
+//! The ledger's told bytes, deltas, timeline and leak suspicion.
+
+use candle_core::{DType, Device, Tensor};
+use ft_params::bytes::format_bytes;
+use ft_trainer::ledger::{Category, Ledger};
+
+#[global_allocator]
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
+
+/// Tests that read the process-wide counters run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[test]
+fn told_bytes_are_exact_per_category() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let mut l = Ledger::new(&dev);
+    let w = Tensor::zeros((3, 5), DType::BF16, &dev)?;
+    let b = Tensor::zeros(7, DType::F32, &dev)?;
+    l.set_tensors(Category::Parameters, "unet", [&w, &b]);
+    l.set(Category::OptimizerState, "unet", 1000);
+    assert_eq!(l.told(Category::Parameters), 3 * 5 * 2 + 7 * 4);
+    assert_eq!(l.told(Category::OptimizerState), 1000);
+    l.remove(Category::OptimizerState, "unet");
+    assert_eq!(l.told(Category::OptimizerState), 0);
+    assert!(!l.told_by_category().contains_key(&Category::OptimizerState));
+    Ok(())
+}
+
+#[test]
+fn marks_measure_live_bytes_and_deltas() -> anyhow::Result<()> {
+    let _g = SERIAL.lock();
+    let dev = Device::Cpu;
+    let mut l = Ledger::new(&dev);
+    assert!(l.is_measured());
+    l.set_baseline();
+    let big = vec![1u8; 4 << 20];
+    let p = l.mark("forward", 0)?.clone();
+    // Other test threads allocate too; the 4 MiB buffer must be visible in any case.
+    assert!(
+        p.delta >= (3 << 20),
+        "delta {} should include 4 MiB",
+        p.delta
+    );
+    assert!(p.peak >= p.live);
+    drop(big);
+    Ok(())
+}
+
+#[test]
+fn growing_phase_is_a_leak_suspect_and_stable_is_not() -> anyhow::Result<()> {
+    let _g = SERIAL.lock();
+    let dev = Device::Cpu;
+    let dir = std::env::temp_dir().join(format!("ledger-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let timeline = dir.join("memory.jsonl");
+
+    // A run whose evaluation frees what it allocates: nothing to report.
+    let mut stable = Ledger::new(&dev);
+    stable.set_baseline();
+    for step in 0..4 {
+        let samples = vec![0u8; 8 << 20];
+        stable.mark("eval/ema", step)?;
+        drop(samples);
+        stable.mark("eval/after", step)?;
+    }
+    assert!(stable.leak_suspects(3, 1 << 20).is_empty());
+
+    // A run that keeps 8 MiB of samples after each evaluation (seed 003's pattern).
+    let mut leaky = Ledger::new(&dev).with_timeline(&timeline)?;
+    leaky.set_baseline();
+    let mut kept: Vec<Vec<u8>> = Vec::new();
+    for step in 0..4 {
+        kept.push(vec![1u8; 8 << 20]);
+        leaky.mark("eval/after", step)?;
+    }
+    let suspects = leaky.leak_suspects(3, 1 << 20);
+    assert_eq!(suspects.len(), 1, "{suspects:?}");
+    assert_eq!(suspects[0].phase, "eval/after");
+    assert!(suspects[0].last_delta - suspects[0].first_delta >= 15 << 20);
+    let table = leaky.table();
+    assert!(table.contains("possible leak: `eval/after`"), "{table}");
+    let lines = std::fs::read_to_string(&timeline)?;
+    assert_eq!(lines.lines().count(), 4);
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap_or(""))?;
+    assert_eq!(first["phase"], "eval/after");
+    assert!(first["live_bytes"].as_u64().is_some());
+    std::fs::remove_dir_all(&dir)?;
+    drop(kept);
+    Ok(())
+}
+
+#[test]
+fn bytes_format_readably() {
+    assert_eq!(format_bytes(512), "512 B");
+    assert_eq!(format_bytes(3 << 20), "3.00 MiB");
+    assert_eq!(format_bytes(-(5 << 30)), "-5.00 GiB");
+}

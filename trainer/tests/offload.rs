@@ -1,0 +1,352 @@
+//! Optimizer state in host memory (`StatePlacement::Host`, `--offload-optimizer`): the same
+//! updates as state kept beside the model, checkpoints that resume exactly, and the ledger told
+//! where the bytes are. The device-memory saving itself needs a GPU: `tests/cuda.rs`.
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_trainer::ledger::{Category, Ledger};
+use ft_trainer::optim::AdamWConfig;
+use ft_trainer::update::GradAccumulator;
+use ft_trainer::update::Precision;
+use ft_trainer::update::{MixedOptimizer, StatePlacement};
+
+mod common;
+use common::bits;
+
+const SHAPES: [&[usize]; 3] = [&[7, 5], &[33], &[2, 3, 4]];
+
+fn randn(shape: &[usize], seed: u64) -> anyhow::Result<Tensor> {
+    let mut rng = ft_params::rng::SplitMix64::new(seed);
+    let n = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+fn params(dtype: DType, seed: u64) -> anyhow::Result<Vec<(String, Var)>> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let t = randn(s, seed + i as u64)?.to_dtype(dtype)?;
+            Ok((format!("p{i}"), Var::from_tensor(&t)?))
+        })
+        .collect()
+}
+
+fn grads(dtype: DType, step: u64) -> anyhow::Result<Vec<Option<Tensor>>> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // The middle parameter misses a gradient at some steps (None is skipped).
+            if i == 1 && step % 3 == 1 {
+                return Ok(None);
+            }
+            let g = randn(s, 100 * step + i as u64)?;
+            Ok(Some((g * 3.0)?.to_dtype(dtype)?))
+        })
+        .collect()
+}
+
+fn optimizer(dtype: DType, placement: StatePlacement) -> anyhow::Result<MixedOptimizer> {
+    let precision = Precision::for_dtype(dtype);
+    let cfg = AdamWConfig {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    Ok(MixedOptimizer::adamw(
+        params(dtype, 7)?,
+        precision,
+        placement,
+        cfg,
+        Some(1.0),
+    )?)
+}
+
+/// Every weight and every moment comes out bit for bit as with the state beside the model, in
+/// f32 (where offloading adds masters the in-place update does not have), bf16 and f16 (loss
+/// scaling), with clipping active and a parameter that misses a gradient.
+#[test]
+fn offloaded_state_gives_the_same_updates() -> anyhow::Result<()> {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let mut near = optimizer(dtype, StatePlacement::WithModel)?;
+        let mut host = optimizer(dtype, StatePlacement::Host)?;
+        assert_eq!(host.placement(), StatePlacement::Host);
+        assert_eq!(
+            host.masters().len(),
+            SHAPES.len(),
+            "{dtype:?}: host masters"
+        );
+        assert!(host.masters().iter().all(|m| m.dtype() == DType::F32));
+        let mut applied = 0;
+        for step in 0..8 {
+            let scale = near.loss_scale();
+            let scaled = |g: Vec<Option<Tensor>>| -> anyhow::Result<Vec<Option<Tensor>>> {
+                g.into_iter()
+                    .map(|g| {
+                        Ok(
+                            g.map(|g| (g.to_dtype(DType::F32)? * scale)?.to_dtype(dtype))
+                                .transpose()?,
+                        )
+                    })
+                    .collect()
+            };
+            let a = near.step(scaled(grads(dtype, step)?)?, 1e-2)?;
+            let b = host.step(scaled(grads(dtype, step)?)?, 1e-2)?;
+            assert_eq!(a, b, "{dtype:?} step {step}");
+            applied += a.applied as usize;
+        }
+        // f16 skips steps until its loss scale has backed off below the overflow.
+        assert!(applied >= 3, "{dtype:?}: only {applied} steps applied");
+        for (i, (a, b)) in near.params().iter().zip(host.params()).enumerate() {
+            assert_eq!(bits(a)?, bits(b)?, "{dtype:?}: weight {i}");
+        }
+        let (na, sa, ta) = near.state();
+        let (nb, sb, tb) = host.state();
+        assert_eq!((na, sa), (nb, sb));
+        for (name, t) in &ta {
+            let other = tb.iter().find(|(n, _)| n == name);
+            let (_, u) = other.ok_or_else(|| anyhow::anyhow!("{dtype:?}: {name} missing"))?;
+            assert_eq!(bits(t)?, bits(u)?, "{dtype:?}: {name}");
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint of offloaded state restores into offloaded state and the next step is the one
+/// the uninterrupted optimizer takes.
+#[test]
+fn offloaded_state_resumes_exactly() -> anyhow::Result<()> {
+    let mut a = optimizer(DType::BF16, StatePlacement::Host)?;
+    for step in 0..2 {
+        a.step(grads(DType::BF16, step)?, 1e-2)?;
+    }
+    let (t, scale, tensors) = a.state();
+    let mut b = optimizer(DType::BF16, StatePlacement::Host)?;
+    for (p, q) in b.params().iter().zip(a.params()) {
+        p.set(q.as_tensor())?;
+    }
+    // As the trainer restores: one tensor at a time, each a copy of its own.
+    for (name, tensor) in &tensors {
+        b.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
+    }
+    a.step(grads(DType::BF16, 2)?, 1e-2)?;
+    b.step(grads(DType::BF16, 2)?, 1e-2)?;
+    for (p, q) in a.params().iter().zip(b.params()) {
+        assert_eq!(bits(p)?, bits(q)?);
+    }
+    for (p, q) in a.masters().iter().zip(b.masters()) {
+        assert_eq!(bits(p)?, bits(q)?);
+        assert!(q.device().is_cpu());
+    }
+    Ok(())
+}
+
+/// On a CPU run the host is the measured memory, so offloaded state counts in the told totals
+/// (on a GPU it is listed apart: `tests/cuda.rs`).
+#[test]
+fn ledger_counts_offloaded_state_where_it_lives() -> anyhow::Result<()> {
+    let mut opt = optimizer(DType::BF16, StatePlacement::Host)?;
+    opt.step(grads(DType::BF16, 0)?, 1e-2)?;
+    assert!(opt.state_device().is_cpu());
+    let mut ledger = Ledger::new(&Device::Cpu);
+    opt.account(&mut ledger, "model");
+    let elems: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!(ledger.told(Category::MasterWeights), 4 * elems as u64);
+    assert_eq!(ledger.told(Category::OptimizerState), 8 * elems as u64);
+    assert!(ledger.host_by_category().is_empty());
+    Ok(())
+}
+
+/// Gradients summed on a pinned device equal the sums on their own device, and the accumulator
+/// says where they are.
+#[test]
+fn accumulator_on_a_device_sums_the_same() -> anyhow::Result<()> {
+    let mut own = GradAccumulator::new();
+    let mut pinned = GradAccumulator::on(&Device::Cpu);
+    for step in 0..3 {
+        own.add(grads(DType::BF16, step)?)?;
+        pinned.add(grads(DType::BF16, step)?)?;
+    }
+    assert!(pinned.device().is_cpu());
+    assert_eq!(own.bytes(), pinned.bytes());
+    for (a, b) in own.take().iter().zip(pinned.take()) {
+        match (a, b) {
+            (Some(a), Some(b)) => {
+                assert_eq!(a.dtype(), DType::F32);
+                assert_eq!(bits(a)?, bits(&b)?);
+            }
+            (None, None) => {}
+            _ => anyhow::bail!("one accumulator missed a gradient"),
+        }
+    }
+    Ok(())
+}
+
+/// The bench plans' model-state table: FLAN-T5-XL's and the SDXL UNet's parameter counts give the
+/// figures README.md and the seed presets quote.
+#[test]
+fn model_states_table_gives_the_quoted_figures() {
+    let t5 = ft_trainer::train::bench::model_states_table(2_849_757_184);
+    eprintln!("{t5}");
+    assert!(
+        t5.contains("| model states, at most | 53.08 GiB | 10.62 GiB | 42.46 GiB |"),
+        "{t5}"
+    );
+    let sdxl = ft_trainer::train::bench::model_states_table(2_567_463_684);
+    eprintln!("{sdxl}");
+    assert!(
+        sdxl.contains("| model states, at most | 47.82 GiB | 9.56 GiB | 38.26 GiB |"),
+        "{sdxl}"
+    );
+}
+
+/// An fp32 model's checkpoint from a run with the state on the host holds masters; resumed with
+/// the state beside the model (no masters there) they set the weights, which they equal, and the
+/// run goes on as the offloaded one does.
+#[test]
+fn fp32_offloaded_checkpoint_resumes_with_the_state_beside_the_model() -> anyhow::Result<()> {
+    let mut host = optimizer(DType::F32, StatePlacement::Host)?;
+    host.step(grads(DType::F32, 0)?, 1e-2)?;
+    let (t, scale, tensors) = host.state();
+    assert!(tensors.iter().any(|(n, _)| n.starts_with("master.")));
+    let mut near = optimizer(DType::F32, StatePlacement::WithModel)?;
+    assert!(near.masters().is_empty());
+    for (name, tensor) in &tensors {
+        near.load_state(t, scale, &[(name.clone(), tensor.copy()?)])?;
+    }
+    host.step(grads(DType::F32, 2)?, 1e-2)?;
+    near.step(grads(DType::F32, 2)?, 1e-2)?;
+    for (a, b) in host.params().iter().zip(near.params()) {
+        assert_eq!(bits(a)?, bits(b)?);
+    }
+    Ok(())
+}
+
+/// A GPU run whose host state exceeds the host memory available is warned about before it
+/// starts (on Linux, where /proc/meminfo says what is available); a CPU run keeps nothing apart.
+#[test]
+fn plan_warns_when_the_host_state_does_not_fit() {
+    use ft_trainer::train::plan::{host_available, state_plan};
+    let precision = Precision::for_dtype(DType::BF16);
+    let huge = [vec![1usize << 45]]; // 35 trillion parameters: 512 TiB of host state
+    let plan = state_plan(
+        &huge,
+        &precision,
+        StatePlacement::Host,
+        &ft_trainer::optim::adamw::SPEC,
+        2,
+        true,
+    );
+    assert_eq!(plan.host_bytes(), 16 << 45);
+    assert_eq!(plan.device_bytes(), 4 << 45);
+    if host_available().is_some() {
+        let w = plan.host_warning().unwrap_or_default();
+        assert!(w.contains("host memory") && w.contains("available"), "{w}");
+    }
+    let small = state_plan(
+        &[vec![1000]],
+        &precision,
+        StatePlacement::Host,
+        &ft_trainer::optim::adamw::SPEC,
+        2,
+        true,
+    );
+    assert!(small.host_warning().is_none());
+    let cpu = state_plan(
+        &[vec![1000]],
+        &precision,
+        StatePlacement::Host,
+        &ft_trainer::optim::adamw::SPEC,
+        2,
+        false,
+    );
+    assert_eq!((cpu.host_bytes(), cpu.device_bytes()), (0, 20_000));
+    // One micro-batch a step: no fp32 sums; offloaded, its bf16 gradients cross to the host.
+    let one = |placement, gpu| {
+        state_plan(
+            &[vec![1000]],
+            &precision,
+            placement,
+            &ft_trainer::optim::adamw::SPEC,
+            1,
+            gpu,
+        )
+    };
+    let near = one(StatePlacement::WithModel, true);
+    assert_eq!((near.device_bytes(), near.host_bytes()), (16_000, 0));
+    let off = one(StatePlacement::Host, true);
+    assert_eq!((off.device_bytes(), off.host_bytes()), (4_000, 14_000));
+    let cpu = one(StatePlacement::Host, false);
+    assert_eq!((cpu.device_bytes(), cpu.host_bytes()), (16_000, 0));
+}
+
+/// Under `--fused-backward` the plan's gradients are those alive at once: the parameters outside
+/// every checkpoint segment and the largest segment (a tensor in two segments is kept to the end
+/// of the backward, so it counts as outside; one named twice in a segment counts once; frozen
+/// ones not at all), on a shapes-only model as on a loaded one; offloaded, the gradients moved
+/// to the host are bounded the same way.
+#[test]
+fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Result<()> {
+    use ft_params::Segments;
+    use ft_params::{Init, ParamBuilder, ParamStore};
+    use ft_trainer::train::plan::state_plan;
+    for shapes_only in [false, true] {
+        let store = ParamStore::new();
+        let mut pb = ParamBuilder::new(store.clone(), DType::BF16, &Device::Cpu, 0);
+        if shapes_only {
+            pb = pb.shapes_only();
+        }
+        pb.get(&[100, 8], "embed", Init::Zeros)?; // outside every segment: 800
+        let a = pb.get(&[8, 8], "a", Init::Zeros)?; // 64
+        let b = pb.get(&[8, 16], "b", Init::Zeros)?; // 128
+        let shared = pb.get(&[100], "shared", Init::Zeros)?; // in two segments: outside, 100
+        let frozen = pb.clone().frozen().get(&[1000], "frozen", Init::Zeros)?;
+        // The shared tensor with the smaller segment: counted in it, the largest would be
+        // a's 64 + 100 = 164 and the outside 800, 964 in all, below the 1,092 alive at once.
+        let segments = vec![
+            vec![a.clone(), shared.clone(), frozen.clone()],
+            vec![b.clone(), b.clone()],
+            vec![shared.clone()],
+        ];
+        let seg = store.segments(&segments);
+        assert_eq!(
+            seg,
+            Segments {
+                inside: 64 + 128,
+                largest: 128,
+                tensors: 2
+            },
+            "shapes only {shapes_only}"
+        );
+        let plan = |placement, gpu| {
+            state_plan(
+                &store.shapes(true),
+                &Precision::full_bf16(),
+                placement,
+                &ft_trainer::optim::adamw::SPEC,
+                1,
+                gpu,
+            )
+        };
+        let full = plan(StatePlacement::WithModel, true);
+        let fused = full.clone().under_fused_backward(seg);
+        // 1,092 trainable values: 900 outside + 128 of the largest segment alive at once.
+        assert_eq!(full.params, 1092);
+        assert_eq!(
+            full.device_bytes() - fused.device_bytes(),
+            2 * (1092 - 1028)
+        );
+        let row = |p: &ft_trainer::train::plan::StatePlan| p.rows[1].clone();
+        assert_eq!(row(&fused).bytes, 2 * 1028);
+        assert!(row(&fused).component.contains("--fused-backward"));
+        let off = plan(StatePlacement::Host, true).under_fused_backward(seg);
+        let moved: Vec<u64> = off
+            .rows
+            .iter()
+            .filter(|r| r.component.contains("gradients"))
+            .map(|r| r.bytes)
+            .collect();
+        assert_eq!(moved, vec![2 * 1028, 2 * 1028], "{}", off.table());
+    }
+    Ok(())
+}
