@@ -31,8 +31,6 @@ pub enum Error {
         name: String,
         dtype: String,
     },
-    #[error("model `{id}`: {reason}")]
-    Hub { id: String, reason: String },
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]

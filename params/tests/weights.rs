@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use ft_params::weights::{ModelRepo, SafetensorsFiles};
+use ft_params::weights::SafetensorsFiles;
 use ft_params::{Init, ParamBuilder, ParamStore};
 
 mod common;
-use common::{build, shapes_of, tensors, tmpdir, write};
+use common::{tensors, tmpdir, write};
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -28,50 +28,6 @@ fn values_convert_exactly_between_dtypes() -> anyhow::Result<()> {
                 .max_all()?
                 .to_scalar::<f64>()?;
             assert_eq!(diff, 0.0, "{name} as {dt:?}");
-        }
-    }
-    std::fs::remove_dir_all(&dir)?;
-    Ok(())
-}
-
-#[test]
-fn sharded_checkpoint_loads_through_its_index() -> anyhow::Result<()> {
-    let _g = SERIAL.lock();
-    let dir = tmpdir("sharded");
-    let ts = tensors(DType::F32)?;
-    let (a, b) = ts.split_at(2);
-    write(&dir.join("model-00001-of-00002.safetensors"), a)?;
-    write(&dir.join("model-00002-of-00002.safetensors"), b)?;
-    let mut map = serde_json::Map::new();
-    for (i, (n, _)) in ts.iter().enumerate() {
-        let f = if i < 2 {
-            "model-00001-of-00002.safetensors"
-        } else {
-            "model-00002-of-00002.safetensors"
-        };
-        map.insert(n.clone(), serde_json::Value::from(f));
-    }
-    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
-    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string())?;
-    // The same shards in a diffusers subfolder (`unet/`): shard names are relative to it.
-    let sub = dir.join("unet");
-    std::fs::create_dir_all(&sub)?;
-    for f in [
-        "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors",
-        "model.safetensors.index.json",
-    ] {
-        std::fs::copy(dir.join(f), sub.join(f))?;
-    }
-    let repo = ModelRepo::open(dir.to_str().unwrap_or_default())?;
-    for stem in ["model", "unet/model"] {
-        let files = Arc::new(repo.safetensors(stem)?);
-        assert_eq!(files.paths().len(), 2);
-        let store = build(files, DType::F32, &shapes_of(&ts))?;
-        for (name, t) in &ts {
-            let got = store.get(name).expect("loaded");
-            let d = (got - t)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert_eq!(d, 0.0, "{stem}: {name}");
         }
     }
     std::fs::remove_dir_all(&dir)?;

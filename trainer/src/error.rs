@@ -14,6 +14,8 @@ pub enum Error {
     },
     #[error("{path}: invalid JSON: {reason}")]
     Json { path: PathBuf, reason: String },
+    #[error("model `{id}`: {reason}")]
+    Hub { id: String, reason: String },
     #[error("config {path}: {reason}")]
     Config { path: String, reason: String },
     #[error("{0}")]

@@ -2,8 +2,8 @@
 
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 use ft_params::bytes::format_bytes;
-use ft_params::weights::ModelRepo;
 use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::ModelRepo;
 use ft_trainer::train::{BestConfig, LoopPlan, RunSummary, SessionBuilder, Units};
 
 use crate::cli::Args;

@@ -6,16 +6,22 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use candle_core::{DType, Device};
 use ft_models::clip::{ClipTextConfig, ClipTextModel};
 use ft_models::diffusion::NoiseSchedule;
 use ft_models::unet::UNetConfig;
 use ft_models::vae::{Vae, VaeConfig, VaeParts};
-use ft_params::weights::{ModelRepo, SafetensorsFiles};
+use ft_params::weights::SafetensorsFiles;
 use ft_params::{ParamBuilder, ParamStore};
+use ft_trainer::train::ModelRepo;
 
 use crate::tokenize::ClipTokenizer;
+
+/// A JSON file as a value; errors name the file.
+fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
+    Ok(ft_models::error::read_config(path)?)
+}
 
 /// An SDXL pipeline's configs and where its files are.
 pub struct Pipeline {
@@ -30,12 +36,6 @@ pub struct Pipeline {
     pub text_encoder: ClipTextConfig,
     pub text_encoder_2: ClipTextConfig,
     pub schedule: NoiseSchedule,
-}
-
-/// A JSON file as a value; errors name the file.
-pub(crate) fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))
 }
 
 impl Pipeline {

@@ -8,11 +8,11 @@ use candle_core::{DType, Device};
 use ft_models::diffusion::Prediction;
 use ft_models::unet::UNet;
 use ft_params::bytes::format_bytes;
-use ft_params::weights::ModelRepo;
 use ft_params::ParamStore;
 use ft_trainer::ledger::Category;
 use ft_trainer::train::ema::Ema;
 use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::ModelRepo;
 use ft_trainer::train::{Binary, LoopPlan, RunSummary, SessionBuilder, Units};
 use ft_trainer::update::Precision;
 

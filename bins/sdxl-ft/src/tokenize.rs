@@ -16,8 +16,6 @@ use tokenizers::pre_tokenizers::sequence::Sequence as PreSeq;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{SplitDelimiterBehavior, Tokenizer};
 
-use crate::pipeline::read_json;
-
 /// CLIP's word pattern (from the original `simple_tokenizer.py`).
 const CLIP_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
 
@@ -55,7 +53,9 @@ impl ClipTokenizer {
         for f in ["special_tokens_map.json", "tokenizer_config.json"] {
             let p = dir.join(f);
             if p.is_file() {
-                if let serde_json::Value::Object(m) = read_json(&p)? {
+                if let serde_json::Value::Object(m) =
+                    ft_models::error::read_config::<serde_json::Value>(&p)?
+                {
                     cfg.extend(m);
                 }
             }

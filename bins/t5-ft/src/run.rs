@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use ft_models::t5::{T5Config, T5};
 use ft_params::bytes::format_bytes;
-use ft_params::weights::ModelRepo;
 use ft_trainer::optim::hf_trainer_no_decay;
 use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::ModelRepo;
 use ft_trainer::train::{
     Binary, EpochOrder, Grouping, LoopPlan, RunSummary, SessionBuilder, Units,
 };

@@ -6,7 +6,5 @@
 //! `Var` or a frozen tensor) without another copy on CPU. The largest transient is one tensor.
 
 mod files;
-mod repo;
 
 pub use files::{shards_of_index, SafetensorsFiles, TensorMeta};
-pub use repo::ModelRepo;

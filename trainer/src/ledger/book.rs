@@ -9,7 +9,6 @@ use candle_core::{Device, Tensor};
 use ft_params::bytes::tensor_bytes;
 
 use super::measure::{self, Reading};
-use super::report::point_json;
 use super::Category;
 use crate::error::{Error, Result};
 
@@ -230,4 +229,29 @@ fn sums(told: &BTreeMap<Category, BTreeMap<String, u64>>) -> BTreeMap<Category, 
         .map(|(c, m)| (*c, m.values().sum::<u64>()))
         .filter(|(_, b)| *b > 0)
         .collect()
+}
+
+/// One profile point as a line of the timeline.
+fn point_json(p: &ProfilePoint) -> String {
+    let told: serde_json::Map<String, serde_json::Value> = p
+        .told
+        .iter()
+        .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
+        .collect();
+    let host: serde_json::Map<String, serde_json::Value> = p
+        .host
+        .iter()
+        .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
+        .collect();
+    serde_json::json!({
+        "phase": p.phase,
+        "step": p.step,
+        "live_bytes": p.live,
+        "peak_bytes": p.peak,
+        "delta_bytes": p.delta,
+        "unaccounted_bytes": p.unaccounted(),
+        "told": told,
+        "host_told": host,
+    })
+    .to_string()
 }

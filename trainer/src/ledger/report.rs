@@ -1,4 +1,4 @@
-//! The ledger as people read it: the end-of-run table and the timeline's JSON lines.
+//! The ledger as people read it: the end-of-run table.
 
 use std::fmt::Write as _;
 
@@ -91,28 +91,4 @@ fn device_name(d: &Device) -> &'static str {
         Device::Cuda(_) => "cuda",
         Device::Metal(_) => "metal",
     }
-}
-
-pub(super) fn point_json(p: &ProfilePoint) -> String {
-    let told: serde_json::Map<String, serde_json::Value> = p
-        .told
-        .iter()
-        .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
-        .collect();
-    let host: serde_json::Map<String, serde_json::Value> = p
-        .host
-        .iter()
-        .map(|(c, b)| (c.as_str().to_string(), serde_json::Value::from(*b)))
-        .collect();
-    serde_json::json!({
-        "phase": p.phase,
-        "step": p.step,
-        "live_bytes": p.live,
-        "peak_bytes": p.peak,
-        "delta_bytes": p.delta,
-        "unaccounted_bytes": p.unaccounted(),
-        "told": told,
-        "host_told": host,
-    })
-    .to_string()
 }

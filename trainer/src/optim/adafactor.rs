@@ -30,8 +30,8 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::registry::OptimSpec;
 use super::rules::WriteRules;
+use super::spec::OptimSpec;
 use super::Optimizer;
 use crate::error::{Error, Result};
 

@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::registry::OptimSpec;
 use super::rules::WriteRules;
+use super::spec::OptimSpec;
 use super::state::{load_slot, state_tensors};
 use super::write::{grad_for, write_param};
 use super::Optimizer;
@@ -117,7 +117,7 @@ impl AdamW {
         model: Option<&[Var]>,
     ) -> Result<()> {
         self.t += 1;
-        let base = super::fused::cuda_step(&self.cfg, self.t, lr, grad_mul);
+        let base = cuda_step(&self.cfg, self.t, lr, grad_mul);
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             self.place_moments(i, p.device())?;
@@ -129,7 +129,7 @@ impl AdamW {
                 weight_decay,
                 ..base
             };
-            super::fused::fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &step)?;
+            fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &step)?;
         }
         Ok(())
     }
@@ -257,4 +257,64 @@ impl Optimizer for AdamW {
         load_slot("exp_avg", &mut self.m, tensors)?;
         load_slot("exp_avg_sq", &mut self.v, tensors)
     }
+}
+
+#[cfg(feature = "cuda")]
+/// The scalars of AdamW's step `t` at learning rate `lr`, gradients multiplied by `grad_mul`,
+/// for the CUDA kernels (not yet the first step of any moments; round-to-nearest weights).
+pub(crate) fn cuda_step(
+    c: &AdamWConfig,
+    t: u64,
+    lr: f64,
+    grad_mul: f64,
+) -> ft_kernels::cuda::AdamWStep {
+    ft_kernels::cuda::AdamWStep {
+        lr,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        eps: c.eps,
+        weight_decay: c.weight_decay,
+        step_size: lr / (1.0 - c.beta1.powi(t as i32)),
+        bc2_sqrt: (1.0 - c.beta2.powi(t as i32)).sqrt(),
+        grad_mul,
+        first: false,
+        seed: 0,
+    }
+}
+
+#[cfg(feature = "cuda")]
+/// One parameter's fused CUDA step with fp32 moments `m`, `v`, which are updated in place (or
+/// created, before the first step, or copied into a contiguous fp32 layout when restored in
+/// another): `p` an fp32 master, with the model weight `w` written when given, or a bf16/f16
+/// weight without a master, updated in place.
+pub(crate) fn fused_fp32_moments(
+    p: &Var,
+    g: &Tensor,
+    m: &mut Option<Tensor>,
+    v: &mut Option<Tensor>,
+    w: Option<&Tensor>,
+    base: &ft_kernels::cuda::AdamWStep,
+) -> Result<()> {
+    let g = g.detach().contiguous()?;
+    let first = m.is_none() && v.is_none();
+    let ok = |t: &Tensor| t.is_contiguous() && t.dtype() == DType::F32;
+    let like = |t: &Option<Tensor>| -> Result<Tensor> {
+        Ok(match t {
+            Some(t) => t.to_dtype(DType::F32)?.contiguous()?.copy()?,
+            None => Tensor::zeros(p.shape(), DType::F32, p.device())?,
+        })
+    };
+    let (nm, nv) = match (&*m, &*v) {
+        (Some(m), Some(v)) if ok(m) && ok(v) => (m.clone(), v.clone()),
+        (m, v) => (like(m)?, like(v)?),
+    };
+    let step = ft_kernels::cuda::AdamWStep { first, ..*base };
+    if p.dtype() == DType::F32 {
+        ft_kernels::cuda::adamw_fused(p.as_tensor(), &nm, &nv, &g, w, &step)?;
+    } else {
+        ft_kernels::cuda::adamw_fused_in_place(p.as_tensor(), &nm, &nv, &g, &step)?;
+    }
+    *m = Some(nm);
+    *v = Some(nv);
+    Ok(())
 }

@@ -9,8 +9,8 @@
 //! bf16/f16, the model's own `Var`s otherwise.
 //!
 //! - [`adamw`], [`sgd`], [`adamw8bit`], [`adafactor`]: one file per optimizer, each with its
-//!   [`registry::OptimSpec`]; [`registry`] lists them (what `--optim` names, state bytes for the
-//!   plan, what each needs on a GPU).
+//!   [`OptimSpec`] (what `--optim` names, state bytes for the plan, what it needs on a GPU);
+//!   [`registry`] lists them.
 //! - `host_adamw`: AdamW's per-element arithmetic and its one threaded pass on the CPU.
 //! - [`rules`]: stochastic rounding and weight-decay exemptions, the same for every optimizer.
 //! - `state`: checkpoint names of per-parameter state; `write`: writing updated weights.
@@ -24,13 +24,14 @@ mod host_adamw;
 pub mod registry;
 pub mod rules;
 pub mod sgd;
+mod spec;
 mod state;
 mod write;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use registry::{OptimSettings, OptimSpec};
 pub use rules::{hf_trainer_no_decay, WriteRules};
 pub use sgd::Sgd;
+pub use spec::{OptimSettings, OptimSpec};
 
 use candle_core::{Tensor, Var};
 

@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::registry::OptimSpec;
 use super::rules::WriteRules;
+use super::spec::OptimSpec;
 use super::state::{load_slot, state_tensors};
 use super::write::{grad_for, write_param};
 use super::Optimizer;

@@ -8,7 +8,7 @@
 //! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `eval` (best checkpoint,
 //!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`].
 //! - [`order`]: the epoch order of every binary's data; [`schedule`]: learning rates; [`ema`].
-//! - [`bench`]: what the bench commands share.
+//! - [`repo`]: a model folder or Hub id; [`bench`]: what the bench commands share.
 
 pub mod bench;
 pub mod binary;
@@ -19,6 +19,7 @@ mod eval;
 pub mod metrics;
 pub mod order;
 pub mod plan;
+pub mod repo;
 mod run;
 mod saved;
 pub mod schedule;
@@ -30,6 +31,7 @@ pub use binary::{parse_args, parse_args_from, Binary};
 pub use cli::CommonArgs;
 pub use metrics::logged;
 pub use order::{EpochCursor, EpochOrder, Epochs, Grouping};
+pub use repo::ModelRepo;
 pub use run::run;
 pub use saved::save_checkpoint;
 pub use session::{LoopPlan, Session, SessionBuilder};

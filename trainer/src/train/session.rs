@@ -10,11 +10,12 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use ft_params::checkpoint::Checkpointer;
-use ft_params::weights::{ModelRepo, SafetensorsFiles};
+use ft_params::weights::SafetensorsFiles;
 use ft_params::{ParamBuilder, ParamStore};
 
 use super::cli::CommonArgs;
 use super::plan::StatePlan;
+use super::repo::ModelRepo;
 use super::settings::{BestConfig, LoopConfig, RunSummary};
 use super::task::{Task, Units};
 use crate::error::{Error, Result};

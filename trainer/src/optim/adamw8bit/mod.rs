@@ -26,8 +26,8 @@ use ft_kernels::host::CHUNK;
 use quant::{maps, quantize};
 
 use super::host_adamw::{element, HostStep};
-use super::registry::OptimSpec;
 use super::rules::WriteRules;
+use super::spec::OptimSpec;
 use super::{AdamWConfig, Optimizer};
 use crate::error::{Error, Result};
 
@@ -115,7 +115,7 @@ impl AdamW8bit {
         model: Option<&[Var]>,
     ) -> Result<()> {
         self.t += 1;
-        let base = super::fused::cuda_step(&self.cfg, self.t, lr, grad_mul);
+        let base = super::adamw::cuda_step(&self.cfg, self.t, lr, grad_mul);
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             let (n, dev) = (p.elem_count(), p.device());
@@ -140,7 +140,7 @@ impl AdamW8bit {
                         *t = Some(x.to_device(dev)?);
                     }
                 }
-                super::fused::fused_fp32_moments(p, g, &mut slot.m, &mut slot.v, w, &base)?;
+                super::adamw::fused_fp32_moments(p, g, &mut slot.m, &mut slot.v, w, &base)?;
                 continue;
             }
             let first = codes_on(slot, i, n, dev)?;

@@ -1,8 +1,10 @@
-//! Where a model's files come from: a local folder or a Hugging Face Hub id.
+//! Where a model's files come from: a local folder or a Hugging Face Hub id (through the
+//! hf-hub cache). Kept on the training side: the models read files, they never fetch them.
 
 use std::path::{Path, PathBuf};
 
-use super::{shards_of_index, SafetensorsFiles};
+use ft_params::weights::{shards_of_index, SafetensorsFiles};
+
 use crate::error::{Error, Result};
 
 /// A model folder on disk or a hub repository (resolved through the hf-hub cache).
@@ -114,7 +116,7 @@ impl ModelRepo {
         let single = format!("{stem}.safetensors");
         let index = format!("{stem}.safetensors.index.json");
         match self.get(&single) {
-            Ok(p) => SafetensorsFiles::open(&[p]),
+            Ok(p) => Ok(SafetensorsFiles::open(&[p])?),
             Err(single_err) => match self.get(&index) {
                 Ok(idx) => {
                     let shards = shards_of_index(&idx)?;
@@ -124,7 +126,7 @@ impl ModelRepo {
                         .iter()
                         .map(|s| self.get(&format!("{}{s}", folder.as_deref().unwrap_or(""))))
                         .collect::<Result<Vec<_>>>()?;
-                    SafetensorsFiles::open(&paths)
+                    Ok(SafetensorsFiles::open(&paths)?)
                 }
                 Err(_) => Err(single_err),
             },
