@@ -34,8 +34,7 @@ use ft_trainer::ledger::measure;
 use ft_trainer::optim::adafactor::{Adafactor, AdafactorConfig};
 use ft_trainer::optim::adamw8bit::AdamW8bit;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
-use ft_trainer::update::Precision;
-use ft_trainer::update::{MixedOptimizer, StatePlacement};
+use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
 use serde_json::json;
 
 /// Whether `FT_OFFLOAD=1` asks for the optimizer state on the host.

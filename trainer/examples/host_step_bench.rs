@@ -10,9 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use ft_trainer::optim::adamw8bit::AdamW8bit;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
-use ft_trainer::update::GradAccumulator;
-use ft_trainer::update::Precision;
-use ft_trainer::update::{MixedOptimizer, StatePlacement};
+use ft_trainer::update::{GradAccumulator, MixedOptimizer, Precision, StatePlacement};
 
 const TENSORS: usize = 8;
 const STEPS: usize = 3;

@@ -15,9 +15,7 @@ use ft_params::{Init, ParamBuilder, ParamStore};
 use ft_trainer::ledger::{Category, Ledger};
 use ft_trainer::optim::{AdamW, AdamWConfig};
 use ft_trainer::train::schedule::{LrSchedule, ScheduleKind};
-use ft_trainer::update::Precision;
-use ft_trainer::update::{GradAccumulator, LossNorm};
-use ft_trainer::update::{MixedOptimizer, StatePlacement};
+use ft_trainer::update::{GradAccumulator, LossNorm, MixedOptimizer, Precision, StatePlacement};
 
 #[global_allocator]
 static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;

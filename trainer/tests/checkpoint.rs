@@ -44,8 +44,7 @@ fn checkpointing_lowers_the_measured_peak_on_a_deep_stack() -> anyhow::Result<()
 #[test]
 fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()> {
     use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
-    use ft_trainer::update::Precision;
-    use ft_trainer::update::{MixedOptimizer, StatePlacement};
+    use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
     let _g = SERIAL.lock();
     let adamw = |n| -> Box<dyn Optimizer> { Box::new(AdamW::new(n, AdamWConfig::default())) };
     type Run = (Vec<Vec<u32>>, usize);
@@ -113,8 +112,7 @@ fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()>
 #[test]
 fn fused_backward_clips_each_tensor_by_its_own_norm() -> anyhow::Result<()> {
     use ft_trainer::optim::{Optimizer, Sgd};
-    use ft_trainer::update::Precision;
-    use ft_trainer::update::{MixedOptimizer, StatePlacement};
+    use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
     let _g = SERIAL.lock();
     let (_store, layers) = stack(3, 16)?;
     let named = named_params(&layers);

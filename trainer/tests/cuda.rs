@@ -9,8 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_kernels::gradcheck::random_tensor;
 use ft_trainer::optim::adamw8bit::AdamW8bit;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
-use ft_trainer::update::Precision;
-use ft_trainer::update::{MixedOptimizer, StatePlacement};
+use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -213,8 +212,7 @@ fn mixed_precision_step_matches_the_cpu() -> anyhow::Result<()> {
 /// and moments as host memory, outside the GPU's measured total.
 #[test]
 fn offloaded_state_leaves_the_gpu_and_the_ledger_says_so() -> anyhow::Result<()> {
-    use ft_trainer::ledger::measure;
-    use ft_trainer::ledger::{Category, Ledger};
+    use ft_trainer::ledger::{measure, Category, Ledger};
     let Some(dev) = gpu() else { return Ok(()) };
     let n = 4 << 20;
     let added = |placement: StatePlacement| -> anyhow::Result<(u64, Ledger)> {

@@ -5,9 +5,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use ft_trainer::ledger::{Category, Ledger};
 use ft_trainer::optim::AdamWConfig;
-use ft_trainer::update::GradAccumulator;
-use ft_trainer::update::Precision;
-use ft_trainer::update::{MixedOptimizer, StatePlacement};
+use ft_trainer::update::{GradAccumulator, MixedOptimizer, Precision, StatePlacement};
 
 mod common;
 use common::bits;
@@ -287,8 +285,7 @@ fn plan_warns_when_the_host_state_does_not_fit() {
 /// to the host are bounded the same way.
 #[test]
 fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Result<()> {
-    use ft_params::Segments;
-    use ft_params::{Init, ParamBuilder, ParamStore};
+    use ft_params::{Init, ParamBuilder, ParamStore, Segments};
     use ft_trainer::train::plan::state_plan;
     for shapes_only in [false, true] {
         let store = ParamStore::new();

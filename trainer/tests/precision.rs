@@ -2,8 +2,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_trainer::optim::{AdamWConfig, Optimizer, Sgd};
-use ft_trainer::update::{clip_grad_norm, global_norm, LossScaler, Precision};
-use ft_trainer::update::{MixedOptimizer, StatePlacement};
+use ft_trainer::update::{
+    clip_grad_norm, global_norm, LossScaler, MixedOptimizer, Precision, StatePlacement,
+};
 
 mod common;
 use common::bits;

@@ -12,8 +12,7 @@ use ft_trainer::ledger::Ledger;
 use ft_trainer::optim::{AdamW, AdamWConfig};
 use ft_trainer::train::schedule::{LrSchedule, ScheduleKind};
 use ft_trainer::train::{self, LoopConfig, StepCtx, Task, TaskResult, Units};
-use ft_trainer::update::Precision;
-use ft_trainer::update::{MixedOptimizer, StatePlacement, StepMode, StepModeRequest};
+use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement, StepMode, StepModeRequest};
 
 /// Noisy linear regression with a shuffled dataset and dropout on the input.
 struct Regression {

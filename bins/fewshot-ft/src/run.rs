@@ -3,8 +3,7 @@
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 use ft_params::bytes::format_bytes;
 use ft_trainer::train::plan::StatePlan;
-use ft_trainer::train::ModelRepo;
-use ft_trainer::train::{BestConfig, LoopPlan, RunSummary, SessionBuilder, Units};
+use ft_trainer::train::{BestConfig, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
 
 use crate::cli::Args;
 use crate::data::{EpisodeShape, ImageConfig, Splits};

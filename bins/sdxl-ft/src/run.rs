@@ -12,8 +12,7 @@ use ft_params::ParamStore;
 use ft_trainer::ledger::Category;
 use ft_trainer::train::ema::Ema;
 use ft_trainer::train::plan::StatePlan;
-use ft_trainer::train::ModelRepo;
-use ft_trainer::train::{Binary, LoopPlan, RunSummary, SessionBuilder, Units};
+use ft_trainer::train::{Binary, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
 use ft_trainer::update::Precision;
 
 use crate::cache::{Cache, CacheSettings};
