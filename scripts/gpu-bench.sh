@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, for a machine with an NVIDIA GPU: the CUDA op tests
-# against the CPU reference, then the attention kernels, the full SDXL UNet and the
+# against the CPU reference, each kernel family's timing (checked against its CPU reference
+# first), then the attention kernels, the full SDXL UNet and the
 # FLAN-T5-XL-shaped model next to PyTorch on the same card (PyTorch runs after the Rust process has
 # exited, so each side has the card to itself). Prints the tables of docs/benchmarks.md last.
 #
 #   bash scripts/gpu-bench.sh [out-dir]          # builds first (scripts/gpu-build.sh)
-#   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench`, `cuda_tests` (ft-kernels)
-#                                                # and `memory_cuda_tests` (ft-trainer) in dir
+#   BIN_DIR=dir bash scripts/gpu-bench.sh out    # prebuilt `gpu_bench`, `cuda_tests` (ft-kernels),
+#                                                # `memory_cuda_tests` (ft-trainer), `time_*` in dir
 #
 # Needs python3 with torch (CUDA), transformers and diffusers for the PyTorch side; set
 # TORCH_PYTHONPATH to add a folder holding diffusers (0.42 imports with transformers 5).
 # SDXL_PX (default 128,1024), T5_SHAPE (default "8 512 128") choose the sizes; BASELINE=0 skips
-# the second candle run on candle's own ops (FT_CUDA_KERNELS=0). ONLY (default "tests attention sdxl
-# t5"; also "offload": both models with the optimizer state on the host, FT_OFFLOAD=1; "8bit":
+# the second candle run on candle's own ops (FT_CUDA_KERNELS=0). ONLY (default "tests kernels
+# attention sdxl t5"; "kernels" runs every time_* example into out/kernels.txt; also "offload": both models with the optimizer state on the host, FT_OFFLOAD=1; "8bit":
 # both with 8-bit AdamW moments on the GPU, FT_OPTIM=adamw8bit; "lowmem": both as kohya's
 # low-memory recipe, bf16 weights without masters and Adafactor, next to PyTorch's same, plus
 # SDXL's Adafactor on candle's ops at 128 px unless BASELINE=0; "fused":
@@ -36,7 +37,7 @@ for d in /usr/local/cuda/lib64 $("$PY" -c 'import nvidia, os; print(os.path.join
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
-ONLY=" ${ONLY:-tests attention sdxl t5} "
+ONLY=" ${ONLY:-tests kernels attention sdxl t5} "
 want() { [[ "$ONLY" == *" $1 "* ]]; }
 step() { echo "== $*" >&2; }
 TO="timeout ${STEP_TIMEOUT:-900}"
@@ -47,6 +48,15 @@ if want tests; then
     $TO "$BIN_DIR/cuda_tests" --test-threads=1 --nocapture
     [ -x "$BIN_DIR/memory_cuda_tests" ] && $TO "$BIN_DIR/memory_cuda_tests" --test-threads=1 --nocapture
   } 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
+fi
+
+if want kernels; then
+  step "kernel timings, one example per family"
+  for t in "$BIN_DIR"/time_*; do
+    [ -x "$t" ] || continue
+    echo "## $(basename "$t")"
+    $TO "$t"
+  done 2>&1 | tee "$OUT/kernels.txt"
 fi
 
 R="$OUT/results.jsonl"

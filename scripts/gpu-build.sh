@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds what scripts/gpu-bench.sh runs, with --features cuda (release): `gpu_bench` and the
-# ft-kernels and ft-trainer CUDA test executables (`cuda_tests`, `memory_cuda_tests`), copied
-# into DIR.
+# Builds what scripts/gpu-bench.sh runs, with --features cuda (release): `gpu_bench` (ft-trainer),
+# the ft-kernels and ft-trainer CUDA test executables (`cuda_tests`, `memory_cuda_tests`) and the
+# per-family kernel timings (ft-kernels' `time_*` examples), copied into DIR.
 #
 #   bash scripts/gpu-build.sh DIR             # CUDA_COMPUTE_CAP=90 (H100/H200) by default
 set -euo pipefail
@@ -11,11 +11,16 @@ PY=${BENCH_PYTHON:-python3}
 . scripts/cuda-env.sh
 T=${CARGO_TARGET_DIR:-target}
 cargo build --release --features cuda -p ft-trainer --example gpu_bench
+cargo build --release --features cuda -p ft-kernels --examples
 test_exe() {
   cargo test --release --features cuda -p "$1" --test cuda --no-run --message-format=json \
     | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
 }
 mkdir -p "$DIR"
 cp "$T/release/examples/gpu_bench" "$DIR/gpu_bench"
+for f in kernels/examples/time_*.rs; do
+  name=$(basename "$f" .rs)
+  cp "$T/release/examples/$name" "$DIR/$name"
+done
 cp "$(test_exe ft-kernels)" "$DIR/cuda_tests"
 cp "$(test_exe ft-trainer)" "$DIR/memory_cuda_tests"

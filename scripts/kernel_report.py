@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Compiles kernels/src/cuda/kernels.cu with NVRTC, as the kernels crate does at run time, for
+"""Compiles the kernel files of kernels/src/cuda (SOURCES in nvrtc.rs, in its order, as one
+program) with NVRTC, as the kernels crate does at run time, for
 each target architecture, then (where ptxas is on PATH) assembles the PTX and prints registers,
 spill bytes and static shared memory per entry point. Needs libnvrtc, not a GPU.
 
@@ -10,8 +11,8 @@ spill bytes and static shared memory per entry point. Needs libnvrtc, not a GPU.
     python3 scripts/kernel_report.py --nvrtc .../libnvrtc.so.12 --arch default compute_60
 
 --arch takes VIRTUAL[:REAL]: VIRTUAL is NVRTC's --gpu-architecture ("default" gives NVRTC none,
-its own default), REAL the sm_ target for ptxas. --source compiles another copy of the file
-(e.g. `git show REV:kernels/src/cuda/kernels.cu > old.cu`). Exit status 1 if a compile fails.
+its own default), REAL the sm_ target for ptxas. --source compiles another program text instead
+(e.g. an older revision's files concatenated). Exit status 1 if a compile fails.
 """
 import argparse
 import ctypes
@@ -23,6 +24,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_DIR = os.path.join(ROOT, "kernels/src/cuda")
+
+
+def program_text():
+    """The kernel files in the order of SOURCES in nvrtc.rs, joined as the crate joins them."""
+    nvrtc = open(os.path.join(CUDA_DIR, "nvrtc.rs")).read()
+    files = re.findall(r'include_str!\("([\w.]+)"\)', nvrtc)
+    if not files:
+        sys.exit("no SOURCES found in kernels/src/cuda/nvrtc.rs")
+    return "\n".join(open(os.path.join(CUDA_DIR, f)).read() for f in files), files
 
 
 def nvrtc_lib(path):
@@ -84,15 +95,19 @@ def ptxas_table(ptx, real, match):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--nvrtc", help="path of libnvrtc.so.N (default: $CUDA_HOME's)")
-    ap.add_argument("--source", default=os.path.join(ROOT, "kernels/src/cuda/kernels.cu"))
+    ap.add_argument("--source", help="a program text to compile instead of the kernel files")
     ap.add_argument("--arch", nargs="+", default=["compute_75:sm_75", "compute_80:sm_90"])
     ap.add_argument("--match", default="", help="only entry points whose name contains this")
     a = ap.parse_args()
     lib = nvrtc_lib(a.nvrtc)
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    src = open(a.source).read()
-    print(f"NVRTC {major.value}.{minor.value}, {os.path.relpath(a.source)}")
+    if a.source:
+        src, what = open(a.source).read(), os.path.relpath(a.source)
+    else:
+        src, files = program_text()
+        what = "kernels/src/cuda: " + ", ".join(files)
+    print(f"NVRTC {major.value}.{minor.value}, {what}")
     failed = False
     for spec in a.arch:
         virt, _, real = spec.partition(":")

@@ -1,11 +1,11 @@
-//! The CUDA kernels' logic on any machine: `tests/emulated/harness.cc` compiles
-//! `src/cuda/kernels.cu` as C++ under a host emulation of the CUDA features it uses (block
+//! The CUDA kernels' logic on any machine: `tests/emulated/harness.cc` compiles the kernel files
+//! of `src/cuda` as C++ under a host emulation of the CUDA features they use (block
 //! barriers, warp shuffles, shared memory, atomics: `tests/emulated/emu.h`) and checks every
-//! kernel against a double-precision reference: softmax, norms, upsample, pooling, attention
-//! forward and backward with and without bias or masks, AdamW and 8-bit AdamW (with its code
-//! search on exact ties), Adafactor (factored and full, in place), unscale, stochastic rounding.
-//! Skips, saying so, where no C++ compiler (`$CXX`, default `g++`) runs. Real-GPU numerics are
-//! checked by `tests/cuda.rs`.
+//! kernel against a double-precision reference, one file per family (`tests/emulated/*.cc`):
+//! softmax, norms, upsample, pooling, attention forward and backward with and without bias or
+//! masks, AdamW and 8-bit AdamW (with its code search on exact ties), Adafactor (factored and
+//! full, in place), unscale, stochastic rounding. Skips, saying so, where no C++ compiler
+//! (`$CXX`, default `g++`) runs. Real-GPU numerics are checked by `tests/cuda/`.
 
 use std::path::Path;
 use std::process::Command;
@@ -51,7 +51,7 @@ fn cuda_kernels_match_their_references_under_host_emulation() {
     run_harness("all", &[], &[]);
 }
 
-/// Below sm_60 there is no double-precision `atomicAdd`; kernels.cu then adds through a
+/// Below sm_60 there is no double-precision `atomicAdd`; grad_norm.cu then adds through a
 /// compare-and-swap loop (an NVRTC 12 library and a Maxwell/Pascal-P100-less GPU take it).
 /// NVRTC 13 has no target that old, so this build is where the loop is tested: 256 threads add
 /// to one double at once, the emulated CAS makes them race, and the sum must be exact.

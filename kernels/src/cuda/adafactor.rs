@@ -1,15 +1,20 @@
-//! Adafactor's update in five or six kernel launches per tensor (six where a column's sum needs
+//! Adafactor's update (`adafactor.cu`) in five or six kernel launches per tensor (six where a column's sum needs
 //! more than one chunk of 32 rows; two under two dims), where the op-by-op update makes about 35
 //! candle ops, most of them passes over fp32 copies of the whole tensor.
 //!
-//! The arithmetic is `ft_trainer::optim::adafactor`'s, operation for operation; only the order of the
-//! sums differs from the host's (each is fixed, so a step is deterministic), so a GPU step
+//! The arithmetic is ft-trainer's `optim::adafactor`, operation for operation; only the order of
+//! the sums differs from the host's (each is fixed, so a step is deterministic), so a GPU step
 //! agrees with the CPU's to rounding, not bit for bit.
+//!
+//! - CPU reference: ft-trainer's `optim::adafactor` (`Adafactor::step_host`).
+//! - GPU check: ft-trainer's `tests/cuda.rs` (`adafactor_on_the_gpu_matches_the_host`); logic
+//!   without a GPU: `tests/emulated` (`adafactor_case`, `adafactor_in_place_case`).
+//! - Timing: `cargo run --release --features cuda -p ft-kernels --example time_adafactor`.
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::optim::{check_f32_like, check_in_place, model_arg};
-use super::{device_of, elem_grid, launch, out_ptr, output, suffix, tensor_ptr, Arg};
+use super::adamw::{check_f32_like, check_in_place, model_arg};
+use super::launch::{device_of, elem_grid, launch, out_ptr, output, suffix, tensor_ptr, Arg};
 
 /// One Adafactor update's scalars (transformers' names), for HF Trainer's and kohya's
 /// configuration: no first moment, no parameter scale.

@@ -1,11 +1,19 @@
-//! Memory-efficient attention on CUDA: `softmax(q k^T * scale + bias) v` for 64-dim heads
-//! without the Lq x Lk score matrix, forward and backward (FlashAttention-2's scheme: the
-//! forward keeps one log-sum-exp per query row, the backward recomputes the probabilities tile
-//! by tile). The bias (T5's relative position bias, or a mask) gets its gradient when it is part
-//! of the autograd graph.
+//! Memory-efficient attention on CUDA (`attention.cu`; in bf16 on sm_80+ the tensor-core
+//! kernels of `attention_tc.cu`): `softmax(q k^T * scale + bias) v` for 64-dim heads without
+//! the Lq x Lk score matrix, forward and backward (FlashAttention-2's scheme: the forward keeps
+//! one log-sum-exp per query row, the backward recomputes the probabilities tile by tile). The
+//! bias (T5's relative position bias, or a mask) gets its gradient when it is part of the
+//! autograd graph.
 //!
 //! K and V travel packed as one [B, H, Lk, 2D] tensor so that the op has the two or three
 //! inputs candle's custom ops allow (q, kv, bias); `cat`'s backward splits the gradient again.
+//!
+//! - CPU reference: `crate::attention::sdpa` (the plain score matrix), and
+//!   `crate::attention::sdpa_memory_efficient` on the CPU.
+//! - GPU check: `tests/cuda/attention.rs` (`fused_attention_matches_sdpa`); logic without a
+//!   GPU: `tests/emulated` (`attention_case`).
+//! - Timing: `cargo run --release --features cuda -p ft-kernels --example time_attention`
+//!   (and ft-trainer's `gpu_bench attention` next to PyTorch's SDPA).
 
 use std::sync::Mutex;
 
@@ -14,7 +22,7 @@ use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
 };
 
-use super::{
+use super::launch::{
     device_of, dptr, into_tensor, launch, out_ptr, output, suffix, tensor_ptr, zeros, Arg,
 };
 

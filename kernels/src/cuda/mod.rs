@@ -1,35 +1,60 @@
-//! The CUDA side of the op layer: `kernels.cu`, compiled once per process with NVRTC (so a user
-//! needs the driver and libnvrtc, not a toolkit), launched on candle's stream.
+//! The CUDA side of the op layer, one op family per pair of files: its kernels (`softmax.cu`)
+//! beside its launcher (`softmax.rs`), whose header names the family's CPU reference, its GPU
+//! check and its timing example. The kernel files share `prelude.cuh` and compile as one NVRTC
+//! program at run time (`nvrtc`); `launch` puts them on candle's stream with raw device pointers
+//! into contiguous tensors.
 //!
-//! Kernels take raw device pointers into contiguous tensors. Everything runs on the one stream
-//! candle gives each device, so a kernel is ordered after the work that produced its inputs and
-//! before any free of them (candle frees stream-ordered), with no extra synchronisation.
+//! Everything runs on the one stream candle gives each device, so a kernel is ordered after the
+//! work that produced its inputs and before any free of them (candle frees stream-ordered), with
+//! no extra synchronisation.
+//!
+//! | family | kernels | used by |
+//! |---|---|---|
+//! | `softmax` | softmax / log-softmax over rows | `crate::softmax` |
+//! | `norm` | layer and RMS norm over rows | `crate::norm` |
+//! | `upsample` | nearest 2x | `crate::upsample` |
+//! | `pool` | max and average pooling | `crate::pool` |
+//! | `attention` | memory-efficient attention, CUDA cores and tensor cores | `crate::attention` |
+//! | `adamw` | AdamW, 8-bit AdamW | ft-trainer's optimizers |
+//! | `adafactor` | Adafactor | ft-trainer's optimizers |
+//! | `grad_norm` | gradient sums of squares, f16 unscale | ft-trainer's update step |
+//! | `rounding` | fp32 -> bf16 stochastic rounding | `crate::rounding` |
 
 mod adafactor;
+mod adamw;
 mod attention;
-mod optim;
-mod rows;
+mod grad_norm;
+mod launch;
+mod norm;
+mod nvrtc;
+mod pool;
+mod rounding;
+mod softmax;
+mod upsample;
+
+pub mod timing;
+
+use std::sync::OnceLock;
 
 pub use adafactor::{adafactor_fused, adafactor_fused_in_place, AdafactorStep, SecondMoment};
+pub use adamw::{
+    adamw8bit_fused, adamw8bit_fused_in_place, adamw_fused, adamw_fused_in_place, AdamWStep,
+    Moments8bit,
+};
 pub use attention::{fused_attention, fused_attention_supported};
-pub use optim::{
-    adamw8bit_fused, adamw8bit_fused_in_place, adamw_fused, adamw_fused_in_place,
-    round_stochastic_bf16, sum_squares, sum_squares_each, unscale_check, AdamWStep, Moments8bit,
-};
-pub(crate) use rows::{norm_backward, norm_forward, softmax_backward, softmax_forward};
-pub(crate) use rows::{
-    pool_backward, pool_forward, upsample2x_backward, upsample2x_forward, PoolSpec,
-};
-
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::op::BackpropOp;
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+pub use grad_norm::{sum_squares, sum_squares_each, unscale_check};
+pub use launch::{launches, launches_of};
+pub use norm::norm_backward;
+pub(crate) use norm::norm_forward;
+pub(crate) use nvrtc::has_mma;
+pub use nvrtc::{kernel_arch, ptx, SOURCES};
+pub(crate) use pool::pool_forward;
+pub use pool::{pool_backward, PoolSpec};
+pub use rounding::round_stochastic_bf16;
+pub use softmax::softmax_backward;
+pub(crate) use softmax::softmax_forward;
+pub use upsample::upsample2x_backward;
+pub(crate) use upsample::upsample2x_forward;
 
 /// Whether the own kernels are used on CUDA: yes unless `FT_CUDA_KERNELS` is `0`, `off` or
 /// `false`, which falls back to compositions of candle ops (same results, more memory traffic):
@@ -60,244 +85,4 @@ pub fn tensor_cores_enabled() -> bool {
             "0" | "off" | "false"
         )
     })
-}
-
-/// Whether `dev` takes the sm_80 build of the kernels (with the tensor-core ones).
-pub(crate) fn has_mma(dev: &CudaDevice) -> bool {
-    crate::arch::has_tensor_core_kernels(compute_capability(dev))
-}
-
-/// The device's compute capability, asked of the driver once per device: every launch needs it,
-/// and cudarc's query also clears (and so would hide) an error recorded earlier on the context.
-fn compute_capability(dev: &CudaDevice) -> Option<(i32, i32)> {
-    static CC: OnceLock<Mutex<HashMap<usize, (i32, i32)>>> = OnceLock::new();
-    let ctx = dev.cuda_stream().context().clone();
-    let ordinal = ctx.ordinal();
-    let mut cache = CC.get_or_init(Default::default).lock().ok()?;
-    if let Some(cc) = cache.get(&ordinal) {
-        return Some(*cc);
-    }
-    let cc = ctx.compute_capability().ok()?;
-    cache.insert(ordinal, cc);
-    Some(cc)
-}
-
-/// The virtual architecture the kernels are compiled for on `dev` (see [`crate::arch::arch_for`]).
-pub fn kernel_arch(dev: &CudaDevice) -> String {
-    crate::arch::arch_for(compute_capability(dev))
-}
-
-const SOURCE: &str = include_str!("kernels.cu");
-
-/// The PTX of `kernels.cu` for `arch` (`compute_80`, `compute_75`, ...), compiled by NVRTC on
-/// first use and kept for the process (one entry per architecture seen, so a handful at most).
-/// Below `compute_80` the tensor-core kernels compile to empty bodies that are never launched.
-pub fn ptx(arch: &str) -> Result<&'static str> {
-    type Cache = Mutex<HashMap<String, std::result::Result<&'static str, String>>>;
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    let mut cache = CACHE
-        .get_or_init(Default::default)
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("the NVRTC cache lock was poisoned".into()))?;
-    let entry = cache.entry(arch.to_string()).or_insert_with(|| {
-        let opts = CompileOptions {
-            name: Some("ft_kernels.cu".into()),
-            arch: Some(Box::leak(arch.to_string().into_boxed_str())),
-            ..Default::default()
-        };
-        // cudarc panics when libnvrtc cannot be loaded: report that as an error instead.
-        match std::panic::catch_unwind(|| compile_ptx_with_opts(SOURCE, opts)) {
-            Ok(Ok(p)) => Ok(&*Box::leak(p.to_src().into_boxed_str())),
-            Ok(Err(e)) => Err(format!("{e:?}")),
-            Err(_) => Err("libnvrtc could not be loaded".into()),
-        }
-    });
-    entry.clone().map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "NVRTC could not compile the ft-kernels CUDA source for {arch} (is libnvrtc on the \
-             library path, and does it support this GPU?): {e}"
-        ))
-    })
-}
-
-/// One kernel argument; the variant must match the C parameter's type exactly (a pointer or
-/// `long long` is 8 bytes, `int`/`float` 4).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    U64(u64),
-}
-
-thread_local! {
-    /// Kernels this thread has launched (see [`launches`]).
-    static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    /// The same by entry point (see [`launches_of`]).
-    static BY_NAME: std::cell::RefCell<HashMap<String, u64>> = std::cell::RefCell::new(HashMap::new());
-}
-
-/// How many kernels whose entry point starts with `prefix` (`adamw8bit_`, `adamw_bf16_bf16`)
-/// the calling thread has launched: lets a test see which path an update took.
-pub fn launches_of(prefix: &str) -> u64 {
-    BY_NAME.with(|m| {
-        m.borrow()
-            .iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(_, v)| v)
-            .sum()
-    })
-}
-
-/// How many kernels of this crate the calling thread has launched: lets a test see that an
-/// empty tensor launched nothing, which an out-of-bounds read by one stray block need not show.
-pub fn launches() -> u64 {
-    LAUNCHES.with(|n| n.get())
-}
-
-/// Launches `name` on `dev`'s stream with a (x, y) grid of `block`-thread blocks.
-pub(crate) fn launch(
-    dev: &CudaDevice,
-    name: &str,
-    grid: (u32, u32),
-    block: u32,
-    args: &[Arg],
-) -> Result<()> {
-    // An empty tensor launches nothing (a grid dimension of 0 is not a launch CUDA accepts,
-    // and one block would index the empty buffers).
-    if grid.0 == 0 || grid.1 == 0 {
-        return Ok(());
-    }
-    LAUNCHES.with(|n| n.set(n.get() + 1));
-    BY_NAME.with(|m| *m.borrow_mut().entry(name.to_string()).or_default() += 1);
-    let arch = kernel_arch(dev);
-    let module = format!("ft_kernels_{arch}");
-    let f = dev.get_or_load_custom_func(name, &module, ptx(&arch)?)?;
-    let mut b = f.builder();
-    for a in args {
-        match a {
-            Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
-            Arg::I32(v) => b.arg(v),
-            Arg::I64(v) => b.arg(v),
-            Arg::F32(v) => b.arg(v),
-        };
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: every entry point of kernels.cu is launched through a typed wrapper of this
-    // module whose `args` follow the C signature, with pointers to live, contiguous buffers of
-    // the element counts the kernel indexes.
-    unsafe { b.launch(cfg) }.w()?;
-    Ok(())
-}
-
-/// Grid size for the grid-stride element kernels: enough blocks of 256 to cover `n` once,
-/// capped where every SM already has plenty of blocks.
-pub(crate) fn elem_grid(n: usize) -> u32 {
-    n.div_ceil(256).clamp(1, 65_535 * 4) as u32
-}
-
-/// The dtype suffix of an entry point (`softmax_fwd_bf16`).
-pub(crate) fn suffix(dt: DType) -> Result<&'static str> {
-    Ok(match dt {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        dt => bail!("no CUDA kernel for {dt:?} (f32, bf16 or f16)"),
-    })
-}
-
-/// The device address of the first element of a contiguous storage view.
-pub(crate) fn dptr(s: &CudaStorage, l: &Layout) -> Result<u64> {
-    let Some((start, _)) = l.contiguous_offsets() else {
-        bail!("CUDA kernel input must be contiguous");
-    };
-    let stream = s.device.cuda_stream();
-    let (base, size) = match &s.slice {
-        CudaStorageSlice::F32(x) => (x.device_ptr(&stream).0, 4),
-        CudaStorageSlice::BF16(x) => (x.device_ptr(&stream).0, 2),
-        CudaStorageSlice::F16(x) => (x.device_ptr(&stream).0, 2),
-        CudaStorageSlice::I32(x) => (x.device_ptr(&stream).0, 4),
-        CudaStorageSlice::F64(x) => (x.device_ptr(&stream).0, 8),
-        CudaStorageSlice::U8(x) => (x.device_ptr(&stream).0, 1),
-        _ => bail!("no CUDA kernel for {:?}", s.dtype()),
-    };
-    Ok(base + (start * size) as u64)
-}
-
-/// Runs `f` on the CUDA storage of `t`.
-pub(crate) fn with_storage<R>(
-    t: &Tensor,
-    f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>,
-) -> Result<R> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cuda(c) => f(c, l),
-        _ => bail!("expected a tensor on a CUDA device, got {:?}", t.device()),
-    }
-}
-
-/// The device address of a contiguous CUDA tensor; it stays valid while `t` lives.
-pub(crate) fn tensor_ptr(t: &Tensor) -> Result<u64> {
-    with_storage(t, dptr)
-}
-
-/// The CUDA device a tensor lives on.
-pub(crate) fn device_of(t: &Tensor) -> Result<CudaDevice> {
-    match t.device() {
-        candle_core::Device::Cuda(d) => Ok(d.clone()),
-        d => bail!("expected a tensor on a CUDA device, got {d:?}"),
-    }
-}
-
-/// A new buffer of `n` elements of `dtype`, zeroed (for outputs a kernel accumulates into).
-pub(crate) fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
-    let n = n.max(1);
-    let slice = match dtype {
-        DType::F32 => CudaStorageSlice::F32(dev.alloc_zeros(n)?),
-        DType::BF16 => CudaStorageSlice::BF16(dev.alloc_zeros(n)?),
-        DType::F16 => CudaStorageSlice::F16(dev.alloc_zeros(n)?),
-        DType::I32 => CudaStorageSlice::I32(dev.alloc_zeros(n)?),
-        DType::F64 => CudaStorageSlice::F64(dev.alloc_zeros(n)?),
-        dt => bail!("no CUDA kernel output of {dt:?}"),
-    };
-    Ok(CudaStorage {
-        slice,
-        device: dev.clone(),
-    })
-}
-
-/// A new buffer of `n` elements of `dtype` whose contents are undefined: only for outputs the
-/// next kernel writes in full.
-pub(crate) fn output(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
-    let n = n.max(1);
-    // SAFETY: the callers launch a kernel that writes every one of the `n` elements before the
-    // buffer is read.
-    let slice = unsafe {
-        match dtype {
-            DType::F32 => CudaStorageSlice::F32(dev.alloc(n)?),
-            DType::BF16 => CudaStorageSlice::BF16(dev.alloc(n)?),
-            DType::F16 => CudaStorageSlice::F16(dev.alloc(n)?),
-            dt => bail!("no CUDA kernel output of {dt:?}"),
-        }
-    };
-    Ok(CudaStorage {
-        slice,
-        device: dev.clone(),
-    })
-}
-
-/// The address of a freshly allocated (so contiguous, offset 0) buffer.
-pub(crate) fn out_ptr(s: &CudaStorage) -> Result<u64> {
-    dptr(s, &Layout::contiguous(1))
-}
-
-/// Wraps a kernel's output as a tensor outside the autograd graph (the ops of this crate attach
-/// their own backward).
-pub(crate) fn into_tensor(s: CudaStorage, shape: impl Into<Shape>) -> Tensor {
-    Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
 }

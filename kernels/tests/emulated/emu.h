@@ -1,5 +1,6 @@
-// Host emulation of the CUDA features kernels.cu uses, so that the kernels' logic (indexing,
-// reductions, online softmax, barriers) is tested on any machine with a C++20 compiler.
+// Host emulation of the CUDA features the kernel files (src/cuda/*.cu) use, so that the
+// kernels' logic (indexing, reductions, online softmax, barriers) is tested on any machine with a
+// C++20 compiler.
 //
 // A launch runs the grid's blocks one after another; the threads of a block run as OS threads,
 // so `__syncthreads`, warp shuffles and shared memory behave as on a GPU (shared memory is a
@@ -88,7 +89,7 @@ inline double atomicAdd(double* p, double v) {
   return old;
 }
 
-// The compare-and-swap behind the pre-sm_60 double atomicAdd (kernels.cu's atomic_add_f64 when
+// The compare-and-swap behind the pre-sm_60 double atomicAdd (grad_norm.cu's atomic_add_f64 when
 // built with -D__CUDA_ARCH__=520). It yields first, so that other threads get between a
 // caller's read and its swap and the retry loop is really exercised; `cas_retries` counts the
 // swaps that found the word changed.

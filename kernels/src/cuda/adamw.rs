@@ -1,16 +1,20 @@
-//! Fused casts around the optimizer step: AdamW on fp32 masters writing the low-precision model
-//! weight in the same pass, gradient unscale + inf/NaN check + cast to fp32 with one read-back
-//! for all gradients, and fp32 -> bf16 stochastic rounding.
+//! AdamW in one kernel per tensor (`adamw.cu`): fp32 masters and moments (or 8-bit moments with
+//! fp32 block maxima) updated in place and the low-precision model weight written in the same
+//! pass, or a bf16/f16 weight updated in place without a master (`--full-bf16`). The tensors are
+//! updated through their device pointers, the effect of candle's `Var::set` (which also writes
+//! into the existing storage) without the fifteen intermediate fp32 tensors of the op-by-op
+//! update.
 //!
-//! The AdamW step updates tensors in place through their device pointers, the same effect as
-//! candle's `Var::set` (which also writes into the existing storage) without the fifteen
-//! intermediate fp32 tensors of the op-by-op update.
+//! - CPU reference: ft-trainer's host update, `optim::host_adamw::element` (the kernels'
+//!   per-element arithmetic is its, operation for operation), and `optim::adamw8bit`.
+//! - GPU check: `tests/cuda/optim.rs` here (against the formula), and ft-trainer's
+//!   `tests/cuda.rs` (against the host update, bit for bit); logic without a GPU:
+//!   `tests/emulated` (`adamw_case`, `adamw8bit_case`, the in-place cases).
+//! - Timing: `cargo run --release --features cuda -p ft-kernels --example time_adamw`.
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::{
-    device_of, elem_grid, into_tensor, launch, out_ptr, output, suffix, tensor_ptr, zeros, Arg,
-};
+use super::launch::{device_of, elem_grid, launch, suffix, tensor_ptr, Arg};
 
 /// One AdamW update's scalars, as `torch.optim.AdamW` derives them for step `t`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -270,111 +274,4 @@ fn adamw8bit_launch(
         256,
         &args,
     )
-}
-
-/// Replaces every gradient by `g * inv_scale` in fp32 and reports whether any element is inf
-/// or NaN, reading one flag back for all of them (a per-tensor check costs one host sync per
-/// parameter: 1,680 for the SDXL UNet).
-pub fn unscale_check(grads: &mut [Option<Tensor>], inv_scale: f64) -> Result<bool> {
-    let Some(first) = grads.iter().flatten().next() else {
-        return Ok(false);
-    };
-    let dev = device_of(first)?;
-    let found = zeros(&dev, DType::I32, 1)?;
-    let found_ptr = out_ptr(&found)?;
-    for g in grads.iter_mut().flatten() {
-        let src = g.contiguous()?;
-        let n = src.elem_count();
-        let out = output(&dev, DType::F32, n)?;
-        launch(
-            &dev,
-            &format!("unscale_{}", suffix(src.dtype())?),
-            (elem_grid(n), 1),
-            256,
-            &[
-                Arg::Ptr(tensor_ptr(&src)?),
-                Arg::Ptr(out_ptr(&out)?),
-                Arg::I64(n as i64),
-                Arg::F32(inv_scale as f32),
-                Arg::Ptr(found_ptr),
-            ],
-        )?;
-        *g = into_tensor(out, src.shape());
-    }
-    let flag = into_tensor(found, 1).to_vec1::<i32>()?;
-    Ok(flag.first().copied().unwrap_or(0) != 0)
-}
-
-/// The sum of squares of every element of every gradient (f32/bf16/f16 on one CUDA device),
-/// accumulated in f64 across blocks, with one read-back for all of them: the global norm for
-/// gradient clipping is its square root.
-pub fn sum_squares(grads: &[Option<Tensor>]) -> Result<f64> {
-    let Some(first) = grads.iter().flatten().next() else {
-        return Ok(0.0);
-    };
-    let dev = device_of(first)?;
-    let acc = zeros(&dev, DType::F64, 1)?;
-    let acc_ptr = out_ptr(&acc)?;
-    for g in grads.iter().flatten() {
-        add_squares(&dev, g, acc_ptr)?;
-    }
-    let total = into_tensor(acc, 1).to_vec1::<f64>()?;
-    Ok(total.first().copied().unwrap_or(0.0))
-}
-
-/// The sum of squares of each tensor (f32/bf16/f16 on one CUDA device) apart, with one
-/// read-back for all of them: per-tensor clipping (a fused backward pass) for a whole
-/// checkpointed segment at once instead of one host sync per tensor.
-pub fn sum_squares_each(grads: &[Tensor]) -> Result<Vec<f64>> {
-    let Some(first) = grads.first() else {
-        return Ok(Vec::new());
-    };
-    let dev = device_of(first)?;
-    let acc = zeros(&dev, DType::F64, grads.len())?;
-    let base = out_ptr(&acc)?;
-    for (i, g) in grads.iter().enumerate() {
-        add_squares(&dev, g, base + 8 * i as u64)?;
-    }
-    into_tensor(acc, grads.len()).to_vec1::<f64>()
-}
-
-/// Adds the squares of `g`'s elements into the f64 at `acc` (one kernel).
-fn add_squares(dev: &candle_core::CudaDevice, g: &Tensor, acc: u64) -> Result<()> {
-    let src = g.contiguous()?;
-    let n = src.elem_count();
-    launch(
-        dev,
-        &format!("sum_squares_{}", suffix(src.dtype())?),
-        (elem_grid(n).min(1024), 1),
-        256,
-        &[
-            Arg::Ptr(tensor_ptr(&src)?),
-            Arg::I64(n as i64),
-            Arg::Ptr(acc),
-        ],
-    )
-}
-
-/// fp32 -> bf16 with stochastic rounding on CUDA (see [`crate::rounding`] for the rule).
-pub fn round_stochastic_bf16(x: &Tensor, seed: u64) -> Result<Tensor> {
-    if x.dtype() != DType::F32 {
-        bail!("round_stochastic_bf16 takes f32, got {:?}", x.dtype());
-    }
-    let x = x.contiguous()?;
-    let dev = device_of(&x)?;
-    let n = x.elem_count();
-    let out = output(&dev, DType::BF16, n)?;
-    launch(
-        &dev,
-        "round_stochastic_bf16",
-        (elem_grid(n), 1),
-        256,
-        &[
-            Arg::Ptr(tensor_ptr(&x)?),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I64(n as i64),
-            Arg::U64(seed),
-        ],
-    )?;
-    Ok(into_tensor(out, x.shape()))
 }

@@ -1,0 +1,50 @@
+//! The timing loop of the per-family examples (`examples/time_*.rs`), llm.c's
+//! `benchmark_kernel`: the result is checked against the CPU reference first, then a warm-up
+//! run, then `iters` runs between two stream synchronisations.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// The first CUDA device, or `None` (said on stderr) where there is none.
+pub fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("no CUDA device ({e}): nothing to time");
+            None
+        }
+    }
+}
+
+/// Mean microseconds of `f` over `iters` runs after one warm-up, the device synchronised before
+/// and after (kernels are asynchronous: the time is the stream's, not the launch's).
+pub fn time_us(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..iters.max(1) {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64)
+}
+
+/// The largest elementwise difference of `got` (any device or dtype) from `want`, relative to
+/// `want`'s largest magnitude: the check before timing.
+pub fn max_rel_diff(got: &Tensor, want: &Tensor) -> Result<f64> {
+    let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let w = want.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let d = (&g - &w)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    Ok(d / w.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-30))
+}
+
+/// One line of a timing table: the case, its time and, given the bytes a run reads and writes,
+/// the memory bandwidth it reaches.
+pub fn report(case: &str, us: f64, bytes: Option<u64>) {
+    match bytes {
+        Some(b) => println!(
+            "{case:<40} {us:>10.1} us {:>8.1} GB/s",
+            b as f64 / (us * 1e-6) / 1e9
+        ),
+        None => println!("{case:<40} {us:>10.1} us"),
+    }
+}

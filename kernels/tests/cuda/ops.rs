@@ -1,0 +1,168 @@
+//! Softmax, norms, upsampling, pooling (and conv, linear through candle) against the CPU
+//! reference; the NVRTC build of every kernel file; empty tensors launch nothing.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use ft_kernels::gradcheck::random_tensor;
+use ft_kernels::{attention, conv, linear, norm, pool, softmax, upsample};
+
+use super::common::{compare, entry_body, gpu};
+
+/// NVRTC compiles kernels.cu for the targets `kernel_arch` picks (needs libnvrtc, not a GPU):
+/// the sm_80 build holds the tensor-core attention, an older GPU's build compiles its body out.
+#[test]
+fn kernels_compile_with_nvrtc() {
+    for arch in ["compute_75", "compute_80"] {
+        match ft_kernels::cuda::ptx(arch) {
+            Ok(ptx) => {
+                for entry in [
+                    "softmax_fwd_bf16",
+                    "attn_bwd_kv_f16",
+                    "adamw_bf16_bf16",
+                    "adamw8bit_bf16_bf16",
+                    "adamw8bit_f32_f32",
+                    "unscale_f32",
+                    "sum_squares_bf16",
+                    "attn_fwd_tc_bf16",
+                    "adafactor_apply_f16_bf16",
+                ] {
+                    assert!(ptx.contains(entry), "{arch}: PTX lacks {entry}");
+                }
+                let tc = arch != "compute_75";
+                assert_eq!(ptx.contains("mma.sync"), tc, "{arch}: tensor cores {tc}");
+                // The optimizer kernels round every operation as the host update does: no
+                // multiply-add contracted into an FMA (which rounds once, not twice).
+                for entry in [
+                    "adamw_bf16_bf16",
+                    "adamw8bit_bf16_bf16",
+                    "adamw8bit_f32_f32",
+                    "adafactor_rows_bf16",
+                    "adafactor_col_parts_f32",
+                    "adafactor_cols",
+                    "adafactor_row_mean",
+                    "adafactor_sumsq_f16",
+                    "adafactor_apply_bf16_bf16",
+                    "adafactor_apply_f32_f32",
+                ] {
+                    let body = entry_body(ptx, entry);
+                    assert!(
+                        body.contains("mul.rn.f32"),
+                        "{arch}: {entry} body not found"
+                    );
+                    assert!(
+                        !body.contains("fma."),
+                        "{arch}: {entry} contracts into an FMA"
+                    );
+                }
+            }
+            Err(e) if e.to_string().contains("could not be loaded") => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn every_op_matches_its_cpu_reference() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let r = |shape: &[usize], seed: u64| random_tensor(shape, seed, &Device::Cpu);
+    compare("softmax", &dev, &[r(&[3, 5, 37], 1)?], |t| {
+        softmax::softmax_last_dim(&t[0])
+    })?;
+    compare("log_softmax", &dev, &[r(&[3, 5, 37], 2)?], |t| {
+        softmax::log_softmax_last_dim(&t[0])
+    })?;
+    compare(
+        "layer_norm",
+        &dev,
+        &[r(&[2, 7, 48], 3)?, r(&[48], 4)?, r(&[48], 5)?],
+        |t| norm::layer_norm(&t[0], Some(&t[1]), Some(&t[2]), 1e-5),
+    )?;
+    compare("rms_norm", &dev, &[r(&[2, 7, 48], 6)?, r(&[48], 7)?], |t| {
+        norm::rms_norm(&t[0], Some(&t[1]), 1e-6)
+    })?;
+    compare(
+        "group_norm",
+        &dev,
+        &[r(&[2, 16, 5, 6], 8)?, r(&[16], 9)?, r(&[16], 10)?],
+        |t| norm::group_norm(&t[0], 4, Some(&t[1]), Some(&t[2]), 1e-5),
+    )?;
+    compare(
+        "linear",
+        &dev,
+        &[r(&[2, 9, 24], 11)?, r(&[40, 24], 12)?, r(&[40], 13)?],
+        |t| linear::linear(&t[0].transpose(0, 1)?, &t[1], Some(&t[2])),
+    )?;
+    compare("upsample_nearest2x", &dev, &[r(&[2, 3, 5, 7], 14)?], |t| {
+        upsample::upsample_nearest2x(&t[0])
+    })?;
+    compare(
+        "conv2d 3x3",
+        &dev,
+        &[r(&[2, 8, 9, 7], 15)?, r(&[12, 8, 3, 3], 16)?, r(&[12], 17)?],
+        |t| conv::conv2d(&t[0], &t[1], Some(&t[2]), 1, 1),
+    )?;
+    compare(
+        "conv2d stride 2",
+        &dev,
+        &[r(&[2, 8, 9, 7], 18)?, r(&[8, 8, 3, 3], 19)?],
+        |t| conv::conv2d(&t[0], &t[1], None, 2, 1),
+    )?;
+    compare(
+        "attention with bias",
+        &dev,
+        &[
+            r(&[2, 4, 33, 16], 20)?,
+            r(&[2, 4, 77, 16], 21)?,
+            r(&[2, 4, 77, 16], 22)?,
+            r(&[1, 4, 33, 77], 23)?,
+        ],
+        |t| attention::sdpa(&t[0], &t[1], &t[2], Some(&t[3]), 0.25),
+    )?;
+    compare("max_pool2d 3x3/2", &dev, &[r(&[2, 3, 11, 9], 24)?], |t| {
+        pool::max_pool2d(&t[0], (3, 3), (2, 2))
+    })?;
+    compare("avg_pool2d 2x2/2", &dev, &[r(&[2, 3, 10, 7], 25)?], |t| {
+        pool::avg_pool2d(&t[0], (2, 2), (2, 2))
+    })?;
+    compare("max_pool2d 2x3/1", &dev, &[r(&[1, 2, 6, 7], 26)?], |t| {
+        pool::max_pool2d(&t[0], (2, 3), (1, 1))
+    })?;
+    Ok(())
+}
+
+/// Empty tensors (no rows, or no batch-heads) launch no kernel and come back empty, with a
+/// gradient, where a forced one-block launch would index past the empty buffers.
+#[test]
+fn empty_tensors_launch_nothing() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let before = ft_kernels::cuda::launches();
+    let x = Var::from_tensor(&Tensor::zeros((0, 8), DType::F32, &dev)?)?;
+    let y = softmax::softmax_last_dim(x.as_tensor())?;
+    assert_eq!(y.dims(), &[0, 8]);
+    let g = y.sum_all()?.backward()?;
+    assert_eq!(g.get(x.as_tensor()).map(|g| g.elem_count()), Some(0));
+    let n = norm::rms_norm(x.as_tensor(), None, 1e-6)?;
+    assert_eq!(n.dims(), &[0, 8]);
+    let q = Tensor::zeros((0, 2, 16, 64), DType::BF16, &dev)?;
+    let o = attention::attend(&q, &q, &q, None, 0.125)?;
+    assert_eq!(o.dims(), &[0, 2, 16, 64]);
+    // None of those launched a kernel of this crate (a one-block launch over empty buffers would
+    // read out of bounds without necessarily faulting).
+    assert_eq!(
+        ft_kernels::cuda::launches(),
+        before,
+        "kernels launched for empty tensors"
+    );
+    // No keys: zeros out, a zero dQ, an empty dK/dV (its kernel's grid is empty).
+    let q = Var::from_tensor(&Tensor::ones((1, 2, 16, 64), DType::F32, &dev)?)?;
+    let kv = Var::from_tensor(&Tensor::zeros((1, 2, 0, 64), DType::F32, &dev)?)?;
+    let o = attention::attend(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), None, 0.125)?;
+    assert_eq!(o.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    let g = o.sum_all()?.backward()?;
+    let dq = g.get(q.as_tensor()).expect("dQ");
+    assert_eq!(dq.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    dev.synchronize()?;
+    Ok(())
+}
