@@ -7,7 +7,8 @@ use ft_kernels::{attention, conv, linear, norm, pool, softmax, upsample};
 
 use super::common::{compare, entry_body, gpu};
 
-/// NVRTC compiles kernels.cu for the targets `kernel_arch` picks (needs libnvrtc, not a GPU):
+/// NVRTC compiles the kernel files for the targets `kernel_arch` picks (needs libnvrtc, not a
+/// GPU; CI runs it):
 /// the sm_80 build holds the tensor-core attention, an older GPU's build compiles its body out.
 #[test]
 fn kernels_compile_with_nvrtc() {
@@ -54,7 +55,11 @@ fn kernels_compile_with_nvrtc() {
                     );
                 }
             }
-            Err(e) if e.to_string().contains("could not be loaded") => {
+            // CI sets FT_REQUIRE_NVRTC=1: there a missing libnvrtc is a failure, not a skip.
+            Err(e)
+                if e.to_string().contains("could not be loaded")
+                    && std::env::var("FT_REQUIRE_NVRTC").as_deref() != Ok("1") =>
+            {
                 eprintln!("skipped: {e}");
                 return;
             }
