@@ -7,7 +7,7 @@
 //! `cargo run --release --features cuda -p ft-kernels --example time_adafactor`
 
 use candle_core::{DType, Device, Result, Tensor};
-use ft_kernels::cuda::timing::{gpu, report, time_us};
+use ft_kernels::cuda::check::{gpu, report, time_us};
 use ft_kernels::cuda::{adafactor_fused, AdafactorStep, SecondMoment};
 use ft_kernels::gradcheck::random_tensor;
 

@@ -8,7 +8,7 @@
 //! `cargo run --release --features cuda -p ft-kernels --example time_adamw`
 
 use candle_core::{DType, Device, Result, Tensor};
-use ft_kernels::cuda::timing::{gpu, report, time_us};
+use ft_kernels::cuda::check::{gpu, report, time_us};
 use ft_kernels::cuda::{adamw8bit_fused, adamw_fused, AdamWStep, Moments8bit};
 use ft_kernels::gradcheck::random_tensor;
 
@@ -30,6 +30,17 @@ fn step(t: i32, first: bool) -> AdamWStep {
 
 fn host(t: &Tensor) -> Result<Vec<f64>> {
     t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.to_vec1()
+}
+
+/// 8-bit moments of `n` values: zero codes, block maxima `max`.
+fn moments8(n: usize, max: f64, dev: &Device) -> Result<[Tensor; 4]> {
+    let blocks = n.div_ceil(256);
+    Ok([
+        Tensor::zeros(n, DType::U8, dev)?,
+        Tensor::zeros(n, DType::U8, dev)?,
+        (Tensor::ones(blocks, DType::F32, dev)? * max)?,
+        (Tensor::ones(blocks, DType::F32, dev)? * max)?,
+    ])
 }
 
 /// Any ascending 256-value map with 0 and 1 (the kernel's speed does not depend on its values).
@@ -69,16 +80,8 @@ fn main() -> Result<()> {
     }
     // The 8-bit kernel's first step on the same inputs gives the same masters.
     let master8 = Tensor::from_vec(p0.iter().map(|x| *x as f32).collect(), n, &dev)?;
-    let (mq, vq) = (
-        Tensor::zeros(n, DType::U8, &dev)?,
-        Tensor::zeros(n, DType::U8, &dev)?,
-    );
-    let blocks = n.div_ceil(256);
-    let (mm, vm) = (
-        Tensor::zeros(blocks, DType::F32, &dev)?,
-        Tensor::zeros(blocks, DType::F32, &dev)?,
-    );
     let map = maps(&dev)?;
+    let [mq, vq, mm, vm] = moments8(n, 0.0, &dev)?;
     let q = Moments8bit {
         m: &mq,
         v: &vq,
@@ -108,15 +111,7 @@ fn main() -> Result<()> {
             us,
             Some(28 * n as u64),
         );
-        let (mq, vq) = (
-            Tensor::zeros(n, DType::U8, &dev)?,
-            Tensor::zeros(n, DType::U8, &dev)?,
-        );
-        let blocks = n.div_ceil(256);
-        let (mm, vm) = (
-            Tensor::ones(blocks, DType::F32, &dev)?,
-            Tensor::ones(blocks, DType::F32, &dev)?,
-        );
+        let [mq, vq, mm, vm] = moments8(n, 1.0, &dev)?;
         let q = Moments8bit {
             m: &mq,
             v: &vq,

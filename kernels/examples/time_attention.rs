@@ -8,8 +8,8 @@
 
 use candle_core::{DType, Result, Tensor, Var};
 use ft_kernels::attention::sdpa;
+use ft_kernels::cuda::check::{gpu, max_rel_diff, report, time_us};
 use ft_kernels::cuda::fused_attention;
-use ft_kernels::cuda::timing::{gpu, max_rel_diff, report, time_us};
 use ft_kernels::gradcheck::random_tensor;
 
 fn main() -> Result<()> {

@@ -6,7 +6,7 @@
 //! `cargo run --release --features cuda -p ft-kernels --example time_grad_norm`
 
 use candle_core::{DType, Device, Result, Tensor};
-use ft_kernels::cuda::timing::{gpu, report, time_us};
+use ft_kernels::cuda::check::{gpu, report, time_us};
 use ft_kernels::cuda::{sum_squares, sum_squares_each, unscale_check};
 use ft_kernels::gradcheck::random_tensor;
 

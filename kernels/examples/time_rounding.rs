@@ -4,7 +4,7 @@
 //! `cargo run --release --features cuda -p ft-kernels --example time_rounding`
 
 use candle_core::{DType, Device, Result};
-use ft_kernels::cuda::timing::{gpu, report, time_us};
+use ft_kernels::cuda::check::{gpu, report, time_us};
 use ft_kernels::gradcheck::random_tensor;
 use ft_kernels::rounding::round_stochastic_bf16;
 

@@ -5,7 +5,7 @@
 //! `cargo run --release --features cuda -p ft-kernels --example time_upsample`
 
 use candle_core::{DType, Device, Result};
-use ft_kernels::cuda::timing::{gpu, max_rel_diff, report, time_us};
+use ft_kernels::cuda::check::{gpu, max_rel_diff, report, time_us};
 use ft_kernels::gradcheck::random_tensor;
 use ft_kernels::upsample::upsample_nearest2x;
 

@@ -32,7 +32,7 @@ mod rounding;
 mod softmax;
 mod upsample;
 
-pub mod timing;
+pub mod check;
 
 use std::sync::OnceLock;
 

@@ -4,26 +4,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ft_kernels::gradcheck::random_tensor;
 
-pub fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        // `scripts/gpu-bench.sh` sets FT_REQUIRE_GPU=1: there a missing device is a failure.
-        Err(e) if std::env::var("FT_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("FT_REQUIRE_GPU=1 but no CUDA device: {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-pub fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    let d = (&a - &b)?.abs()?.max_all()?.to_scalar::<f64>()?;
-    Ok(d / b.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-12))
-}
+pub use ft_kernels::cuda::check::{gpu, max_rel_diff as rel};
 
 /// Runs `f` on f32 copies of `inputs` on the CPU and on the GPU; compares outputs and the
 /// gradients of `sum(w * f(inputs))` for every input.

@@ -213,70 +213,6 @@ impl Adafactor {
     fn kernel_computes(&self) -> bool {
         self.cfg.beta1.is_none() && !self.cfg.scale_parameter
     }
-
-    /// The whole update of each parameter in five or six CUDA kernel launches
-    /// (`ft_kernels::cuda::adafactor_fused`), the second moment updated in place and the model
-    /// weight written in the same pass, where the op-by-op update makes about 35 candle ops.
-    /// Agrees with [`Self::host`] to rounding (its sums add in another order).
-    #[cfg(feature = "cuda")]
-    fn fused(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        use ft_kernels::cuda::{adafactor_fused, adafactor_fused_in_place, SecondMoment};
-        self.t += 1;
-        let c = self.cfg;
-        let base = ft_kernels::cuda::AdafactorStep {
-            lr: self.base_lr(lr),
-            eps1: c.eps1,
-            beta2t: 1.0 - (self.t as f64).powf(c.decay_rate),
-            clip_threshold: c.clip_threshold,
-            weight_decay: c.weight_decay,
-            grad_mul,
-            seed: 0,
-        };
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
-            let g = g.detach().contiguous()?;
-            let shapes = self.checked_shapes(i, p.dims(), &g)?;
-            let step = ft_kernels::cuda::AdafactorStep {
-                seed: super::write::kernel_seed(p, self.rules.sr(), self.t, i),
-                weight_decay: self.rules.wd(i, c.weight_decay),
-                ..base
-            };
-            let dev = p.device();
-            let slot = &mut self.slots[i];
-            let (row, col) = match &shapes {
-                Some((row_dims, col_dims)) => (
-                    fp32_state(&slot.row, row_dims, dev)?,
-                    Some(fp32_state(&slot.col, col_dims, dev)?),
-                ),
-                None => (fp32_state(&slot.full, p.dims(), dev)?, None),
-            };
-            let v = match &col {
-                Some(col) => SecondMoment::Factored { row: &row, col },
-                None => SecondMoment::Full(&row),
-            };
-            if p.dtype() == DType::F32 {
-                let w = model.map(|ms| ms[i].as_tensor());
-                adafactor_fused(p.as_tensor(), &v, &g, w, &step)?;
-            } else {
-                adafactor_fused_in_place(p.as_tensor(), &v, &g, &step)?;
-            }
-            match col {
-                Some(col) => {
-                    slot.row = Some(row);
-                    slot.col = Some(col);
-                }
-                None => slot.full = Some(row),
-            }
-        }
-        Ok(())
-    }
 }
 
 /// A second-moment tensor the CUDA kernels can update in place: the state as it is when it is
@@ -325,9 +261,13 @@ fn check(i: usize, name: &str, t: &Option<Tensor>, dims: &[usize]) -> Result<()>
     }
 }
 
-impl Adafactor {
+impl Optimizer for Adafactor {
+    fn n_params(&self) -> usize {
+        self.slots.len()
+    }
+
     /// The update as candle ops on each parameter's device (any configuration, any device).
-    fn host(
+    fn step_host(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
@@ -401,29 +341,16 @@ impl Adafactor {
         }
         Ok(())
     }
-}
-
-impl Optimizer for Adafactor {
-    fn n_params(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// The update as candle ops on each parameter's device (any configuration, any device).
-    fn step_host(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-    ) -> Result<()> {
-        self.host(params, grads, lr, grad_mul)
-    }
 
     #[cfg(feature = "cuda")]
     fn has_kernels(&self) -> bool {
         self.kernel_computes()
     }
 
+    /// The whole update of each parameter in five or six CUDA kernel launches
+    /// (`ft_kernels::cuda::adafactor_fused`), the second moment updated in place and the model
+    /// weight written in the same pass, where the op-by-op update makes about 35 candle ops.
+    /// Agrees with [`Self::host`] to rounding (its sums add in another order).
     #[cfg(feature = "cuda")]
     fn step_fused(
         &mut self,
@@ -433,7 +360,55 @@ impl Optimizer for Adafactor {
         grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
-        self.fused(params, grads, lr, grad_mul, model)
+        use ft_kernels::cuda::{adafactor_fused, adafactor_fused_in_place, SecondMoment};
+        self.t += 1;
+        let c = self.cfg;
+        let base = ft_kernels::cuda::AdafactorStep {
+            lr: self.base_lr(lr),
+            eps1: c.eps1,
+            beta2t: 1.0 - (self.t as f64).powf(c.decay_rate),
+            clip_threshold: c.clip_threshold,
+            weight_decay: c.weight_decay,
+            grad_mul,
+            seed: 0,
+        };
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let g = g.detach().contiguous()?;
+            let shapes = self.checked_shapes(i, p.dims(), &g)?;
+            let step = ft_kernels::cuda::AdafactorStep {
+                seed: super::write::kernel_seed(p, self.rules.sr(), self.t, i),
+                weight_decay: self.rules.wd(i, c.weight_decay),
+                ..base
+            };
+            let dev = p.device();
+            let slot = &mut self.slots[i];
+            let (row, col) = match &shapes {
+                Some((row_dims, col_dims)) => (
+                    fp32_state(&slot.row, row_dims, dev)?,
+                    Some(fp32_state(&slot.col, col_dims, dev)?),
+                ),
+                None => (fp32_state(&slot.full, p.dims(), dev)?, None),
+            };
+            let v = match &col {
+                Some(col) => SecondMoment::Factored { row: &row, col },
+                None => SecondMoment::Full(&row),
+            };
+            if p.dtype() == DType::F32 {
+                let w = model.map(|ms| ms[i].as_tensor());
+                adafactor_fused(p.as_tensor(), &v, &g, w, &step)?;
+            } else {
+                adafactor_fused_in_place(p.as_tensor(), &v, &g, &step)?;
+            }
+            match col {
+                Some(col) => {
+                    slot.row = Some(row);
+                    slot.col = Some(col);
+                }
+                None => slot.full = Some(row),
+            }
+        }
+        Ok(())
     }
 
     fn rules(&mut self) -> &mut WriteRules {

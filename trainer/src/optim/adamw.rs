@@ -88,9 +88,7 @@ impl AdamW {
             rules: WriteRules::default(),
         }
     }
-}
 
-impl AdamW {
     /// Moves parameter `i`'s moments to `device` where they are elsewhere: state restored on
     /// one device (a checkpoint read beside the model) serves an optimizer on another (the host).
     fn place_moments(&mut self, i: usize, device: &candle_core::Device) -> Result<()> {
@@ -103,42 +101,16 @@ impl AdamW {
         }
         Ok(())
     }
-
-    /// The whole update in one kernel per parameter (`ft_kernels::cuda::adamw_fused`): reads
-    /// the master, both moments and the gradient once, writes them and the model weight once,
-    /// where the op-by-op update makes about fifteen passes over fp32 tensors.
-    #[cfg(feature = "cuda")]
-    fn fused(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        self.t += 1;
-        let base = cuda_step(&self.cfg, self.t, lr, grad_mul);
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
-            self.place_moments(i, p.device())?;
-            let w = model.map(|ms| ms[i].as_tensor());
-            let seed = super::write::kernel_seed(p, self.rules.sr(), self.t, i);
-            let weight_decay = self.rules.wd(i, self.cfg.weight_decay);
-            let step = ft_kernels::cuda::AdamWStep {
-                seed,
-                weight_decay,
-                ..base
-            };
-            fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &step)?;
-        }
-        Ok(())
-    }
 }
 
-impl AdamW {
-    /// The update off the fused kernels: one threaded pass per contiguous fp32 host
-    /// parameter, the op-by-op reference otherwise (and everywhere with `op_by_op`).
-    fn host(
+impl Optimizer for AdamW {
+    fn n_params(&self) -> usize {
+        self.m.len()
+    }
+
+    /// The one-pass threaded update for contiguous fp32 CPU parameters, the op-by-op one for
+    /// the rest (and for every parameter with [`AdamW::op_by_op`]).
+    fn step_host(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
@@ -206,30 +178,15 @@ impl AdamW {
         }
         Ok(())
     }
-}
-
-impl Optimizer for AdamW {
-    fn n_params(&self) -> usize {
-        self.m.len()
-    }
-
-    /// The one-pass threaded update for contiguous fp32 CPU parameters, the op-by-op one for
-    /// the rest (and for every parameter with [`AdamW::op_by_op`]).
-    fn step_host(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-    ) -> Result<()> {
-        self.host(params, grads, lr, grad_mul)
-    }
 
     #[cfg(feature = "cuda")]
     fn has_kernels(&self) -> bool {
         true
     }
 
+    /// The whole update in one kernel per parameter (`ft_kernels::cuda::adamw_fused`): reads
+    /// the master, both moments and the gradient once, writes them and the model weight once,
+    /// where the op-by-op update makes about fifteen passes over fp32 tensors.
     #[cfg(feature = "cuda")]
     fn step_fused(
         &mut self,
@@ -239,7 +196,22 @@ impl Optimizer for AdamW {
         grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
-        self.fused(params, grads, lr, grad_mul, model)
+        self.t += 1;
+        let base = cuda_step(&self.cfg, self.t, lr, grad_mul);
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            self.place_moments(i, p.device())?;
+            let w = model.map(|ms| ms[i].as_tensor());
+            let seed = super::write::kernel_seed(p, self.rules.sr(), self.t, i);
+            let weight_decay = self.rules.wd(i, self.cfg.weight_decay);
+            let step = ft_kernels::cuda::AdamWStep {
+                seed,
+                weight_decay,
+                ..base
+            };
+            fused_fp32_moments(p, g, &mut self.m[i], &mut self.v[i], w, &step)?;
+        }
+        Ok(())
     }
 
     fn rules(&mut self) -> &mut WriteRules {

@@ -6,18 +6,7 @@ use ft_kernels::gradcheck::random_tensor;
 use ft_trainer::optim::adamw8bit::AdamW8bit;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
 
-pub fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var("FT_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("FT_REQUIRE_GPU=1 but no CUDA device: {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
+pub use ft_kernels::cuda::check::gpu;
 
 pub fn host(t: &Tensor) -> anyhow::Result<Vec<f32>> {
     Ok(t.to_device(&Device::Cpu)?

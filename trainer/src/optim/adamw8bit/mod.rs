@@ -98,84 +98,6 @@ impl AdamW8bit {
             device_maps: None,
         }
     }
-
-    /// The update on CUDA: per quantized parameter one `ft_kernels::cuda::adamw8bit_fused`
-    /// launch, which reads and writes the codes and block maxima beside the weights (about 2.03
-    /// bytes per weight) and the master and model weight in the same pass; per small parameter
-    /// the fp32-moment kernel. State restored on the host (a checkpoint) or as fp32 moments (a
-    /// checkpoint of the 32-bit AdamW) goes through the host path's checks and maps once, then
-    /// stays on the GPU.
-    #[cfg(feature = "cuda")]
-    fn fused(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-        model: Option<&[Var]>,
-    ) -> Result<()> {
-        self.t += 1;
-        let base = super::adamw::cuda_step(&self.cfg, self.t, lr, grad_mul);
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
-            let (n, dev) = (p.elem_count(), p.device());
-            if g.elem_count() != n {
-                return Err(Error::Invalid(format!(
-                    "parameter {i}: gradient of {} elements for {n} weights",
-                    g.elem_count()
-                )));
-            }
-            let w = model.map(|ms| ms[i].as_tensor());
-            let seed = super::write::kernel_seed(p, self.rules.sr(), self.t, i);
-            let base = ft_kernels::cuda::AdamWStep {
-                weight_decay: self.rules.wd(i, self.cfg.weight_decay),
-                seed,
-                ..base
-            };
-            let slot = &mut self.slots[i];
-            if n < MIN_8BIT_SIZE {
-                restored_fp32(slot, i, n)?;
-                for t in [&mut slot.m, &mut slot.v] {
-                    if let Some(x) = t.as_ref().filter(|x| !x.device().same_device(dev)) {
-                        *t = Some(x.to_device(dev)?);
-                    }
-                }
-                super::adamw::fused_fp32_moments(p, g, &mut slot.m, &mut slot.v, w, &base)?;
-                continue;
-            }
-            let first = codes_on(slot, i, n, dev)?;
-            let maps = match &self.device_maps {
-                Some(t) if t.device().same_device(dev) => t.clone(),
-                _ => {
-                    let (smap, umap) = maps();
-                    let t = Tensor::from_iter(smap.iter().chain(umap).copied(), dev)?;
-                    self.device_maps = Some(t.clone());
-                    t
-                }
-            };
-            let slot = &self.slots[i];
-            let (Some(m), Some(v), Some(m_max), Some(v_max)) =
-                (&slot.m, &slot.v, &slot.m_max, &slot.v_max)
-            else {
-                return Err(only_one(i));
-            };
-            let q = ft_kernels::cuda::Moments8bit {
-                m,
-                v,
-                m_max,
-                v_max,
-                maps: &maps,
-            };
-            let step = ft_kernels::cuda::AdamWStep { first, ..base };
-            let g = g.detach().contiguous()?;
-            if p.dtype() == DType::F32 {
-                ft_kernels::cuda::adamw8bit_fused(p.as_tensor(), &q, &g, w, &step)?;
-            } else {
-                ft_kernels::cuda::adamw8bit_fused_in_place(p.as_tensor(), &q, &g, &step)?;
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Readies a quantized parameter's codes and maxima on `dev` for the CUDA step: zeros before
@@ -283,9 +205,13 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
     (np, mq, mmax, vq, vmax)
 }
 
-impl AdamW8bit {
-    /// The update on the host: every parameter must be there.
-    fn host(
+impl Optimizer for AdamW8bit {
+    fn n_params(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Threaded passes over the blocks of host parameters (every parameter must be there).
+    fn step_host(
         &mut self,
         params: &[Var],
         grads: &[Option<Tensor>],
@@ -345,29 +271,18 @@ impl AdamW8bit {
         }
         Ok(())
     }
-}
-
-impl Optimizer for AdamW8bit {
-    fn n_params(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Threaded passes over the blocks of host parameters (every parameter must be there).
-    fn step_host(
-        &mut self,
-        params: &[Var],
-        grads: &[Option<Tensor>],
-        lr: f64,
-        grad_mul: f64,
-    ) -> Result<()> {
-        self.host(params, grads, lr, grad_mul)
-    }
 
     #[cfg(feature = "cuda")]
     fn has_kernels(&self) -> bool {
         true
     }
 
+    /// The update on CUDA: per quantized parameter one `ft_kernels::cuda::adamw8bit_fused`
+    /// launch, which reads and writes the codes and block maxima beside the weights (about 2.03
+    /// bytes per weight) and the master and model weight in the same pass; per small parameter
+    /// the fp32-moment kernel. State restored on the host (a checkpoint) or as fp32 moments (a
+    /// checkpoint of the 32-bit AdamW) goes through the host path's checks and maps once, then
+    /// stays on the GPU.
     #[cfg(feature = "cuda")]
     fn step_fused(
         &mut self,
@@ -377,7 +292,67 @@ impl Optimizer for AdamW8bit {
         grad_mul: f64,
         model: Option<&[Var]>,
     ) -> Result<()> {
-        self.fused(params, grads, lr, grad_mul, model)
+        self.t += 1;
+        let base = super::adamw::cuda_step(&self.cfg, self.t, lr, grad_mul);
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            let (n, dev) = (p.elem_count(), p.device());
+            if g.elem_count() != n {
+                return Err(Error::Invalid(format!(
+                    "parameter {i}: gradient of {} elements for {n} weights",
+                    g.elem_count()
+                )));
+            }
+            let w = model.map(|ms| ms[i].as_tensor());
+            let seed = super::write::kernel_seed(p, self.rules.sr(), self.t, i);
+            let base = ft_kernels::cuda::AdamWStep {
+                weight_decay: self.rules.wd(i, self.cfg.weight_decay),
+                seed,
+                ..base
+            };
+            let slot = &mut self.slots[i];
+            if n < MIN_8BIT_SIZE {
+                restored_fp32(slot, i, n)?;
+                for t in [&mut slot.m, &mut slot.v] {
+                    if let Some(x) = t.as_ref().filter(|x| !x.device().same_device(dev)) {
+                        *t = Some(x.to_device(dev)?);
+                    }
+                }
+                super::adamw::fused_fp32_moments(p, g, &mut slot.m, &mut slot.v, w, &base)?;
+                continue;
+            }
+            let first = codes_on(slot, i, n, dev)?;
+            let maps = match &self.device_maps {
+                Some(t) if t.device().same_device(dev) => t.clone(),
+                _ => {
+                    let (smap, umap) = maps();
+                    let t = Tensor::from_iter(smap.iter().chain(umap).copied(), dev)?;
+                    self.device_maps = Some(t.clone());
+                    t
+                }
+            };
+            let slot = &self.slots[i];
+            let (Some(m), Some(v), Some(m_max), Some(v_max)) =
+                (&slot.m, &slot.v, &slot.m_max, &slot.v_max)
+            else {
+                return Err(only_one(i));
+            };
+            let q = ft_kernels::cuda::Moments8bit {
+                m,
+                v,
+                m_max,
+                v_max,
+                maps: &maps,
+            };
+            let step = ft_kernels::cuda::AdamWStep { first, ..base };
+            let g = g.detach().contiguous()?;
+            if p.dtype() == DType::F32 {
+                ft_kernels::cuda::adamw8bit_fused(p.as_tensor(), &q, &g, w, &step)?;
+            } else {
+                ft_kernels::cuda::adamw8bit_fused_in_place(p.as_tensor(), &q, &g, &step)?;
+            }
+        }
+        Ok(())
     }
 
     fn rules(&mut self) -> &mut WriteRules {

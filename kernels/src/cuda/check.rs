@@ -1,15 +1,21 @@
-//! The timing loop of the per-family examples (`examples/time_*.rs`), llm.c's
-//! `benchmark_kernel`: the result is checked against the CPU reference first, then a warm-up
-//! run, then `iters` runs between two stream synchronisations.
+//! What the GPU checks (`tests/cuda/`, ft-trainer's `tests/cuda/`) and the per-family timing
+//! examples (`examples/time_*.rs`) share: the device, the comparison with a CPU reference, and
+//! llm.c's `benchmark_kernel` loop (a warm-up run, then `iters` runs between two stream
+//! synchronisations).
 
 use candle_core::{DType, Device, Result, Tensor};
 
-/// The first CUDA device, or `None` (said on stderr) where there is none.
+/// The first CUDA device, or `None` (said on stderr: the caller skips) where none opens. With
+/// `FT_REQUIRE_GPU=1` (as `scripts/gpu-bench.sh` runs the checks) a missing device panics, so a
+/// broken driver is no pass.
 pub fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
+        Err(e) if std::env::var("FT_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("FT_REQUIRE_GPU=1 but no CUDA device: {e}")
+        }
         Err(e) => {
-            eprintln!("no CUDA device ({e}): nothing to time");
+            eprintln!("skipped: no CUDA device ({e})");
             None
         }
     }
@@ -34,7 +40,7 @@ pub fn max_rel_diff(got: &Tensor, want: &Tensor) -> Result<f64> {
     let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
     let w = want.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
     let d = (&g - &w)?.abs()?.max_all()?.to_scalar::<f64>()?;
-    Ok(d / w.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-30))
+    Ok(d / w.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-12))
 }
 
 /// One line of a timing table: the case, its time and, given the bytes a run reads and writes,
