@@ -13,7 +13,7 @@ use ft_trainer::ledger::Category;
 use ft_trainer::train::ema::Ema;
 use ft_trainer::train::plan::StatePlan;
 use ft_trainer::train::{Binary, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
-use ft_trainer::update::Precision;
+use ft_trainer::update::{MixedOptimizer, Precision};
 
 use crate::cache::{Cache, CacheSettings};
 use crate::cli::Args;
@@ -72,76 +72,15 @@ pub fn setup(args: &Args) -> Result<Setup> {
     let mut s = SessionBuilder::new(&args.common)?;
     let (device, precision) = (s.device().clone(), s.precision());
 
-    let mut pipeline = open_pipeline(&args)?;
-    let mut schedule = pipeline.schedule.clone();
-    if let Some(p) = &args.prediction_type {
-        schedule.prediction = match p.as_str() {
-            "epsilon" => Prediction::Epsilon,
-            "v_prediction" => Prediction::VPrediction,
-            other => {
-                return Err(anyhow!(
-                    "--prediction-type `{other}`: expected epsilon or v_prediction"
-                ))
-            }
-        };
-        pipeline.schedule = schedule.clone();
-    }
+    let pipeline = open_pipeline(&args)?;
+    let schedule = pipeline.schedule.clone();
     let data_dir: PathBuf = args
         .data_dir
         .clone()
         .ok_or_else(|| anyhow!("--data-dir is required"))?;
     let folder = ImageFolder::scan(&data_dir, &args.caption_column)?;
-    let prompts: Vec<String> = if args.sample_prompt.is_empty() {
-        let mut seen = Vec::new();
-        for r in &folder.records {
-            if seen.len() >= args.num_samples {
-                break;
-            }
-            if !seen.contains(&r.caption) {
-                seen.push(r.caption.clone());
-            }
-        }
-        seen
-    } else {
-        args.sample_prompt.clone()
-    };
-    // The encoders run in the training dtype, except f16, where SDXL's VAE overflows.
-    let encoder_dtype = match precision.storage {
-        DType::F16 => DType::F32,
-        d => d,
-    };
-    // Latent sides must halve cleanly through the UNet's levels.
-    let multiple = pipeline.vae_factor() * pipeline.unet_factor();
-    if !args.res.is_multiple_of(multiple) {
-        return Err(anyhow!(
-            "--res {} must be a multiple of {multiple} for this model (VAE factor {} x UNet factor {})",
-            args.res,
-            pipeline.vae_factor(),
-            pipeline.unet_factor()
-        ));
-    }
-    let buckets = args.aspect_buckets.then(|| {
-        let step = args
-            .bucket_step
-            .unwrap_or(if args.res >= 512 { 64 } else { 8 })
-            .div_ceil(multiple)
-            * multiple;
-        crate::data::buckets(args.res, step)
-    });
-    let settings = CacheSettings {
-        res: args.res,
-        buckets,
-        crop: if args.crop == "random" {
-            Crop::Random
-        } else {
-            Crop::Center
-        },
-        flip: args.random_flip,
-        seed: args.common.seed,
-        strict_images: args.strict_images,
-        device: device.clone(),
-        dtype: encoder_dtype,
-    };
+    let prompts = sample_prompts(&args, &folder);
+    let settings = cache_settings(&args, &pipeline, precision, &device)?;
     let cache_root = args.cache_dir.clone().unwrap_or_else(|| out.join("cache"));
     let cache = Cache::build_or_reuse(
         &cache_root,
@@ -162,37 +101,11 @@ pub fn setup(args: &Args) -> Result<Setup> {
     s.loaded()?;
     let store = s.store().clone();
     let optimizer = s.optimizer(&unet_plan(&args, &store, &unet, precision)?)?;
-    let ema = if args.ema {
-        let ema_device = if args.ema_device == "cpu" {
-            Device::Cpu
-        } else {
-            device.clone()
-        };
-        let weights = if optimizer.masters().is_empty() {
-            optimizer.params()
-        } else {
-            optimizer.masters()
-        };
-        let mut ema = Ema::new(
-            optimizer.names(),
-            weights,
-            args.ema_decay,
-            args.ema_every,
-            &ema_device,
-        )?;
-        if let Some(dir) = &args.common.resume {
-            let saved =
-                ModelRepo::Local(dir.clone()).safetensors("unet_ema/diffusion_pytorch_model")?;
-            ema.load(|name, shape| {
-                Ok(saved.load(name, Some(shape), DType::F32, &Device::Cpu, false)?)
-            })?;
-        }
+    let ema = ema(&args, &optimizer, &device)?;
+    if let Some(ema) = &ema {
         s.ledger()
             .set_on(Category::Ema, "unet", ema.bytes(), ema.device());
-        Some(ema)
-    } else {
-        None
-    };
+    }
     let dtype = precision.storage;
     let task = SdxlTask::new(
         unet,
@@ -225,9 +138,115 @@ pub fn setup(args: &Args) -> Result<Setup> {
     Ok(s.session(task, optimizer, LoopPlan::new(Units::Samples, batches))?)
 }
 
-/// The diffusers pipeline `--model` (or the default) names, with `--variant`.
+/// The diffusers pipeline `--model` (or the default) names, with `--variant`, its scheduler's
+/// prediction type replaced by `--prediction-type`.
 fn open_pipeline(args: &Args) -> Result<Pipeline> {
-    Pipeline::open(args.model().unwrap_or_default(), args.variant.clone())
+    let mut pipeline = Pipeline::open(args.model().unwrap_or_default(), args.variant.clone())?;
+    if let Some(p) = &args.prediction_type {
+        pipeline.schedule.prediction = match p.as_str() {
+            "epsilon" => Prediction::Epsilon,
+            "v_prediction" => Prediction::VPrediction,
+            other => {
+                return Err(anyhow!(
+                    "--prediction-type `{other}`: expected epsilon or v_prediction"
+                ))
+            }
+        };
+    }
+    Ok(pipeline)
+}
+
+/// The prompts of the evaluation samples: `--sample-prompt`, else the first `--num-samples`
+/// distinct captions of the data.
+fn sample_prompts(args: &Args, folder: &ImageFolder) -> Vec<String> {
+    if !args.sample_prompt.is_empty() {
+        return args.sample_prompt.clone();
+    }
+    let mut seen = Vec::new();
+    for r in &folder.records {
+        if seen.len() >= args.num_samples {
+            break;
+        }
+        if !seen.contains(&r.caption) {
+            seen.push(r.caption.clone());
+        }
+    }
+    seen
+}
+
+/// What the latent and embedding cache is built with: resolution and aspect buckets (checked
+/// against the VAE and UNet's downsampling), crop, flips, and the encoders' dtype.
+fn cache_settings(
+    args: &Args,
+    pipeline: &Pipeline,
+    precision: Precision,
+    device: &Device,
+) -> Result<CacheSettings> {
+    // The encoders run in the training dtype, except f16, where SDXL's VAE overflows.
+    let encoder_dtype = match precision.storage {
+        DType::F16 => DType::F32,
+        d => d,
+    };
+    // Latent sides must halve cleanly through the UNet's levels.
+    let multiple = pipeline.vae_factor() * pipeline.unet_factor();
+    if !args.res.is_multiple_of(multiple) {
+        return Err(anyhow!(
+            "--res {} must be a multiple of {multiple} for this model (VAE factor {} x UNet factor {})",
+            args.res,
+            pipeline.vae_factor(),
+            pipeline.unet_factor()
+        ));
+    }
+    let buckets = args.aspect_buckets.then(|| {
+        let step = args
+            .bucket_step
+            .unwrap_or(if args.res >= 512 { 64 } else { 8 })
+            .div_ceil(multiple)
+            * multiple;
+        crate::data::buckets(args.res, step)
+    });
+    Ok(CacheSettings {
+        res: args.res,
+        buckets,
+        crop: if args.crop == "random" {
+            Crop::Random
+        } else {
+            Crop::Center
+        },
+        flip: args.random_flip,
+        seed: args.common.seed,
+        strict_images: args.strict_images,
+        device: device.clone(),
+        dtype: encoder_dtype,
+    })
+}
+
+/// With `--ema`, the average of the optimizer's weights (its fp32 masters where it has them) on
+/// the host or the device, restored from the checkpoint being resumed.
+fn ema(args: &Args, optimizer: &MixedOptimizer, device: &Device) -> Result<Option<Ema>> {
+    if !args.ema {
+        return Ok(None);
+    }
+    let ema_device = if args.ema_device == "cpu" {
+        Device::Cpu
+    } else {
+        device.clone()
+    };
+    let mut ema = Ema::new(
+        optimizer.names(),
+        optimizer.weights(),
+        args.ema_decay,
+        args.ema_every,
+        &ema_device,
+    )?;
+    if let Some(dir) = &args.common.resume {
+        let saved =
+            ModelRepo::Local(dir.clone()).safetensors("unet_ema/diffusion_pytorch_model")?;
+        ema.load(|name, shape| {
+            Ok(saved.load(name, Some(shape), DType::F32, &Device::Cpu, false)?)
+        })?;
+    }
+    Ok(Some(ema))
 }
 
 fn report_cache(cache: &Cache) {

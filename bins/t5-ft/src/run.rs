@@ -72,28 +72,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     s.loaded()?;
     let segments = model.segments();
 
-    let fields = Fields {
-        input: args.input_field.clone(),
-        target: args.target_field.clone(),
-        skip_bad: args.skip_bad_lines,
-    };
-    let train_path: PathBuf = args
-        .train_file
-        .clone()
-        .ok_or_else(|| anyhow::anyhow!("--train-file is required"))?;
-    let train_file = RecordFile::open(&train_path, fields.clone())?;
-    if !train_file.skipped().is_empty() {
-        eprintln!(
-            "{}: skipped {} malformed records (first at line {})",
-            train_path.display(),
-            train_file.skipped().len(),
-            train_file.skipped()[0].0
-        );
-    }
-    let eval_file = match &args.eval_file {
-        Some(p) => Some(RecordFile::open(p, fields)?),
-        None => None,
-    };
+    let (train_file, eval_file) = record_files(&args)?;
     let collator = Collator::from_file(
         &tokenizer_path,
         args.max_source_length,
@@ -137,6 +116,33 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     optimizer.exempt_from_weight_decay(hf_trainer_no_decay);
     let batches = task.batches_per_epoch();
     Ok(s.session(task, optimizer, LoopPlan::new(Units::Tokens, batches))?)
+}
+
+/// The training file (its malformed records reported when skipped) and the evaluation file.
+fn record_files(args: &Args) -> anyhow::Result<(RecordFile, Option<RecordFile>)> {
+    let fields = Fields {
+        input: args.input_field.clone(),
+        target: args.target_field.clone(),
+        skip_bad: args.skip_bad_lines,
+    };
+    let train_path: PathBuf = args
+        .train_file
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("--train-file is required"))?;
+    let train_file = RecordFile::open(&train_path, fields.clone())?;
+    if !train_file.skipped().is_empty() {
+        eprintln!(
+            "{}: skipped {} malformed records (first at line {})",
+            train_path.display(),
+            train_file.skipped().len(),
+            train_file.skipped()[0].0
+        );
+    }
+    let eval_file = match &args.eval_file {
+        Some(p) => Some(RecordFile::open(p, fields)?),
+        None => None,
+    };
+    Ok((train_file, eval_file))
 }
 
 /// Trains as the arguments say and prints the memory table.

@@ -196,13 +196,8 @@ impl<T: Task> Loop<'_, T> {
         self.ledger.remove(Category::Gradients, "model");
         self.opt.account(self.ledger, "model");
         self.step += 1;
-        let weights = if self.opt.masters().is_empty() {
-            self.opt.params()
-        } else {
-            self.opt.masters()
-        };
         self.task
-            .after_step(self.step, weights, self.ledger)
+            .after_step(self.step, self.opt.weights(), self.ledger)
             .map_err(Error::Task)?;
         self.ledger.mark("step", self.step)?;
         Ok(StepReport {

@@ -137,6 +137,16 @@ impl MixedOptimizer {
         &self.masters
     }
 
+    /// The weights the optimizer updates: the fp32 masters where there are some, else the
+    /// model's own (what an EMA averages).
+    pub fn weights(&self) -> &[Var] {
+        if self.masters.is_empty() {
+            &self.model
+        } else {
+            &self.masters
+        }
+    }
+
     /// Where the masters and optimizer state live.
     pub fn placement(&self) -> StatePlacement {
         self.placement
