@@ -221,3 +221,49 @@ fn full_bf16_rounding_follows_the_seed() -> anyhow::Result<()> {
     assert_ne!(run("1")?, run("2")?);
     Ok(())
 }
+
+/// A binary's arguments through the shared parser: its default model when `--model` is not
+/// given (also by code that builds the arguments with clap alone), its `--demo` preset under
+/// `--demo` and its defaults preset otherwise, both below a config file and the flags.
+#[test]
+fn a_binary_gets_its_default_model_and_its_presets() -> anyhow::Result<()> {
+    use ft_trainer::train::{parse_args_from, Binary, CommonArgs};
+    #[derive(Parser, Serialize, Deserialize, Debug)]
+    struct Bin {
+        #[arg(long, default_value_t = 3)]
+        own: u32,
+        #[command(flatten)]
+        #[serde(flatten)]
+        common: CommonArgs,
+    }
+    impl Binary for Bin {
+        const DEFAULT_MODEL: Option<&'static str> = Some("org/default-model");
+        const DEMO: (&'static str, &'static str) = ("demo preset", "own = 7\nbatch_size = 16\n");
+        const DEFAULTS: Option<(&'static str, &'static str)> = Some(("defaults", "lr = 0.5\n"));
+        fn common(&self) -> &CommonArgs {
+            &self.common
+        }
+    }
+    let plain: Bin = parse_args_from(["bin"])?;
+    assert_eq!(plain.model(), Some("org/default-model"));
+    assert_eq!(
+        (plain.own, plain.common.lr),
+        (3, 0.5),
+        "the defaults preset"
+    );
+    let demo: Bin = parse_args_from(["bin", "--demo", "--own", "9"])?;
+    assert_eq!(
+        (demo.own, demo.common.batch_size),
+        (9, 16),
+        "flag over preset"
+    );
+    assert_eq!(
+        demo.common.lr, 1e-4,
+        "--demo takes the demo preset, not the defaults"
+    );
+    let named: Bin = parse_args_from(["bin", "--model", "my/model"])?;
+    assert_eq!(named.model(), Some("my/model"));
+    let built = Bin::parse_from(["bin"]);
+    assert_eq!(built.model(), Some("org/default-model"), "clap alone");
+    Ok(())
+}

@@ -62,6 +62,13 @@ pub struct Args {
 impl Args {
     /// Rejects impossible settings with a message naming the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
+        // Before the shared checks, which would ask for --gradient-checkpointing.
+        if self.common.gradient_checkpointing || self.common.fused_backward {
+            anyhow::bail!(
+                "fewshot-ft's models have no checkpoint segments: --gradient-checkpointing and \
+                 --fused-backward do not apply"
+            );
+        }
         self.common.validate()?;
         if self.n_way < 2 || self.k_shot == 0 || self.n_query == 0 || self.n_episode == 0 {
             anyhow::bail!(
@@ -72,12 +79,6 @@ impl Args {
             anyhow::bail!("--val-episodes and --test-episodes must be at least 1");
         }
         // `--plan` needs the model's settings alone.
-        if self.common.gradient_checkpointing || self.common.fused_backward {
-            anyhow::bail!(
-                "fewshot-ft's models have no checkpoint segments: --gradient-checkpointing and \
-                 --fused-backward do not apply"
-            );
-        }
         if !self.common.demo && !self.common.plan && self.data_dir.is_none() {
             anyhow::bail!("--data-dir is required (or --demo for generated images)");
         }

@@ -75,8 +75,57 @@ fn demo_learns_far_above_chance_and_an_untrained_model_does_not() -> anyhow::Res
         "an untrained FSCT must not reach the margin: {:.1}%",
         untrained.test.mean
     );
+    // `--model` starts from the saved best model instead of the seed: with (almost) no further
+    // training it tests as the trained run did, where the seed's weights test at chance.
+    let best = out.join("best").display().to_string();
+    let started = run(&demo(
+        &tmp("from-best"),
+        &[
+            "--model",
+            &best,
+            "--lr",
+            "1e-12",
+            "--n-episode",
+            "1",
+            "--epochs",
+            "1",
+        ],
+    ))?;
+    println!("from best/: {:?}", started.test);
+    assert!(
+        (started.test.mean - trained.test.mean).abs() < 2.0,
+        "from best/: {:.1}% against the trained run's {:.1}%",
+        started.test.mean,
+        trained.test.mean
+    );
     std::fs::remove_dir_all(&out).ok();
     Ok(())
+}
+
+/// What fewshot-ft's models cannot do is refused by name before anything runs, and a `--model`
+/// folder without weights names the file it looked for.
+#[test]
+fn checkpointing_flags_and_a_model_without_weights_are_refused() {
+    for flag in ["--gradient-checkpointing", "--fused-backward"] {
+        let e = setup(&demo(&tmp("ck"), &[flag]))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("--gradient-checkpointing") && e.contains("no checkpoint segments"),
+            "{e}"
+        );
+    }
+    let empty = tmp("empty-model");
+    std::fs::create_dir_all(&empty).ok();
+    let e = setup(&demo(
+        &tmp("no-weights"),
+        &["--model", &empty.display().to_string()],
+    ))
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(e.contains("model.safetensors"), "{e}");
 }
 
 #[test]
