@@ -138,7 +138,11 @@ impl Pipeline {
     /// The weights of `folder` (`{stem}.{variant}.safetensors` first when a variant is asked for).
     pub fn weights(&self, folder: &str, stem: &str) -> Result<SafetensorsFiles> {
         if let Some(v) = &self.variant {
-            if let Ok(f) = self.repo.safetensors(&format!("{folder}/{stem}.{v}")) {
+            // A variant the model lacks falls back; a failure to tell is an error.
+            if let Some(f) = self
+                .repo
+                .safetensors_if_present(&format!("{folder}/{stem}.{v}"))?
+            {
                 return Ok(f);
             }
             tracing::warn!("{folder}: no `{v}` variant, loading the default weights");
@@ -174,17 +178,14 @@ impl Pipeline {
             1 => ("tokenizer", &self.text_encoder),
             _ => ("tokenizer_2", &self.text_encoder_2),
         };
-        // Fetch the optional files first so a hub snapshot folder holds them all.
-        for f in [
-            "special_tokens_map.json",
-            "tokenizer_config.json",
-            "tokenizer.json",
-        ] {
-            let _ = self.repo.get(&format!("{folder}/{f}"));
+        // Fetch the optional files first so a hub snapshot folder holds them all (absent ones
+        // are fine; a failure to tell is an error).
+        for f in ["special_tokens_map.json", "tokenizer_config.json"] {
+            self.repo.find(&format!("{folder}/{f}"))?;
         }
-        let dir: PathBuf = match self.repo.get(&format!("{folder}/tokenizer.json")) {
-            Ok(p) => p,
-            Err(_) => self.repo.get(&format!("{folder}/vocab.json"))?,
+        let dir: PathBuf = match self.repo.find(&format!("{folder}/tokenizer.json"))? {
+            Some(p) => p,
+            None => self.repo.get(&format!("{folder}/vocab.json"))?,
         }
         .parent()
         .map(|p| p.to_path_buf())

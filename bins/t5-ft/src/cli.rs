@@ -7,8 +7,9 @@ use ft_trainer::train::{Binary, CommonArgs};
 use serde::{Deserialize, Serialize};
 
 /// Fine-tune a (FLAN-)T5 model on input/target pairs, loading its weights once in the training
-/// dtype. `--model` is a folder or hub id with config.json and tokenizer.json (e.g.
-/// google/flan-t5-xl); without model.safetensors the weights are initialised from --seed.
+/// dtype. `--model` is a folder or hub id with config.json, tokenizer.json and
+/// model.safetensors (or its sharded index), e.g. google/flan-t5-xl; `--from-scratch` initialises
+/// the weights from --seed instead and needs the first two only.
 /// `--demo`: a tiny T5 learns to reverse digit sequences.
 #[derive(Parser, Serialize, Deserialize, Debug, Clone)]
 #[command(version, about)]
@@ -31,6 +32,10 @@ pub struct Args {
     /// Truncate targets to this many tokens.
     #[arg(long, default_value_t = 128)]
     pub max_target_length: usize,
+    /// Initialise the weights from --seed instead of loading the model's (which it then need not
+    /// have): a pretraining run. Without it, a model without model.safetensors is an error.
+    #[arg(long)]
+    pub from_scratch: bool,
     /// Batch records of similar length together (less padding).
     #[arg(long)]
     pub group_by_length: bool,

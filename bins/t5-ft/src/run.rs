@@ -29,6 +29,8 @@ fn resolved(args: &Args) -> anyhow::Result<Args> {
         let dir = out.join("demo-data");
         crate::demo::write(&dir, 2000, 64, args.common.seed)?;
         args.common.model = Some(dir.join("model").display().to_string());
+        // The demo's tiny model has a config and a tokenizer, no weights.
+        args.from_scratch = true;
         args.train_file = Some(dir.join("train.jsonl"));
         args.eval_file = Some(dir.join("eval.jsonl"));
     }
@@ -60,13 +62,12 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let mut s = SessionBuilder::new(&args.common)?;
     let (repo, cfg) = model_config(&args)?;
     let tokenizer_path = repo.get("tokenizer.json")?;
-    // Weights come from the checkpoint being resumed, else the model, else the seed.
+    // Weights come from the checkpoint being resumed, else the model's own (an error when it has
+    // none), else, with --from-scratch only, the seed.
     let weights = match s.resumed_weights("model")? {
         Some(w) => Some(w),
-        None if repo.has("model.safetensors") || repo.has("model.safetensors.index.json") => {
-            Some(repo.safetensors("model")?)
-        }
-        None => None,
+        None if args.from_scratch => None,
+        None => Some(repo.safetensors("model")?),
     };
     let model = T5::new(&s.params(weights), &cfg)?;
     s.loaded()?;

@@ -55,18 +55,29 @@ impl ModelRepo {
         }
     }
 
-    /// Path of `file` in the model, downloading it from the hub when needed and allowed.
+    /// Path of `file` in the model, downloading it from the hub when needed and allowed; a
+    /// missing file is an error naming it.
     pub fn get(&self, file: &str) -> Result<PathBuf> {
+        self.find(file)?.ok_or_else(|| self.missing(file))
+    }
+
+    /// Path of `file` in the model, or `None` when the model certainly has no such file (absent
+    /// from the folder; a 404 from the hub). Anything that leaves it unknown is an error: a
+    /// folder that cannot be read, a network failure, a file absent from the cache while
+    /// `HF_HUB_OFFLINE` is set. Optional files are looked up with this, so that a failure is
+    /// never taken for absence.
+    pub fn find(&self, file: &str) -> Result<Option<PathBuf>> {
         match self {
             ModelRepo::Local(dir) => {
                 let p = dir.join(file);
-                if p.is_file() {
-                    Ok(p)
-                } else {
-                    Err(Error::io(
-                        p,
-                        std::io::Error::new(std::io::ErrorKind::NotFound, "file not found"),
-                    ))
+                match std::fs::metadata(&p) {
+                    Ok(m) if m.is_file() => Ok(Some(p)),
+                    Ok(_) => Err(Error::io(
+                        &p,
+                        std::io::Error::other("not a file (a folder?)"),
+                    )),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(Error::io(&p, e)),
                 }
             }
             ModelRepo::Hub { id, revision } => {
@@ -77,7 +88,7 @@ impl ModelRepo {
                 );
                 let cache = hf_hub::Cache::from_env();
                 if let Some(p) = cache.repo(repo.clone()).get(file) {
-                    return Ok(p);
+                    return Ok(Some(p));
                 }
                 if env_flag("HF_HUB_OFFLINE") {
                     return Err(Error::Hub {
@@ -96,40 +107,107 @@ impl ModelRepo {
                         id: id.clone(),
                         reason: e.to_string(),
                     })?;
-                api.repo(repo).get(file).map_err(|e| Error::Hub {
-                    id: id.clone(),
-                    reason: format!("`{file}`: {e}"),
-                })
+                match api.repo(repo).get(file) {
+                    Ok(p) => Ok(Some(p)),
+                    Err(hf_hub::api::sync::ApiError::RequestError(e))
+                        if matches!(*e, ureq::Error::Status(404, _)) =>
+                    {
+                        Ok(None)
+                    }
+                    Err(e) => Err(Error::Hub {
+                        id: id.clone(),
+                        reason: format!("`{file}`: {e}"),
+                    }),
+                }
             }
         }
     }
 
-    /// True when `file` exists locally or can be fetched (a missing optional file is not an error).
-    pub fn has(&self, file: &str) -> bool {
-        self.get(file).is_ok()
+    /// The error of a file the model does not have.
+    fn missing(&self, file: &str) -> Error {
+        match self {
+            ModelRepo::Local(dir) => Error::io(
+                dir.join(file),
+                std::io::Error::new(std::io::ErrorKind::NotFound, "file not found"),
+            ),
+            ModelRepo::Hub { id, .. } => Error::Hub {
+                id: id.clone(),
+                reason: format!("the repository has no `{file}`"),
+            },
+        }
     }
 
     /// Opens the safetensors weights named `stem` (`model`, `diffusion_pytorch_model`, ...): the
     /// single file `{stem}.safetensors`, or the shards listed in `{stem}.safetensors.index.json`.
-    /// `stem` may name a subfolder (`unet/diffusion_pytorch_model`).
+    /// `stem` may name a subfolder (`unet/diffusion_pytorch_model`). Neither there is an error
+    /// that names both and the weight files of other formats the folder holds.
     pub fn safetensors(&self, stem: &str) -> Result<SafetensorsFiles> {
-        let single = format!("{stem}.safetensors");
-        let index = format!("{stem}.safetensors.index.json");
-        match self.get(&single) {
-            Ok(p) => Ok(SafetensorsFiles::open(&[p])?),
-            Err(single_err) => match self.get(&index) {
-                Ok(idx) => {
-                    let shards = shards_of_index(&idx)?;
-                    // Shard names in an index are relative to its folder (`unet/` in diffusers).
-                    let folder = stem.rsplit_once('/').map(|(d, _)| format!("{d}/"));
-                    let paths = shards
-                        .iter()
-                        .map(|s| self.get(&format!("{}{s}", folder.as_deref().unwrap_or(""))))
-                        .collect::<Result<Vec<_>>>()?;
-                    Ok(SafetensorsFiles::open(&paths)?)
-                }
-                Err(_) => Err(single_err),
-            },
+        self.safetensors_if_present(stem)?.ok_or_else(|| {
+            let others = self.other_weight_files(stem);
+            let found = if others.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (it has {}: only safetensors are read; convert them, e.g. transformers' \
+                     save_pretrained(dir, safe_serialization=True))",
+                    others.join(", ")
+                )
+            };
+            match self {
+                ModelRepo::Local(dir) => Error::Invalid(format!(
+                    "{}: no {stem}.safetensors nor {stem}.safetensors.index.json{found}",
+                    dir.display()
+                )),
+                ModelRepo::Hub { id, .. } => Error::Hub {
+                    id: id.clone(),
+                    reason: format!(
+                        "no {stem}.safetensors nor {stem}.safetensors.index.json{found}"
+                    ),
+                },
+            }
+        })
+    }
+
+    /// [`Self::safetensors`], or `None` when the model certainly has neither file (see
+    /// [`Self::find`]: any other failure is an error).
+    pub fn safetensors_if_present(&self, stem: &str) -> Result<Option<SafetensorsFiles>> {
+        if let Some(p) = self.find(&format!("{stem}.safetensors"))? {
+            return Ok(Some(SafetensorsFiles::open(&[p])?));
         }
+        let Some(idx) = self.find(&format!("{stem}.safetensors.index.json"))? else {
+            return Ok(None);
+        };
+        let shards = shards_of_index(&idx)?;
+        // Shard names in an index are relative to its folder (`unet/` in diffusers).
+        let folder = stem.rsplit_once('/').map(|(d, _)| format!("{d}/"));
+        let paths = shards
+            .iter()
+            .map(|s| self.get(&format!("{}{s}", folder.as_deref().unwrap_or(""))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(SafetensorsFiles::open(&paths)?))
+    }
+
+    /// Weight files of other formats beside `stem` in a local folder (`pytorch_model.bin`,
+    /// `*.ckpt`, ...), for the error that says why none was read; none known for a hub id.
+    fn other_weight_files(&self, stem: &str) -> Vec<String> {
+        let ModelRepo::Local(dir) = self else {
+            return Vec::new();
+        };
+        let sub = stem.rsplit_once('/').map(|(d, _)| dir.join(d));
+        let folder = sub.unwrap_or_else(|| dir.clone());
+        let Ok(entries) = std::fs::read_dir(&folder) else {
+            return Vec::new();
+        };
+        let mut found: Vec<String> = entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| {
+                [".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack"]
+                    .iter()
+                    .any(|ext| n.ends_with(ext))
+            })
+            .collect();
+        found.sort();
+        found
     }
 }
