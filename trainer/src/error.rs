@@ -20,6 +20,9 @@ pub enum Error {
     Config { path: String, reason: String },
     #[error("{0}")]
     Invalid(String),
+    /// The loss or the gradients went non-finite for too many steps in a row.
+    #[error("training diverged: {0}")]
+    Diverged(String),
     /// What a binary's [`crate::train::Task`] reported.
     #[error(transparent)]
     Task(Box<dyn std::error::Error + Send + Sync>),

@@ -72,7 +72,7 @@ fn fused_backward_updates_each_layer_during_the_backward() -> anyhow::Result<()>
             }
             let loss = h.to_dtype(DType::F32)?.sqr()?.mean_all()?;
             if fused {
-                taken += opt.backward_and_step(&ck, &loss, 1e-2)?;
+                taken += opt.backward_and_step(&ck, &loss, 1e-2)?.updated_in_backward;
             } else {
                 let grads = ck.gradients(&loss, &vars)?;
                 opt.step(grads, 1e-2)?;
@@ -148,7 +148,10 @@ fn fused_backward_clips_each_tensor_by_its_own_norm() -> anyhow::Result<()> {
             h = ck.run(layer_fn(l), &[&h], &l.params)?;
         }
         let loss = h.sqr()?.mean_all()?;
-        assert_eq!(opt.backward_and_step(&ck, &loss, lr)?, vars.len());
+        assert_eq!(
+            opt.backward_and_step(&ck, &loss, lr)?.updated_in_backward,
+            vars.len()
+        );
         for (i, (v, w)) in vars.iter().zip(&want).enumerate() {
             let d = (v.as_tensor() - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(d < 1e-6, "step {step}, tensor {i}: off by {d}");

@@ -56,7 +56,10 @@ fn hub_id_loads_from_cache_offline() -> anyhow::Result<()> {
     );
     // Offline, a file absent from the cache cannot be told absent from the repository: an
     // optional lookup is an error too, never a silent "no such file".
-    let e = repo.find("model.safetensors.index.json").unwrap_err().to_string();
+    let e = repo
+        .find("model.safetensors.index.json")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("HF_HUB_OFFLINE"), "{e}");
     let e = ModelRepo::open("not a model id").unwrap_err().to_string();
     assert!(e.contains("not a model id"), "{e}");
@@ -93,7 +96,10 @@ fn sharded_checkpoint_loads_through_its_index() -> anyhow::Result<()> {
         std::fs::copy(dir.join(f), sub.join(f))?;
     }
     let repo = ModelRepo::open(dir.to_str().unwrap_or_default())?;
-    assert!(repo.find("model.safetensors")?.is_none(), "absent from the folder");
+    assert!(
+        repo.find("model.safetensors")?.is_none(),
+        "absent from the folder"
+    );
     assert!(repo.find("model.safetensors.index.json")?.is_some());
     for stem in ["model", "unet/model"] {
         let files = Arc::new(repo.safetensors(stem)?);

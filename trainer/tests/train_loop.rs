@@ -138,6 +138,16 @@ fn run(
     max_steps: u64,
     resume: Option<PathBuf>,
 ) -> anyhow::Result<(train::RunSummary, Vec<f32>)> {
+    run_at(out, max_steps, resume, 0.3)
+}
+
+/// [`run`] at peak learning rate `lr`.
+fn run_at(
+    out: &Path,
+    max_steps: u64,
+    resume: Option<PathBuf>,
+    lr: f64,
+) -> anyhow::Result<(train::RunSummary, Vec<f32>)> {
     let (mut task, store) = Regression::new(resume.as_deref())?;
     let mut opt = MixedOptimizer::new(
         store.trainable()?,
@@ -165,7 +175,7 @@ fn run(
         max_steps,
         schedule: LrSchedule {
             kind: ScheduleKind::Cosine,
-            base_lr: 0.3,
+            base_lr: lr,
             warmup_steps: 2,
             total_steps: 12,
         },
@@ -176,6 +186,7 @@ fn run(
         progress: false,
         resume,
         best: None,
+        max_bad_steps: 3,
     };
     let mut ledger = Ledger::new(&Device::Cpu);
     let s = train::run(
@@ -234,5 +245,37 @@ fn loss_falls_and_resume_continues_the_same_curve() -> anyhow::Result<()> {
     );
     assert!(metrics.contains("eval_w0"));
     std::fs::remove_dir_all(&root)?;
+    Ok(())
+}
+
+/// A diverged run (a learning rate of 1e30: the loss overflows to inf) skips each bad step's
+/// update and stops with one error after three in a row, where it used to train on, save NaN
+/// checkpoints and exit 0; metrics.jsonl says which steps were skipped, and what was saved is
+/// finite.
+#[test]
+fn a_diverged_run_stops_with_one_error_after_three_bad_steps() -> anyhow::Result<()> {
+    let out = std::env::temp_dir().join(format!("ft-loop-diverged-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let e = run_at(&out, 12, None, 1e30).unwrap_err().to_string();
+    assert!(
+        e.contains("diverged") && e.contains("3 steps in a row"),
+        "{e}"
+    );
+    let skipped = train::logged(&out.join("metrics.jsonl"), "non_finite")?
+        .iter()
+        .filter(|v| v.as_bool() == Some(true))
+        .count();
+    assert_eq!(skipped, 3, "the three bad steps are logged as skipped");
+    // A checkpoint saved between the bad steps holds the last good weights: finite.
+    for entry in std::fs::read_dir(&out)? {
+        let dir = entry?.path();
+        if dir.join("model.safetensors").is_file() {
+            let files = SafetensorsFiles::open(&[dir.join("model.safetensors")])?;
+            let w = files.load("w", None, DType::F32, &Device::Cpu, false)?;
+            let w: Vec<f32> = w.flatten_all()?.to_vec1()?;
+            assert!(w.iter().all(|x| x.is_finite()), "{}: {w:?}", dir.display());
+        }
+    }
+    std::fs::remove_dir_all(&out).ok();
     Ok(())
 }

@@ -141,7 +141,7 @@ impl Pipeline {
             // A variant the model lacks falls back; a failure to tell is an error.
             if let Some(f) = self
                 .repo
-                .safetensors_if_present(&format!("{folder}/{stem}.{v}"))?
+                .safetensors_if_available(&format!("{folder}/{stem}.{v}"))?
             {
                 return Ok(f);
             }
@@ -181,9 +181,12 @@ impl Pipeline {
         // Fetch the optional files first so a hub snapshot folder holds them all (absent ones
         // are fine; a failure to tell is an error).
         for f in ["special_tokens_map.json", "tokenizer_config.json"] {
-            self.repo.find(&format!("{folder}/{f}"))?;
+            self.repo.find_if_available(&format!("{folder}/{f}"))?;
         }
-        let dir: PathBuf = match self.repo.find(&format!("{folder}/tokenizer.json"))? {
+        let dir: PathBuf = match self
+            .repo
+            .find_if_available(&format!("{folder}/tokenizer.json"))?
+        {
             Some(p) => p,
             None => self.repo.get(&format!("{folder}/vocab.json"))?,
         }

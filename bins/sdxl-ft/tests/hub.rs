@@ -41,7 +41,8 @@ fn hub_id_opens_a_cached_diffusers_snapshot_offline() -> anyhow::Result<()> {
     assert!(p.weights("unet", "diffusion_pytorch_model")?.paths()[0].starts_with(&home));
     // A variant the snapshot lacks falls back to the default weights.
     let pv = Pipeline::open("tiny-org/tiny-sdxl", Some("fp16".into()))?;
-    assert!(pv.weights("vae", "diffusion_pytorch_model").is_ok());
+    let w = pv.weights("vae", "diffusion_pytorch_model");
+    assert!(w.is_ok(), "{:?}", w.err());
 
     let images = out.join("images");
     sdxl_ft::demo::write_images(&images, 8, 2)?;

@@ -96,6 +96,11 @@ pub struct CommonArgs {
     /// Clip gradients to this global L2 norm (0 disables).
     #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
+    /// Stop with an error after this many steps in a row whose loss or gradient holds inf or NaN
+    /// (each one's update is skipped, and no checkpoint holds a non-finite weight); 0 never
+    /// stops.
+    #[arg(long, default_value_t = 3)]
+    pub max_bad_steps: u64,
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub gradient_checkpointing: bool,
@@ -128,8 +133,11 @@ impl CommonArgs {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("--lr must be a positive number");
         }
-        if self.max_grad_norm < 0.0 {
-            return bad("--max-grad-norm must be >= 0");
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
+            return bad("--max-grad-norm must be a number >= 0 (0 disables clipping)");
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("--weight-decay must be a number >= 0");
         }
         if let Some(p) = &self.precision {
             let parsed = Precision::parse(p)?;

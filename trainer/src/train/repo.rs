@@ -123,6 +123,16 @@ impl ModelRepo {
         }
     }
 
+    /// [`Self::find`] for a file whose absence only changes a default (a tokenizer's optional
+    /// config, a weights variant that falls back to the default weights): also `None` when
+    /// `HF_HUB_OFFLINE` is set and the cache lacks it. Never for weights a run cannot go without.
+    pub fn find_if_available(&self, file: &str) -> Result<Option<PathBuf>> {
+        match self.find(file) {
+            Err(Error::Hub { .. }) if env_flag("HF_HUB_OFFLINE") => Ok(None),
+            other => other,
+        }
+    }
+
     /// The error of a file the model does not have.
     fn missing(&self, file: &str) -> Error {
         match self {
@@ -171,10 +181,24 @@ impl ModelRepo {
     /// [`Self::safetensors`], or `None` when the model certainly has neither file (see
     /// [`Self::find`]: any other failure is an error).
     pub fn safetensors_if_present(&self, stem: &str) -> Result<Option<SafetensorsFiles>> {
-        if let Some(p) = self.find(&format!("{stem}.safetensors"))? {
+        self.safetensors_lookup(stem, |f| self.find(f))
+    }
+
+    /// [`Self::safetensors_if_present`] for weights that fall back to others when absent (a
+    /// `--variant`): also `None` offline when the cache lacks them ([`Self::find_if_available`]).
+    pub fn safetensors_if_available(&self, stem: &str) -> Result<Option<SafetensorsFiles>> {
+        self.safetensors_lookup(stem, |f| self.find_if_available(f))
+    }
+
+    fn safetensors_lookup(
+        &self,
+        stem: &str,
+        find: impl Fn(&str) -> Result<Option<PathBuf>>,
+    ) -> Result<Option<SafetensorsFiles>> {
+        if let Some(p) = find(&format!("{stem}.safetensors"))? {
             return Ok(Some(SafetensorsFiles::open(&[p])?));
         }
-        let Some(idx) = self.find(&format!("{stem}.safetensors.index.json"))? else {
+        let Some(idx) = find(&format!("{stem}.safetensors.index.json"))? else {
             return Ok(None);
         };
         let shards = shards_of_index(&idx)?;

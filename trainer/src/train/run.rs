@@ -28,6 +28,8 @@ fn mix(seed: u64, step: u64, micro: usize) -> u64 {
 
 /// What one step did, for its metrics line.
 struct StepReport {
+    /// The loss was inf or NaN: the step was skipped before its backward.
+    bad_loss: bool,
     loss: f64,
     lr: f64,
     samples: usize,
@@ -83,6 +85,7 @@ pub fn run<T: Task>(
     };
     let mut summary = RunSummary::default();
     let mut best = Best::new(cfg.best.clone());
+    let mut bad_in_a_row = 0u64;
     while l.step < cfg.max_steps {
         let t0 = Instant::now();
         let r = l.train_step()?;
@@ -93,6 +96,7 @@ pub fn run<T: Task>(
         metrics.write(serde_json::json!({
             "step": l.step, "epoch": l.epoch, "loss": r.loss, "lr": r.lr,
             "grad_norm": r.outcome.grad_norm, "skipped": !r.outcome.applied,
+            "non_finite": r.outcome.non_finite,
             "samples_per_s": per_s, "step_time_s": secs, "memory_bytes": live,
             "updated_in_backward": cfg.mode.fused_backward().then_some(r.updated_in_backward),
         }))?;
@@ -102,6 +106,32 @@ pub fn run<T: Task>(
             format_bytes(live as i64)
         ));
         bar.set_position(l.step);
+        if r.outcome.non_finite {
+            bad_in_a_row += 1;
+            let what = if r.bad_loss {
+                format!("loss {}", r.loss)
+            } else {
+                "gradient inf/NaN".to_string()
+            };
+            say(&bar, &format!("step {}: {what}, update skipped", l.step));
+            if cfg.max_bad_steps > 0 && bad_in_a_row >= cfg.max_bad_steps {
+                bar.abandon();
+                return Err(Error::Diverged(format!(
+                    "{bad_in_a_row} steps in a row (the last: step {}, {what}) had a non-finite \
+                     loss or gradient, and their updates were skipped: the run has diverged. \
+                     Nothing non-finite was saved{}; lower --lr, raise --warmup-steps or clip \
+                     with --max-grad-norm (--max-bad-steps sets how many to allow in a row)",
+                    l.step,
+                    summary
+                        .final_dir
+                        .as_ref()
+                        .map(|d| format!(" (the last checkpoint is {})", d.display()))
+                        .unwrap_or_default()
+                )));
+            }
+        } else {
+            bad_in_a_row = 0;
+        }
 
         let step = l.step;
         let last = step == cfg.max_steps;
@@ -111,7 +141,7 @@ pub fn run<T: Task>(
             l.ledger.mark("eval/after", step)?;
             metrics.write(eval_line(step, &m))?;
             if !m.is_empty() {
-                bar.println(format!("step {step}: {}", eval_text(&m)));
+                say(&bar, &format!("step {step}: {}", eval_text(&m)));
             }
             if let Some(v) = best.improved(&m) {
                 let dir = cfg.output_dir.join("best");
@@ -120,10 +150,13 @@ pub fn run<T: Task>(
             }
             summary.last_eval = m;
             if best.should_stop() && !last {
-                bar.println(format!(
-                    "early stopping at step {step}: no improvement in {} evaluations",
-                    best.bad_evals()
-                ));
+                say(
+                    &bar,
+                    &format!(
+                        "early stopping at step {step}: no improvement in {} evaluations",
+                        best.bad_evals()
+                    ),
+                );
                 summary.final_dir = Some(l.save(step)?);
                 summary.stopped_early = true;
                 break;
@@ -152,7 +185,8 @@ impl<T: Task> Loop<'_, T> {
         };
         let lr = self.cfg.schedule.lr_at(step);
         let fused = self.cfg.mode.fused_backward();
-        let (mut loss_sum, mut updated_in_backward) = (0f64, 0usize);
+        let (mut loss_sum, mut updated_in_backward, mut bad_loss) = (0f64, 0usize, false);
+        let mut non_finite_grads = false;
         for (micro, batch) in batches.iter().enumerate() {
             let ctx = StepCtx {
                 step,
@@ -163,17 +197,26 @@ impl<T: Task> Loop<'_, T> {
             self.checkpointer.begin_forward();
             let summed = self.task.summed_loss(batch, &ctx).map_err(Error::Task)?;
             let loss = norm.scale(&summed)?;
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            loss_sum += value;
+            self.ledger.mark("forward", step)?;
+            if !value.is_finite() {
+                // Nothing of this step reaches the weights: no backward, and the gradients of
+                // its earlier micro-batches are dropped.
+                bad_loss = true;
+                drop(self.acc.take());
+                break;
+            }
             let scaled = if self.opt.loss_scale() != 1.0 {
                 (loss * self.opt.loss_scale())?
             } else {
                 loss
             };
-            self.ledger.mark("forward", step)?;
             if fused {
                 // Backward and update together: no gradients of the whole model at once.
-                updated_in_backward +=
-                    self.opt.backward_and_step(self.checkpointer, &scaled, lr)?;
+                let f = self.opt.backward_and_step(self.checkpointer, &scaled, lr)?;
+                updated_in_backward += f.updated_in_backward;
+                non_finite_grads |= f.non_finite > 0;
             } else {
                 let grads = self.checkpointer.gradients(&scaled, &self.params)?;
                 drop(scaled);
@@ -185,10 +228,12 @@ impl<T: Task> Loop<'_, T> {
             self.ledger.mark("backward", step)?;
         }
         drop(batches);
-        let outcome = if fused {
+        let outcome = if bad_loss {
+            StepOutcome::skipped_non_finite()
+        } else if fused {
             StepOutcome {
-                applied: true,
-                grad_norm: None,
+                non_finite: non_finite_grads,
+                ..StepOutcome::applied_without_norm()
             }
         } else {
             self.opt.step(self.acc.take(), lr)?
@@ -201,6 +246,7 @@ impl<T: Task> Loop<'_, T> {
             .map_err(Error::Task)?;
         self.ledger.mark("step", self.step)?;
         Ok(StepReport {
+            bad_loss,
             loss: loss_sum,
             lr,
             samples,
@@ -237,6 +283,16 @@ impl<T: Task> Loop<'_, T> {
         let dir = self.cfg.output_dir.join(format!("checkpoint-{step}"));
         save_checkpoint(self.task, self.opt, step, self.epoch, &dir)?;
         Ok(dir)
+    }
+}
+
+/// A line for the reader: above the progress bar, or on stderr when there is none (`--quiet`, or
+/// output piped to a file), so evaluations and warnings are never lost to a hidden bar.
+fn say(bar: &indicatif::ProgressBar, line: &str) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
     }
 }
 

@@ -24,6 +24,13 @@ pub fn save_checkpoint<T: Task>(
     epoch: usize,
     dir: &Path,
 ) -> Result<()> {
+    if let Some(name) = opt.non_finite_weight()? {
+        return Err(Error::Diverged(format!(
+            "refusing to save {}: weight `{name}` holds inf or NaN (the last good checkpoint is \
+             kept as it is)",
+            dir.display()
+        )));
+    }
     let tmp = dir.with_extension("tmp");
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;

@@ -79,6 +79,8 @@ pub struct SessionBuilder {
     precision: Precision,
     ledger: Ledger,
     store: Arc<ParamStore>,
+    /// The files the weights were read from, for errors.
+    source: Option<String>,
 }
 
 impl SessionBuilder {
@@ -97,6 +99,7 @@ impl SessionBuilder {
             precision,
             ledger,
             store: ParamStore::new(),
+            source: None,
         })
     }
 
@@ -129,7 +132,11 @@ impl SessionBuilder {
 
     /// The builder the model creates its parameters with: in the training dtype on the device,
     /// read from `weights` once, or initialised from `--seed` without them.
-    pub fn params(&self, weights: Option<SafetensorsFiles>) -> ParamBuilder {
+    pub fn params(&mut self, weights: Option<SafetensorsFiles>) -> ParamBuilder {
+        self.source = weights.as_ref().map(|w| {
+            let paths: Vec<String> = w.paths().iter().map(|p| p.display().to_string()).collect();
+            paths.join(", ")
+        });
         let pb = ParamBuilder::new(
             self.store.clone(),
             self.precision.storage,
@@ -142,8 +149,20 @@ impl SessionBuilder {
         }
     }
 
-    /// Marks the model loaded (the ledger's `load` point).
+    /// Marks the model loaded (the ledger's `load` point), after checking that no weight holds
+    /// inf or NaN: such a model would train to NaN at once, or worse, quietly.
     pub fn loaded(&mut self) -> Result<()> {
+        let all = self.store.all();
+        let named = all.iter().map(|(n, t)| (n.as_str(), t));
+        if let Some(name) = crate::update::first_non_finite(named)? {
+            return Err(Error::Invalid(format!(
+                "the model's weight `{name}` holds inf or NaN{}: it cannot be trained from",
+                match &self.source {
+                    Some(files) => format!(" (read from {files})"),
+                    None => String::new(),
+                }
+            )));
+        }
         self.ledger.mark("load", 0)?;
         Ok(())
     }
@@ -178,6 +197,7 @@ impl SessionBuilder {
             progress: !c.quiet,
             resume: c.resume.clone(),
             best: plan.best,
+            max_bad_steps: c.max_bad_steps,
         };
         Ok(Session {
             task,

@@ -25,6 +25,9 @@ pub struct LoopConfig {
     pub resume: Option<PathBuf>,
     /// Keep the best checkpoint by an evaluation metric in `output_dir/best`, and stop early.
     pub best: Option<BestConfig>,
+    /// Stop with an error after this many steps in a row with a non-finite loss or gradient
+    /// (each skipped); 0 never stops.
+    pub max_bad_steps: u64,
 }
 
 /// "Best checkpoint kept, early stopping": which metric decides and how long to wait.

@@ -3,6 +3,7 @@
 //! produced their gradients, and the gradients are dropped.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Tensor, Var};
@@ -24,14 +25,15 @@ impl MixedOptimizer {
     /// norms of a segment's tensors are read back together: one sync per segment, and one
     /// for the parameters outside them). Each
     /// parameter's update is the one `step` gives it, so without clipping the weights are those
-    /// of `checkpointer.gradients` followed by `step`, bit for bit. Returns how many parameters
-    /// were updated during the backward.
+    /// of `checkpointer.gradients` followed by `step`, bit for bit. With clipping, a tensor whose
+    /// gradient holds inf or NaN is left as it is (its update skipped, counted in the outcome);
+    /// without, the loop's check of the loss is the guard.
     pub fn backward_and_step(
         &mut self,
         checkpointer: &Checkpointer,
         loss: &Tensor,
         lr: f64,
-    ) -> Result<usize> {
+    ) -> Result<FusedOutcome> {
         debug_assert!(self.scaler.is_none(), "StepMode refuses f16 here");
         // The optimizer is lent to the early-step hook for the backward (it runs inside
         // candle's backprop), then taken back.
@@ -49,6 +51,7 @@ impl MixedOptimizer {
             t0,
             lr,
             max_grad_norm: self.max_grad_norm,
+            non_finite: AtomicUsize::new(0),
         };
         let index: HashMap<candle_core::TensorId, usize> = self
             .model
@@ -91,12 +94,25 @@ impl MixedOptimizer {
             }
             Ok(taken)
         });
+        let non_finite = stepper.non_finite.load(Ordering::Relaxed);
         // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
         drop(stepper);
         let mut slot = lent.lock().unwrap_or_else(|p| p.into_inner());
         self.optimizer = std::mem::replace(&mut *slot, Box::new(Lent::default()));
-        rest
+        Ok(FusedOutcome {
+            updated_in_backward: rest?,
+            non_finite,
+        })
     }
+}
+
+/// What a fused backward pass did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedOutcome {
+    /// Parameters updated during the backward (the rest after it).
+    pub updated_in_backward: usize,
+    /// Parameters whose update was skipped for a gradient holding inf or NaN.
+    pub non_finite: usize,
 }
 
 /// One parameter's update at a time for a fused backward pass: every update of the step gets
@@ -108,25 +124,32 @@ struct ParamStepper {
     t0: u64,
     lr: f64,
     max_grad_norm: Option<f64>,
+    /// Updates skipped for a non-finite gradient.
+    non_finite: AtomicUsize,
 }
 
 impl ParamStepper {
     /// Updates parameter `i` from `g` for each `(i, g)`, each clipped by its own norm when
-    /// clipping is on: the norms of all of them are read back from the device at once.
+    /// clipping is on: the norms of all of them are read back from the device at once, and a
+    /// non-finite one skips its tensor's update.
     fn step_all(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
-        let coefs = match self.max_grad_norm {
+        let coefs: Vec<Option<f64>> = match self.max_grad_norm {
             Some(max) => {
                 let gs: Vec<Tensor> = grads.iter().map(|(_, g)| g.clone()).collect();
                 sum_of_squares_each(&gs)?
                     .into_iter()
-                    .map(|sq| clip_factor(sq.sqrt(), max))
+                    .map(|sq| sq.is_finite().then(|| clip_factor(sq.sqrt(), max)))
                     .collect()
             }
-            None => vec![1.0; grads.len()],
+            None => vec![Some(1.0); grads.len()],
         };
         let mut opt = self.optimizer.lock().unwrap_or_else(|p| p.into_inner());
         let mut one: Vec<Option<Tensor>> = vec![None; self.targets.len()];
         for ((i, g), coef) in grads.into_iter().zip(coefs) {
+            let Some(coef) = coef else {
+                self.non_finite.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
             one[i] = Some(g);
             opt.load_state(self.t0, &[])?;
             let done = opt.update(&self.targets, &one, self.lr, coef, self.model.as_deref());

@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use ft_params::bytes::tensor_bytes;
 
-use super::norm::{clip_coefficient, clip_factor, sum_of_squares};
+use super::norm::{clip_factor, sum_of_squares};
 use super::{LossScaler, Precision, StatePlacement};
 use crate::error::Result;
 use crate::ledger::{Category, Ledger};
@@ -13,10 +13,34 @@ use crate::optim::Optimizer;
 /// What one call to [`MixedOptimizer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepOutcome {
-    /// False when the step was skipped because a gradient overflowed (f16 loss scaling).
+    /// False when the step was skipped: a gradient held inf or NaN.
     pub applied: bool,
     /// Global gradient norm before clipping (unscaled), when computed.
     pub grad_norm: Option<f64>,
+    /// The step was skipped for a gradient that held inf or NaN with no loss scale to blame: the
+    /// run's own values went non-finite (an f16 overflow under loss scaling is not this: the
+    /// scale backs off and the next step goes on).
+    pub non_finite: bool,
+}
+
+impl StepOutcome {
+    /// A step taken with no gradient norm computed (the fused backward pass updates as it goes).
+    pub fn applied_without_norm() -> Self {
+        StepOutcome {
+            applied: true,
+            grad_norm: None,
+            non_finite: false,
+        }
+    }
+
+    /// A step skipped for a non-finite loss or gradient.
+    pub fn skipped_non_finite() -> Self {
+        StepOutcome {
+            applied: false,
+            grad_norm: None,
+            non_finite: true,
+        }
+    }
 }
 
 /// Model parameters, their fp32 masters (when the model is stored in low precision), an
@@ -137,6 +161,17 @@ impl MixedOptimizer {
         &self.masters
     }
 
+    /// The name of a model weight (or of its fp32 master) that holds inf or NaN, if one does:
+    /// what a checkpoint must never hold.
+    pub fn non_finite_weight(&self) -> Result<Option<String>> {
+        let model = self.names.iter().zip(&self.model);
+        let masters = self.names.iter().zip(&self.masters);
+        let all = model
+            .chain(masters)
+            .map(|(n, v)| (n.as_str(), v.as_tensor()));
+        Ok(super::norm::first_non_finite(all)?.map(|n| n.to_string()))
+    }
+
     /// The weights the optimizer updates: the fp32 masters where there are some, else the
     /// model's own (what an EMA averages).
     pub fn weights(&self) -> &[Var] {
@@ -229,40 +264,39 @@ impl MixedOptimizer {
         Ok(())
     }
 
-    /// Applies one optimizer step with the summed, still loss-scaled gradients of the step.
+    /// Applies one optimizer step with the summed, still loss-scaled gradients of the step. A
+    /// gradient holding inf or NaN skips it: with f16 loss scaling the scale backs off (the
+    /// usual overflow); without, the outcome says `non_finite` and the weights are untouched.
     pub fn step(&mut self, grads: Vec<Option<Tensor>>, lr: f64) -> Result<StepOutcome> {
         // The loss scale's inverse and clipping's factor are applied as the optimizer reads
         // each gradient: no fp32 or scaled copy of the gradients (of a single micro-batch's
-        // f16/bf16 ones, or of the sums). With a loss scale, one read-only sum of squares is the
-        // overflow check and the norm: the scale is a power of two, so the norm and the factor
-        // have the bits of unscaling first.
-        let mut unscaled_norm = None;
+        // f16/bf16 ones, or of the sums). One read-only sum of squares is the overflow check and
+        // the norm; with a loss scale, a power of two, the norm and the factor have the bits of
+        // unscaling first.
+        let sq = sum_of_squares(&grads)?;
         let mut grad_mul = 1.0;
-        if let Some(scaler) = self.scaler.as_mut() {
+        let norm = if let Some(scaler) = self.scaler.as_mut() {
             let inv = 1.0 / scaler.scale;
-            let sq = sum_of_squares(&grads)?;
             let found_inf = !sq.is_finite();
             scaler.update(found_inf);
             if found_inf {
                 return Ok(StepOutcome {
                     applied: false,
                     grad_norm: None,
+                    non_finite: false,
                 });
             }
-            unscaled_norm = Some(sq.sqrt() * inv);
             grad_mul = inv;
-        }
-        let grad_norm = match self.max_grad_norm {
-            Some(max) => {
-                let (norm, coef) = match unscaled_norm {
-                    Some(norm) => (norm, clip_factor(norm, max)),
-                    None => clip_coefficient(&grads, max)?,
-                };
-                grad_mul *= coef;
-                Some(norm)
+            sq.sqrt() * inv
+        } else {
+            if !sq.is_finite() {
+                return Ok(StepOutcome::skipped_non_finite());
             }
-            None => None,
+            sq.sqrt()
         };
+        if let Some(max) = self.max_grad_norm {
+            grad_mul *= clip_factor(norm, max);
+        }
         let coef = grad_mul;
         if self.masters.is_empty() {
             self.optimizer.update(&self.model, &grads, lr, coef, None)?;
@@ -272,7 +306,8 @@ impl MixedOptimizer {
         }
         Ok(StepOutcome {
             applied: true,
-            grad_norm,
+            grad_norm: Some(norm),
+            non_finite: false,
         })
     }
 }

@@ -19,11 +19,12 @@ mod precision;
 mod scaler;
 
 pub use accumulate::{GradAccumulator, LossNorm};
+pub use fused_backward::FusedOutcome;
 pub use mixed::{MixedOptimizer, StepOutcome};
 pub use mode::{StepMode, StepModeRequest};
 pub use norm::{
-    all_finite, clip_coefficient, clip_factor, clip_grad_norm, global_norm, sum_of_squares,
-    sum_of_squares_each,
+    all_finite, clip_coefficient, clip_factor, clip_grad_norm, first_non_finite, global_norm,
+    sum_of_squares, sum_of_squares_each,
 };
 pub use placement::StatePlacement;
 pub use precision::Precision;

@@ -110,3 +110,22 @@ pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
         1.0
     }
 }
+
+/// The name of the first of `tensors` that holds inf or NaN, if any: one read-only pass over all
+/// of them (one read-back on CUDA), then, only when something is not finite, one tensor at a
+/// time to name it.
+pub fn first_non_finite<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<Option<&'a str>> {
+    let tensors: Vec<(&str, &Tensor)> = tensors.into_iter().collect();
+    let all: Vec<Option<Tensor>> = tensors.iter().map(|(_, t)| Some((*t).clone())).collect();
+    if sum_of_squares(&all)?.is_finite() {
+        return Ok(None);
+    }
+    for (name, t) in tensors {
+        if !sum_of_squares(&[Some(t.clone())])?.is_finite() {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
