@@ -138,9 +138,11 @@ fn key(
 ) -> Result<String> {
     let mut parts = vec![
         VERSION.to_string(),
+        // The buckets list holds --aspect-buckets and --bucket-step; the encoders' dtype decides
+        // the cached values' precision.
         format!(
-            "res={} crop={:?} flip={} seed={}",
-            s.res, s.crop, s.flip, s.seed
+            "res={} crop={:?} flip={} seed={} buckets={:?} dtype={:?}",
+            s.res, s.crop, s.flip, s.seed, s.buckets, s.dtype
         ),
     ];
     for (f, stem) in [
@@ -173,6 +175,9 @@ impl Cache {
         ledger: &mut Ledger,
     ) -> Result<Self> {
         let dir = root.join(key(pipeline, folder, prompts, s)?);
+        // Two runs sharing a cache folder build it one at a time: the second then reuses it.
+        let _lock =
+            ft_trainer::train::FolderLock::wait(root, ".ft-cache.lock", "building the cache")?;
         let built = !dir.join("manifest.json").is_file();
         if built {
             let tmp = dir.with_extension("tmp");

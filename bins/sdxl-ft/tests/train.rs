@@ -66,6 +66,30 @@ fn resume_continues_exactly_and_the_cache_is_reused() -> anyhow::Result<()> {
         ],
     )?)?;
     assert!(c.task.cache.built, "a changed caption rebuilds the cache");
+    drop(c);
+    // So does a change of aspect buckets (on, or another step): the latents are cut otherwise.
+    let again = |tag: &str, extra: &[&str]| -> anyhow::Result<bool> {
+        let mut v = vec![
+            "--cache-dir",
+            &cache,
+            "--data-dir",
+            &images,
+            "--max-steps",
+            "1",
+        ];
+        v.extend_from_slice(extra);
+        Ok(setup(&args(&out.join(tag), &v)?)?.task.cache.built)
+    };
+    assert!(!again("d", &[])?, "unchanged: reused");
+    assert!(again("e", &["--aspect-buckets"])?, "buckets on: rebuilt");
+    assert!(
+        !again("f", &["--aspect-buckets"])?,
+        "the same buckets: reused"
+    );
+    assert!(
+        again("g", &["--aspect-buckets", "--bucket-step", "16"])?,
+        "another bucket step: rebuilt"
+    );
     for f in [
         "unet/diffusion_pytorch_model.safetensors",
         "unet_ema/diffusion_pytorch_model.safetensors",

@@ -6,7 +6,8 @@
 //!   flags), [`binary`] (what a binary tells them).
 //! - [`session`]: one way from flags to a [`Session`]; [`plan`]: model-state bytes before a run.
 //! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `eval` (best checkpoint,
-//!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`].
+//!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`], [`lock`] (one
+//!   run per output folder).
 //! - [`order`]: the epoch order of every binary's data; [`schedule`]: learning rates; [`ema`].
 //! - [`repo`]: a model folder or Hub id; [`bench`]: what the bench commands share.
 
@@ -16,6 +17,7 @@ pub mod cli;
 pub mod config;
 pub mod ema;
 mod eval;
+pub mod lock;
 pub mod metrics;
 pub mod order;
 pub mod plan;
@@ -29,6 +31,7 @@ pub mod task;
 
 pub use binary::{parse_args, parse_args_from, Binary};
 pub use cli::CommonArgs;
+pub use lock::FolderLock;
 pub use metrics::logged;
 pub use order::{EpochCursor, EpochOrder, Epochs, Grouping};
 pub use repo::ModelRepo;

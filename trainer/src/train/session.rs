@@ -14,6 +14,7 @@ use ft_params::weights::SafetensorsFiles;
 use ft_params::{ParamBuilder, ParamStore};
 
 use super::cli::CommonArgs;
+use super::lock::FolderLock;
 use super::plan::StatePlan;
 use super::repo::ModelRepo;
 use super::settings::{BestConfig, LoopConfig, RunSummary};
@@ -29,6 +30,9 @@ pub struct Session<T: Task> {
     pub ledger: Ledger,
     pub loop_config: LoopConfig,
     pub checkpointer: Checkpointer,
+    /// The output folder's lock, held while the session lives (`None` for a session built by
+    /// hand, as tests do).
+    pub lock: Option<FolderLock>,
 }
 
 impl<T: Task> Session<T> {
@@ -81,14 +85,16 @@ pub struct SessionBuilder {
     store: Arc<ParamStore>,
     /// The files the weights were read from, for errors.
     source: Option<String>,
+    lock: FolderLock,
 }
 
 impl SessionBuilder {
-    /// Opens `--device`, picks the precision, creates the output folder and starts the ledger
-    /// (its timeline in `memory.jsonl` there) at its baseline.
+    /// Takes the output folder for this run (one run at a time: [`FolderLock`]), opens
+    /// `--device`, picks the precision and starts the ledger (its timeline in `memory.jsonl`
+    /// there) at its baseline.
     pub fn new(common: &CommonArgs) -> Result<Self> {
         let out = &common.output_dir;
-        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+        let lock = FolderLock::acquire(out)?;
         let device = common.device()?;
         let precision = common.precision(&device)?;
         let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
@@ -100,6 +106,7 @@ impl SessionBuilder {
             ledger,
             store: ParamStore::new(),
             source: None,
+            lock,
         })
     }
 
@@ -205,6 +212,7 @@ impl SessionBuilder {
             ledger: self.ledger,
             loop_config,
             checkpointer: Checkpointer::new(c.gradient_checkpointing),
+            lock: Some(self.lock),
         })
     }
 }
