@@ -49,8 +49,26 @@ pub fn save_safetensors(tensors: &[(String, candle_core::Tensor)], path: &Path) 
         let _ = std::fs::remove_file(&tmp);
         return Err(e.into());
     }
+    // The safetensors writer goes through a private temporary file (mode 0600): give the file
+    // the mode every other file the run writes has, the process's umask applied.
+    if let Err(e) = like_created_files(&tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     std::fs::File::open(&tmp)
         .and_then(|f| f.sync_all())
         .map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// Sets `path`'s permissions to those a file created plainly beside it gets (`File::create`:
+/// 0666 less the process's umask), learnt from a probe file that is removed again.
+fn like_created_files(path: &Path) -> Result<()> {
+    let probe = temp_path(&path.with_file_name("mode-probe"));
+    let perms = std::fs::File::create(&probe)
+        .and_then(|f| f.metadata())
+        .map(|m| m.permissions());
+    let _ = std::fs::remove_file(&probe);
+    let perms = perms.map_err(|e| Error::io(&probe, e))?;
+    std::fs::set_permissions(path, perms).map_err(|e| Error::io(path, e))
 }

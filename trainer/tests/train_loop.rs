@@ -11,7 +11,7 @@ use ft_params::{Init, ParamBuilder, ParamStore};
 use ft_trainer::ledger::Ledger;
 use ft_trainer::optim::{AdamW, AdamWConfig};
 use ft_trainer::train::schedule::{LrSchedule, ScheduleKind};
-use ft_trainer::train::{self, LoopConfig, StepCtx, Task, TaskResult, Units};
+use ft_trainer::train::{self, BestConfig, LoopConfig, StepCtx, Task, TaskResult, Units};
 use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement, StepMode, StepModeRequest};
 
 /// Noisy linear regression with a shuffled dataset and dropout on the input.
@@ -138,15 +138,16 @@ fn run(
     max_steps: u64,
     resume: Option<PathBuf>,
 ) -> anyhow::Result<(train::RunSummary, Vec<f32>)> {
-    run_at(out, max_steps, resume, 0.3)
+    run_at(out, max_steps, resume, 0.3, None)
 }
 
-/// [`run`] at peak learning rate `lr`.
+/// [`run`] at peak learning rate `lr`, keeping the best checkpoint by `best`.
 fn run_at(
     out: &Path,
     max_steps: u64,
     resume: Option<PathBuf>,
     lr: f64,
+    best: Option<BestConfig>,
 ) -> anyhow::Result<(train::RunSummary, Vec<f32>)> {
     let (mut task, store) = Regression::new(resume.as_deref())?;
     let mut opt = MixedOptimizer::new(
@@ -185,7 +186,7 @@ fn run_at(
         save_every: 4,
         progress: false,
         resume,
-        best: None,
+        best,
         max_bad_steps: 3,
     };
     let mut ledger = Ledger::new(&Device::Cpu);
@@ -219,8 +220,9 @@ fn loss_falls_and_resume_continues_the_same_curve() -> anyhow::Result<()> {
         full.losses
     );
 
-    let (first, _) = run(&root.join("part"), 4, None)?;
-    assert_eq!(first.losses, full.losses[..4].to_vec());
+    // The first part runs on past its checkpoint (as an interrupted run does) to step 8.
+    let (first, _) = run(&root.join("part"), 8, None)?;
+    assert_eq!(first.losses, full.losses[..8].to_vec());
     let ckpt = root.join("part").join("checkpoint-4");
     for f in [
         "model.safetensors",
@@ -241,7 +243,7 @@ fn loss_falls_and_resume_continues_the_same_curve() -> anyhow::Result<()> {
     let steps = metrics.lines().filter(|l| l.contains("\"loss\"")).count();
     assert_eq!(
         steps, 12,
-        "metrics.jsonl keeps the first part and appends the rest"
+        "metrics.jsonl keeps the first part up to the checkpoint and appends the rest once"
     );
     assert!(metrics.contains("eval_w0"));
     std::fs::remove_dir_all(&root)?;
@@ -256,7 +258,7 @@ fn loss_falls_and_resume_continues_the_same_curve() -> anyhow::Result<()> {
 fn a_diverged_run_stops_with_one_error_after_three_bad_steps() -> anyhow::Result<()> {
     let out = std::env::temp_dir().join(format!("ft-loop-diverged-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let e = run_at(&out, 12, None, 1e30).unwrap_err().to_string();
+    let e = run_at(&out, 12, None, 1e30, None).unwrap_err().to_string();
     assert!(
         e.contains("diverged") && e.contains("3 steps in a row"),
         "{e}"
@@ -277,5 +279,88 @@ fn a_diverged_run_stops_with_one_error_after_three_bad_steps() -> anyhow::Result
         }
     }
     std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
+
+/// A resumed run judges its evaluations against the best of the run before the interruption:
+/// here the first evaluation is the best (the watched weight only grows), so the best checkpoint
+/// stays at step 4 whether or not the run was interrupted at step 4.
+#[test]
+fn a_resumed_run_keeps_the_best_so_far() -> anyhow::Result<()> {
+    let root = std::env::temp_dir().join(format!("ft-loop-best-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let best = || {
+        Some(BestConfig {
+            metric: "w0".into(),
+            higher_is_better: false,
+            patience: 0,
+        })
+    };
+    let (full, _) = run_at(&root.join("full"), 12, None, 0.3, best())?;
+    run_at(&root.join("part"), 4, None, 0.3, best())?;
+    let ckpt = root.join("part").join("checkpoint-4");
+    let (resumed, _) = run_at(&root.join("part"), 12, Some(ckpt), 0.3, best())?;
+    let value = |s: &train::RunSummary| s.best.as_ref().map(|b| b.0);
+    assert!(value(&full).is_some());
+    assert_eq!(
+        value(&resumed),
+        value(&full),
+        "the best value after a resume"
+    );
+    let state = |dir: &Path| -> anyhow::Result<serde_json::Value> {
+        let t = std::fs::read_to_string(dir.join("best/trainer_state.json"))?;
+        Ok(serde_json::from_str(&t)?)
+    };
+    assert_eq!(
+        state(&root.join("part"))?["global_step"],
+        state(&root.join("full"))?["global_step"],
+        "best/ is the same step's checkpoint"
+    );
+    std::fs::remove_dir_all(&root)?;
+    Ok(())
+}
+
+/// A checkpoint that would resume otherwise is refused by name: an optimizer state tensor
+/// missing from optimizer.safetensors (it would restart from zero), a step that is not a count.
+#[test]
+fn a_checkpoint_missing_state_or_with_a_bad_step_is_refused() -> anyhow::Result<()> {
+    let root = std::env::temp_dir().join(format!("ft-loop-partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    run(&root.join("a"), 4, None)?;
+    let ckpt = root.join("a").join("checkpoint-4");
+    // Drop one moment from the optimizer file.
+    let opt = ckpt.join("optimizer.safetensors");
+    let files = SafetensorsFiles::open(std::slice::from_ref(&opt))?;
+    let mut kept = Vec::new();
+    for name in files.names().map(|n| n.to_string()).collect::<Vec<_>>() {
+        if name != "exp_avg_sq.0" {
+            kept.push((
+                name.clone(),
+                files.load(&name, None, DType::F32, &Device::Cpu, false)?,
+            ));
+        }
+    }
+    drop(files);
+    ft_params::fs::save_safetensors(&kept, &opt)?;
+    let e = run(&root.join("b"), 8, Some(ckpt.clone()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("exp_avg_sq.0") && e.contains("optimizer.safetensors"),
+        "{e}"
+    );
+    // A negative step.
+    run(&root.join("c"), 4, None)?;
+    let ckpt = root.join("c").join("checkpoint-4");
+    let state = ckpt.join("trainer_state.json");
+    let text =
+        std::fs::read_to_string(&state)?.replace("\"global_step\": 4", "\"global_step\": -5");
+    std::fs::write(&state, text)?;
+    let e = run(&root.join("d"), 8, Some(ckpt)).unwrap_err().to_string();
+    assert!(
+        e.contains("global_step") && e.contains("trainer_state.json"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root)?;
     Ok(())
 }

@@ -1,6 +1,28 @@
-//! The best checkpoint by an evaluation metric, and early stopping.
+//! The best checkpoint by an evaluation metric, and early stopping; their state travels in
+//! checkpoints, so a resumed run judges its evaluations as an uninterrupted one would.
 
 use super::settings::BestConfig;
+
+/// The best value so far and the evaluations since it: what a checkpoint keeps of [`Best`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BestState {
+    pub value: f64,
+    pub bad_evals: usize,
+}
+
+impl BestState {
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({"value": self.value, "bad_evals": self.bad_evals})
+    }
+
+    /// What [`BestState::to_json`] wrote, or `None`.
+    pub fn from_json(v: &serde_json::Value) -> Option<Self> {
+        Some(BestState {
+            value: v.get("value")?.as_f64()?,
+            bad_evals: v.get("bad_evals")?.as_u64()? as usize,
+        })
+    }
+}
 
 /// Tracks the watched metric over a run's evaluations.
 pub(super) struct Best {
@@ -36,6 +58,20 @@ impl Best {
             self.bad_evals += 1;
             None
         }
+    }
+
+    /// Its state, for a checkpoint (`None` before the first evaluation of the watched metric).
+    pub(super) fn state(&self) -> Option<BestState> {
+        Some(BestState {
+            value: self.best?,
+            bad_evals: self.bad_evals,
+        })
+    }
+
+    /// Continues from a checkpoint's state.
+    pub(super) fn restore(&mut self, state: BestState) {
+        self.best = Some(state.value);
+        self.bad_evals = state.bad_evals;
     }
 
     /// Whether the run has waited its patience out.

@@ -34,6 +34,26 @@ impl Metrics {
         Ok(Metrics { path, file })
     }
 
+    /// The metrics of a run resumed from the checkpoint of step `step`: the lines the earlier
+    /// run logged after it (for steps the resumed run takes again) are dropped, then new lines
+    /// are appended. The file is rewritten atomically.
+    pub(super) fn resume(path: PathBuf, step: u64) -> Result<Self> {
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let kept: String = text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                        .is_none_or(|s| s <= step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            ft_params::fs::write_atomic(&path, |f| f.write_all(kept.as_bytes()))?;
+        }
+        Self::open(path, true)
+    }
+
     pub(super) fn write(&mut self, v: serde_json::Value) -> Result<()> {
         writeln!(self.file, "{v}").map_err(|e| Error::io(&self.path, e))
     }

@@ -11,7 +11,7 @@ use ft_params::checkpoint::Checkpointer;
 
 use super::eval::Best;
 use super::metrics::{progress_bar, Metrics};
-use super::saved::{load_checkpoint_state, save_checkpoint};
+use super::saved::{load_checkpoint_state, save_checkpoint, Progress};
 use super::settings::{LoopConfig, RunSummary};
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
@@ -61,14 +61,23 @@ pub fn run<T: Task>(
 ) -> Result<RunSummary> {
     std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::io(&cfg.output_dir, e))?;
     let (mut step, mut epoch) = (0u64, 0usize);
-    if let Some(dir) = &cfg.resume {
+    let mut summary = RunSummary::default();
+    let mut best = Best::new(cfg.best.clone());
+    let metrics_path = cfg.output_dir.join("metrics.jsonl");
+    let mut metrics = if let Some(dir) = &cfg.resume {
         let st = load_checkpoint_state(dir, opt)?;
-        (step, epoch) = (st.step, st.epoch);
+        (step, epoch) = (st.progress.step, st.progress.epoch);
         task.restore_data_state(&st.data).map_err(Error::Task)?;
+        if let Some(b) = st.progress.best {
+            best.restore(b);
+            summary.best = Some((b.value, cfg.output_dir.join("best")));
+        }
+        // The steps an interrupted run logged after its checkpoint are done again: drop them.
+        Metrics::resume(metrics_path, step)?
     } else {
         task.start_epoch(epoch).map_err(Error::Task)?;
-    }
-    let mut metrics = Metrics::open(cfg.output_dir.join("metrics.jsonl"), cfg.resume.is_some())?;
+        Metrics::open(metrics_path, false)?
+    };
     opt.account(ledger, "model");
     ledger.mark("load", step)?;
     let bar = progress_bar(cfg.max_steps, step, cfg.progress);
@@ -83,8 +92,6 @@ pub fn run<T: Task>(
         step,
         epoch,
     };
-    let mut summary = RunSummary::default();
-    let mut best = Best::new(cfg.best.clone());
     let mut bad_in_a_row = 0u64;
     while l.step < cfg.max_steps {
         let t0 = Instant::now();
@@ -145,7 +152,7 @@ pub fn run<T: Task>(
             }
             if let Some(v) = best.improved(&m) {
                 let dir = cfg.output_dir.join("best");
-                save_checkpoint(l.task, l.opt, step, l.epoch, &dir)?;
+                save_checkpoint(l.task, l.opt, &l.progress(&best), &dir)?;
                 summary.best = Some((v, dir));
             }
             summary.last_eval = m;
@@ -157,13 +164,13 @@ pub fn run<T: Task>(
                         best.bad_evals()
                     ),
                 );
-                summary.final_dir = Some(l.save(step)?);
+                summary.final_dir = Some(l.save(&best)?);
                 summary.stopped_early = true;
                 break;
             }
         }
         if (cfg.save_every > 0 && step.is_multiple_of(cfg.save_every)) || last {
-            summary.final_dir = Some(l.save(step)?);
+            summary.final_dir = Some(l.save(&best)?);
         }
     }
     bar.finish();
@@ -278,10 +285,22 @@ impl<T: Task> Loop<'_, T> {
         Ok(batches)
     }
 
+    /// Where the run is, for a checkpoint.
+    fn progress(&self, best: &Best) -> Progress {
+        Progress {
+            step: self.step,
+            epoch: self.epoch,
+            best: best.state(),
+        }
+    }
+
     /// Saves `checkpoint-{step}` and returns its folder.
-    fn save(&mut self, step: u64) -> Result<std::path::PathBuf> {
-        let dir = self.cfg.output_dir.join(format!("checkpoint-{step}"));
-        save_checkpoint(self.task, self.opt, step, self.epoch, &dir)?;
+    fn save(&mut self, best: &Best) -> Result<std::path::PathBuf> {
+        let dir = self
+            .cfg
+            .output_dir
+            .join(format!("checkpoint-{}", self.step));
+        save_checkpoint(self.task, self.opt, &self.progress(best), &dir)?;
         Ok(dir)
     }
 }

@@ -1,27 +1,39 @@
 //! Checkpoints of a run: model files, `optimizer.safetensors` and `trainer_state.json`, written
-//! atomically as a folder; and reading them back for an exact resume.
+//! atomically as a folder; and reading them back for an exact resume, refusing a checkpoint that
+//! would resume otherwise (a state tensor missing, a step that is not a count).
 
 use std::io::Write as _;
 use std::path::Path;
 
+use super::eval::BestState;
 use super::task::Task;
 use crate::error::{Error, Result};
 use crate::update::MixedOptimizer;
 
-/// What `trainer_state.json` holds.
-pub(super) struct TrainerState {
+/// Where a run is: what a checkpoint records besides the model and the optimizer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress {
+    /// Optimizer steps done.
     pub step: u64,
     pub epoch: usize,
+    /// The best evaluation so far, when the run keeps a best checkpoint.
+    pub best: Option<BestState>,
+}
+
+/// What `trainer_state.json` holds.
+pub(super) struct TrainerState {
+    pub progress: Progress,
     pub data: serde_json::Value,
 }
 
 /// Writes model files, `optimizer.safetensors` and `trainer_state.json` into `dir`, atomically
-/// as a whole: everything goes to `dir.tmp` first, which is renamed over `dir` at the end.
+/// as a whole: everything goes to `dir.tmp` first, which is renamed over `dir` at the end. A
+/// failure (a full disk) names the checkpoint and removes the partial `dir.tmp`; what was saved
+/// before stays as it was.
 pub fn save_checkpoint<T: Task>(
     task: &T,
     opt: &MixedOptimizer,
-    step: u64,
-    epoch: usize,
+    at: &Progress,
     dir: &Path,
 ) -> Result<()> {
     if let Some(name) = opt.non_finite_weight()? {
@@ -32,18 +44,36 @@ pub fn save_checkpoint<T: Task>(
         )));
     }
     let tmp = dir.with_extension("tmp");
+    let written = write_into(task, opt, at, &tmp).and_then(|_| replace(&tmp, dir));
+    written.map_err(|e| {
+        let _ = std::fs::remove_dir_all(&tmp);
+        Error::Invalid(format!(
+            "saving checkpoint {} failed (the partial {} is removed; earlier checkpoints are \
+             kept): {e}",
+            dir.display(),
+            tmp.display()
+        ))
+    })
+}
+
+/// Everything of a checkpoint, into the folder `tmp`.
+fn write_into<T: Task>(task: &T, opt: &MixedOptimizer, at: &Progress, tmp: &Path) -> Result<()> {
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        std::fs::remove_dir_all(tmp).map_err(|e| Error::io(tmp, e))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    task.save_model(&tmp).map_err(Error::Task)?;
+    std::fs::create_dir_all(tmp).map_err(|e| Error::io(tmp, e))?;
+    task.save_model(tmp).map_err(Error::Task)?;
     let (opt_step, loss_scale, tensors) = opt.state();
     ft_params::fs::save_safetensors(&tensors, &tmp.join("optimizer.safetensors"))?;
+    let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
     let state = serde_json::json!({
-        "global_step": step,
-        "epoch": epoch,
+        "global_step": at.step,
+        "epoch": at.epoch,
         "optimizer_step": opt_step,
         "loss_scale": loss_scale,
+        // The state tensors the optimizer file must hold, so a resume can tell a missing one.
+        "optimizer_tensors": names,
+        "best": at.best.as_ref().map(BestState::to_json),
         "data": task.data_state(),
     });
     ft_params::fs::write_atomic(&tmp.join("trainer_state.json"), |f| {
@@ -53,18 +83,26 @@ pub fn save_checkpoint<T: Task>(
                 .as_bytes(),
         )
     })?;
+    Ok(())
+}
+
+/// Puts the finished `tmp` in place of `dir`.
+fn replace(tmp: &Path, dir: &Path) -> Result<()> {
     if dir.exists() {
         let old = dir.with_extension("old");
         let _ = std::fs::remove_dir_all(&old);
         std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
-        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(tmp, dir).map_err(|e| Error::io(dir, e))?;
         let _ = std::fs::remove_dir_all(&old);
     } else {
-        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        std::fs::rename(tmp, dir).map_err(|e| Error::io(dir, e))?;
     }
     Ok(())
 }
 
+/// Reads `trainer_state.json` and the optimizer's state of the checkpoint folder `dir` into
+/// `opt`. Fields must be what a run writes (counts are non-negative integers); every state
+/// tensor the checkpoint lists must be in its optimizer file.
 pub(super) fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Result<TrainerState> {
     let path = dir.join("trainer_state.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
@@ -72,21 +110,47 @@ pub(super) fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Res
         path: path.clone(),
         reason: e.to_string(),
     })?;
-    let field = |k: &str| {
-        v.get(k).ok_or_else(|| Error::Json {
-            path: path.clone(),
-            reason: format!("missing `{k}`"),
+    let bad = |reason: String| Error::Json {
+        path: path.clone(),
+        reason,
+    };
+    let field = |k: &str| v.get(k).ok_or_else(|| bad(format!("missing `{k}`")));
+    let count = |k: &str| -> Result<u64> {
+        field(k)?.as_u64().ok_or_else(|| {
+            bad(format!(
+                "`{k}` is {}, not a count",
+                field(k).map(|x| x.to_string()).unwrap_or_default()
+            ))
         })
     };
-    let step = field("global_step")?.as_u64().unwrap_or(0);
-    let epoch = field("epoch")?.as_u64().unwrap_or(0) as usize;
-    let opt_step = field("optimizer_step")?.as_u64().unwrap_or(0);
-    let loss_scale = field("loss_scale")?.as_f64().unwrap_or(1.0);
+    let step = count("global_step")?;
+    let epoch = count("epoch")? as usize;
+    let opt_step = count("optimizer_step")?;
+    let loss_scale = field("loss_scale")?
+        .as_f64()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .ok_or_else(|| bad("`loss_scale` is not a positive number".into()))?;
+    let best = match v.get("best") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(b) => Some(BestState::from_json(b).ok_or_else(|| bad(format!("`best` is {b}")))?),
+    };
     let data = field("data")?.clone();
     let opt_path = dir.join("optimizer.safetensors");
     // Where the optimizer keeps its state: the model's device, or the host when offloaded.
     let device = opt.state_device();
     let files = ft_params::weights::SafetensorsFiles::open(std::slice::from_ref(&opt_path))?;
+    if let Some(listed) = v.get("optimizer_tensors").and_then(|l| l.as_array()) {
+        for name in listed.iter().filter_map(|n| n.as_str()) {
+            if files.meta(name).is_none() {
+                return Err(Error::Invalid(format!(
+                    "{}: state tensor `{name}` is missing (listed in {}): resuming would restart \
+                     it from zero",
+                    opt_path.display(),
+                    path.display()
+                )));
+            }
+        }
+    }
     // One tensor at a time: the optimizer keeps a copy of each moment, so the file's tensor is
     // freed before the next is read (all of them at once would hold a second set of moments and
     // masters, gigabytes on a large model).
@@ -101,7 +165,10 @@ pub(super) fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Res
         let t = files.load(&name, None, dtype, &device, false)?;
         opt.load_state(opt_step, loss_scale, &[(name, t)])?;
     }
-    Ok(TrainerState { step, epoch, data })
+    Ok(TrainerState {
+        progress: Progress { step, epoch, best },
+        data,
+    })
 }
 
 /// Alone in the library's unit-test binary, so the counting allocator sees only this test.
@@ -162,7 +229,7 @@ mod resume_memory {
         let (restored, peak) = measure_peak(|| load_checkpoint_state(&dir, &mut b));
         let restored = restored?;
         std::fs::remove_dir_all(&dir)?;
-        assert_eq!(restored.step, 1);
+        assert_eq!(restored.progress.step, 1);
         let (step, _, state) = b.state();
         assert_eq!(step, 1);
         assert_eq!(state[1].1.to_vec1::<f32>()?, saved);
