@@ -56,6 +56,8 @@ fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
     let s = setup(&base(&bad, &["--skip-bad-lines"]))?;
     assert_eq!(s.task.train.len(), 3);
     assert_eq!(s.task.train.skipped().len(), 1);
+    // A session holds its output folder: the next one into it waits for this one to end.
+    drop(s);
 
     let missing_field = write(&dir, "field.jsonl", r#"{"question": "a", "target": "b"}"#);
     let e = setup_err(&base(&missing_field, &[]));
@@ -77,6 +79,7 @@ fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
     let ex = s.task.train.read(&[0, 1])?;
     assert_eq!(ex[0].input, "reverse: 1, 2");
     assert_eq!(ex[1].target, "4 3");
+    drop(s);
     let csv_bad = write(&dir, "cols.csv", "question,answer\na,b\n");
     let e = setup_err(&base(&csv_bad, &[]));
     assert!(e.contains("cols.csv") && e.contains("input"), "{e}");
