@@ -76,8 +76,46 @@ pub struct UNetConfig {
 }
 
 impl UNetConfig {
+    /// Reads `unet/config.json`; a value the model cannot be built with is an error naming the
+    /// file and the field.
     pub fn from_file(path: &Path) -> Result<Self> {
-        crate::error::read_config(path)
+        let cfg: Self = crate::error::read_config(path)?;
+        cfg.check().map_err(|reason| ModelError::Config {
+            path: path.display().to_string(),
+            reason,
+        })?;
+        Ok(cfg)
+    }
+
+    /// What makes a config unbuildable (where the model would divide by zero or reshape
+    /// wrongly): empty or zero channel counts, a head count of zero or one that does not divide
+    /// its level's channels, groups that do not divide them.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let ch = &self.block_out_channels;
+        if ch.is_empty() || ch.contains(&0) {
+            return Err(format!(
+                "block_out_channels {ch:?}: at least one level, none of 0"
+            ));
+        }
+        if self.layers_per_block == 0 || self.cross_attention_dim == 0 {
+            return Err("layers_per_block and cross_attention_dim must be at least 1".into());
+        }
+        for (i, &c) in ch.iter().enumerate() {
+            let heads = self.heads(i);
+            if heads == 0 || !c.is_multiple_of(heads) {
+                return Err(format!(
+                    "attention heads {heads} at level {i} (attention_head_dim / \
+                     num_attention_heads): must be at least 1 and divide the level's {c} channels"
+                ));
+            }
+            if self.norm_num_groups == 0 || !c.is_multiple_of(self.norm_num_groups) {
+                return Err(format!(
+                    "norm_num_groups {} must divide every level's channels (level {i}: {c})",
+                    self.norm_num_groups
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn heads(&self, i: usize) -> usize {
@@ -363,6 +401,7 @@ pub struct UNet {
 
 impl UNet {
     pub fn new(pb: &ParamBuilder, cfg: &UNetConfig) -> Result<Self> {
+        cfg.check().map_err(ModelError::Invalid)?;
         let ch = &cfg.block_out_channels;
         let n = ch.len();
         if cfg.down_block_types.len() != n || cfg.up_block_types.len() != n {

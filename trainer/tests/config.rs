@@ -267,3 +267,34 @@ fn a_binary_gets_its_default_model_and_its_presets() -> anyhow::Result<()> {
     assert_eq!(built.model(), Some("org/default-model"), "clap alone");
     Ok(())
 }
+
+/// `--epochs 0` is refused (it trained one step) unless `--max-steps` decides; a flag beyond
+/// TOML's integers (`--warmup-steps 18446744073709551615`) parses under a preset instead of an
+/// error that blamed the preset.
+#[test]
+fn epochs_zero_and_flags_beyond_toml_integers() -> anyhow::Result<()> {
+    #[derive(Parser, Serialize, Deserialize, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        #[serde(flatten)]
+        common: ft_trainer::train::CommonArgs,
+    }
+    let e = Cli::parse_from(["t", "--epochs", "0"])
+        .common
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--epochs"), "{e}");
+    Cli::parse_from(["t", "--epochs", "0", "--max-steps", "5"])
+        .common
+        .validate()?;
+    let big = u64::MAX.to_string();
+    let a: Cli = ft_trainer::train::config::parse_with_preset(
+        ["t", "--warmup-steps", &big, "--seed", &big],
+        |a: &Cli| a.common.config.clone(),
+        |_| Some(("a preset", "lr = 0.5\n")),
+    )?;
+    assert_eq!((a.common.warmup_steps, a.common.seed), (u64::MAX, u64::MAX));
+    assert_eq!(a.common.lr, 0.5);
+    Ok(())
+}

@@ -76,7 +76,7 @@ pub struct Args {
     /// Where the EMA lives: cpu (default, no device memory) or device.
     #[arg(long, default_value = "cpu")]
     pub ema_device: String,
-    /// Validation loss over this many cached images, at fixed noise and timesteps.
+    /// Validation loss over this many cached images, at fixed noise and timesteps (0: none).
     #[arg(long, default_value_t = 8)]
     pub eval_images: usize,
     /// Prompts for the evaluation samples (default: the first captions of the data).
@@ -115,6 +115,9 @@ impl Args {
                 "--res {} must be a positive multiple of 8 (the VAE downsamples by 8)",
                 self.res
             );
+        }
+        if self.bucket_step == Some(0) {
+            anyhow::bail!("--bucket-step must be at least 1 pixel");
         }
         if self.vae_decode_chunk == 0 {
             anyhow::bail!("--vae-decode-chunk must be at least 1");

@@ -346,7 +346,11 @@ impl Task for SdxlTask {
     }
 
     fn evaluate(&mut self, step: u64, ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>> {
-        let loss = self.validation_loss()?;
+        // No validation images (`--eval-images 0`): no validation loss to report.
+        let loss = match self.eval.loss_images.min(self.cache.len()) {
+            0 => None,
+            _ => Some(self.validation_loss()?),
+        };
         let params = self.trainable()?;
         let stash = match &self.ema {
             Some(ema) => {
@@ -363,10 +367,10 @@ impl Task for SdxlTask {
         let images = images?;
         let dir = self.eval.dir.join(format!("step-{step}"));
         crate::data::write_pngs(&images, &dir)?;
-        Ok(vec![
-            ("loss".into(), loss),
-            ("samples".into(), images.dim(0)? as f64),
-        ])
+        let mut metrics: Vec<(String, f64)> =
+            loss.map(|l| ("loss".to_string(), l)).into_iter().collect();
+        metrics.push(("samples".into(), images.dim(0)? as f64));
+        Ok(metrics)
     }
 
     fn save_model(&self, dir: &Path) -> TaskResult<()> {

@@ -95,6 +95,12 @@ fn parse_json(text: &str, fields: &Fields) -> std::result::Result<Example, Strin
     })
 }
 
+/// A JSONL line as a record: trimmed, and without the byte-order mark some editors write at the
+/// start of a UTF-8 file (as the CSV reader ignores it).
+fn record_text(line: &str) -> &str {
+    line.trim().trim_start_matches('\u{feff}').trim_start()
+}
+
 impl RecordFile {
     /// Indexes `path` (`.csv` is CSV with a header row, anything else JSONL), validating every
     /// record once: a malformed one stops here with file:line, or is skipped and counted.
@@ -145,24 +151,31 @@ impl RecordFile {
         let file = File::open(&self.path).map_err(io(&self.path))?;
         let mut r = BufReader::new(file);
         let mut offset = 0u64;
-        let mut buf = String::new();
+        let mut buf = Vec::new();
         let mut line_no = 0u64;
         loop {
             buf.clear();
-            let n = r.read_line(&mut buf).map_err(io(&self.path))?;
+            // Bytes, not a String: a line that is not UTF-8 is a bad record with its line
+            // number, which --skip-bad-lines can skip, not an I/O error of the whole file.
+            let n = r.read_until(b'\n', &mut buf).map_err(io(&self.path))?;
             if n == 0 {
                 break;
             }
             line_no += 1;
-            let text = buf.trim();
-            if !text.is_empty() {
-                match parse_json(text, &self.fields) {
-                    Ok(_) => self.entries.push(Entry {
-                        offset,
-                        len: n as u32,
-                        line: line_no as u32,
-                    }),
-                    Err(reason) => self.bad(line_no, reason)?,
+            match std::str::from_utf8(&buf) {
+                Err(e) => self.bad(line_no, format!("not valid UTF-8 ({e})"))?,
+                Ok(text) => {
+                    let text = record_text(text);
+                    if !text.is_empty() {
+                        match parse_json(text, &self.fields) {
+                            Ok(_) => self.entries.push(Entry {
+                                offset,
+                                len: n as u32,
+                                line: line_no as u32,
+                            }),
+                            Err(reason) => self.bad(line_no, reason)?,
+                        }
+                    }
                 }
             }
             offset += n as u64;
@@ -267,7 +280,7 @@ impl RecordFile {
             };
             let text = String::from_utf8(bytes).map_err(|err| rec_err(err.to_string()))?;
             let ex = match self.format {
-                Format::Jsonl => parse_json(text.trim(), &self.fields).map_err(rec_err)?,
+                Format::Jsonl => parse_json(record_text(&text), &self.fields).map_err(rec_err)?,
                 Format::Csv => {
                     let mut r = csv::ReaderBuilder::new()
                         .has_headers(false)

@@ -158,3 +158,36 @@ fn a_model_without_safetensors_is_an_error_unless_from_scratch() -> anyhow::Resu
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
+
+/// A JSONL line that is not UTF-8 is a bad record with its line number, which
+/// `--skip-bad-lines` skips; a byte-order mark at the start of the file is ignored, as CSV's is.
+#[test]
+fn jsonl_with_invalid_utf8_and_a_byte_order_mark() -> anyhow::Result<()> {
+    let dir = tmp("utf8");
+    std::fs::create_dir_all(&dir)?;
+    let good = br#"{"input": "reverse: 1 2", "target": "2 1"}"#;
+    let mut bytes = b"\xEF\xBB\xBF".to_vec();
+    bytes.extend_from_slice(good);
+    bytes.extend_from_slice(b"\n{\"input\": \"x \xFF\xFE\", \"target\": \"y\"}\n");
+    bytes.extend_from_slice(good);
+    bytes.push(b'\n');
+    let path = dir.join("mixed.jsonl");
+    std::fs::write(&path, &bytes)?;
+    let fields = |skip_bad| t5_ft::data::Fields {
+        input: "input".into(),
+        target: "target".into(),
+        skip_bad,
+    };
+    let e = t5_ft::data::RecordFile::open(&path, fields(false))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("mixed.jsonl:2") && e.contains("UTF-8"), "{e}");
+    let f = t5_ft::data::RecordFile::open(&path, fields(true))?;
+    assert_eq!(f.len(), 2, "the BOM line and the last one");
+    assert_eq!(f.skipped().len(), 1);
+    let ex = f.read(&[0, 1])?;
+    assert_eq!(ex[0].input, "reverse: 1 2");
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}

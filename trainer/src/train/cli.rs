@@ -181,6 +181,9 @@ impl CommonArgs {
         if self.max_steps == Some(0) {
             return bad("--max-steps must be at least 1");
         }
+        if self.max_steps.is_none() && self.epochs == 0 {
+            return bad("--epochs must be at least 1 (or give --max-steps)");
+        }
         Ok(())
     }
 

@@ -110,8 +110,17 @@ where
         reason,
     };
     let file: toml::Table = toml::from_str(text).map_err(|e| cfg_err(e.to_string()))?;
-    let mut merged =
-        toml::Table::try_from(parsed).map_err(|e| cfg_err(format!("internal: {e}")))?;
+    // Merged as JSON values, which hold every flag's value (TOML's integers stop at i64::MAX:
+    // `--warmup-steps 18446744073709551615` or a 64-bit seed would fail there, blamed on the
+    // file).
+    let mut merged = match serde_json::to_value(parsed) {
+        Ok(serde_json::Value::Object(m)) => m,
+        other => {
+            return Err(Error::Invalid(format!(
+                "the flags could not be merged with {label}: {other:?}"
+            )))
+        }
+    };
     for (key, value) in file {
         let key = key.replace('-', "_");
         if key == "config" || !known.contains(&key) {
@@ -126,11 +135,10 @@ where
                 valid.join(", ")
             )));
         }
+        let value = serde_json::to_value(value).map_err(|e| cfg_err(format!("`{key}`: {e}")))?;
         if !explicit.contains(&key) {
             merged.insert(key, value);
         }
     }
-    toml::Value::Table(merged)
-        .try_into()
-        .map_err(|e: toml::de::Error| cfg_err(e.to_string()))
+    serde_json::from_value(serde_json::Value::Object(merged)).map_err(|e| cfg_err(e.to_string()))
 }

@@ -1,0 +1,59 @@
+//! Values at the edge of what sdxl-ft takes: each one works or is refused by name, none panics
+//! or reports a figure it did not measure.
+
+mod common;
+
+use common::{args, tmp};
+use sdxl_ft::run::setup;
+
+/// `--bucket-step 0` is refused by name (it gave a shape error); `--eval-images 0` evaluates
+/// without a validation loss (it printed "eval loss: 0.0000").
+#[test]
+fn bucket_step_zero_and_no_validation_images() -> anyhow::Result<()> {
+    let out = tmp("edge-flags");
+    let e = setup(&args(
+        &out.join("a"),
+        &["--aspect-buckets", "--bucket-step", "0"],
+    )?)
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(e.contains("--bucket-step"), "{e}");
+    let mut a = args(&out.join("b"), &["--max-steps", "1"])?;
+    a.eval_images = 0;
+    let mut s = setup(&a)?;
+    let summary = s.train()?;
+    let keys: Vec<&str> = summary.last_eval.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["samples"], "no loss without validation images");
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
+
+/// A UNet config whose head count is 0 (or does not divide a level's channels) is an error
+/// naming unet/config.json, where it divided by zero.
+#[test]
+fn a_unet_config_with_zero_heads_names_the_file() -> anyhow::Result<()> {
+    let out = tmp("edge-heads");
+    let model = out.join("model");
+    sdxl_ft::demo::write_model(&model, 5)?;
+    let path = model.join("unet/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    let levels = cfg["block_out_channels"]
+        .as_array()
+        .map(|a| a.len())
+        .unwrap_or(2);
+    for bad in [serde_json::json!(vec![0; levels]), serde_json::json!(7)] {
+        cfg["attention_head_dim"] = bad.clone();
+        std::fs::write(&path, cfg.to_string())?;
+        let e = sdxl_ft::pipeline::Pipeline::open(&model.display().to_string(), None)
+            .err()
+            .map(|e| format!("{e:#}"))
+            .unwrap_or_default();
+        assert!(
+            e.contains("unet/config.json") && e.contains("attention heads"),
+            "{bad}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
