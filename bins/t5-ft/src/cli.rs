@@ -36,6 +36,10 @@ pub struct Args {
     /// have): a pretraining run. Without it, a model without model.safetensors is an error.
     #[arg(long)]
     pub from_scratch: bool,
+    /// Read the training records in file order, every epoch (to reproduce a reference run that
+    /// does not shuffle); --seed still seeds initialisation and dropout.
+    #[arg(long)]
+    pub no_shuffle: bool,
     /// Batch records of similar length together (less padding).
     #[arg(long)]
     pub group_by_length: bool,

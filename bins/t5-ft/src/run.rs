@@ -85,7 +85,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         items: train_file.len(),
         batch_size: args.common.batch_size,
         seed: args.common.seed,
-        shuffle: true,
+        shuffle: !args.no_shuffle,
         grouping: if args.group_by_length {
             Grouping::ByLength(
                 (0..train_file.len())

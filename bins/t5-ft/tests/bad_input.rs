@@ -191,3 +191,46 @@ fn jsonl_with_invalid_utf8_and_a_byte_order_mark() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
+
+/// `--no-shuffle` reads the training records in file order, every epoch; without it the order
+/// is shuffled (and differs between epochs).
+#[test]
+fn no_shuffle_reads_the_file_in_order() -> anyhow::Result<()> {
+    let dir = tmp("order");
+    std::fs::create_dir_all(&dir)?;
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/t5_tiny/flan");
+    let lines: String = (0..9)
+        .map(|i| format!("{{\"input\": \"reverse: {i}\", \"target\": \"{i}\"}}\n"))
+        .collect();
+    let train = write(&dir, "train.jsonl", &lines);
+    // Each epoch's records, in the order the task reads them.
+    let order = |extra: &[&str]| -> anyhow::Result<Vec<Vec<usize>>> {
+        let mut v = vec![
+            "t5-ft".to_string(),
+            "--model".into(),
+            fixture.display().to_string(),
+            "--train-file".into(),
+            train.display().to_string(),
+            "--batch-size".into(),
+            "2".into(),
+            "--quiet".into(),
+            "--output-dir".into(),
+            dir.join("out").display().to_string(),
+        ];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        let s = setup(&Args::parse_from(v))?;
+        Ok((0..2).map(|e| s.task.order.batches(e).concat()).collect())
+    };
+    let in_order: Vec<usize> = (0..9).collect();
+    let plain = order(&["--no-shuffle"])?;
+    assert_eq!(
+        plain,
+        [in_order.clone(), in_order.clone()],
+        "file order, every epoch"
+    );
+    let shuffled = order(&[])?;
+    assert_ne!(shuffled[0], in_order);
+    assert_ne!(shuffled[0], shuffled[1]);
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
