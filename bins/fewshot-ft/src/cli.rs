@@ -36,7 +36,7 @@ pub struct Args {
     /// Training episodes per epoch.
     #[arg(long, default_value_t = 200)]
     pub n_episode: usize,
-    /// Validation episodes after each epoch.
+    /// Validation episodes after each epoch (0: no validation; the last checkpoint is tested).
     #[arg(long, default_value_t = 600)]
     pub val_episodes: usize,
     /// Test episodes at the end (mean accuracy with its 95% confidence interval).
@@ -75,8 +75,8 @@ impl Args {
                 "an episode needs --n-way >= 2 and --k-shot, --n-query, --n-episode >= 1"
             );
         }
-        if self.val_episodes == 0 || self.test_episodes == 0 {
-            anyhow::bail!("--val-episodes and --test-episodes must be at least 1");
+        if self.test_episodes == 0 {
+            anyhow::bail!("--test-episodes must be at least 1");
         }
         // `--plan` needs the model's settings alone.
         if !self.common.demo && !self.common.plan && self.data_dir.is_none() {

@@ -53,8 +53,19 @@ pub struct Split {
 #[derive(Debug, Clone, Default)]
 pub struct Splits {
     pub train: Split,
+    /// Empty when the run does not validate (`--val-episodes 0`).
     pub val: Split,
     pub test: Split,
+    /// How the splits were made when the data did not say (classes split by seed, validation
+    /// classes carved from the training ones): the run prints it.
+    pub note: Option<String>,
+}
+
+/// What the splits must serve: episodes of `n_way` classes, and validation or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitPlan {
+    pub n_way: usize,
+    pub validate: bool,
 }
 
 const IMAGE_EXT: [&str; 4] = ["jpg", "jpeg", "png", "JPEG"];
@@ -126,57 +137,126 @@ fn classes_from_csv(csv_path: &Path, images: &Path) -> Result<Vec<Class>> {
 }
 
 impl Splits {
-    /// Reads a dataset folder: miniImageNet layout (`train.csv`, `val.csv`, `test.csv`,
+    /// Reads a dataset folder for `plan`: miniImageNet layout (`train.csv`, `val.csv`, `test.csv`,
     /// `images/`), or `train/`, `val/`, `test/` folders of class folders, or one folder of class
     /// folders split by seed into 64% / 16% / 20% of the classes.
-    pub fn from_dir(dir: &Path, seed: u64) -> Result<Self> {
+    pub fn from_dir(dir: &Path, seed: u64, plan: SplitPlan) -> Result<Self> {
         if dir.join("train.csv").is_file() {
             let img = dir.join("images");
-            return Ok(Splits {
-                train: Split {
-                    classes: classes_from_csv(&dir.join("train.csv"), &img)?,
-                },
-                val: Split {
-                    classes: classes_from_csv(&dir.join("val.csv"), &img)?,
-                },
-                test: Split {
-                    classes: classes_from_csv(&dir.join("test.csv"), &img)?,
-                },
-            });
+            let val = dir.join("val.csv");
+            let val = val
+                .is_file()
+                .then(|| classes_from_csv(&val, &img))
+                .transpose()?;
+            return Self::given(
+                classes_from_csv(&dir.join("train.csv"), &img)?,
+                val,
+                classes_from_csv(&dir.join("test.csv"), &img)?,
+                seed,
+                plan,
+                "val.csv",
+            );
         }
         if dir.join("train").is_dir() {
-            return Ok(Splits {
-                train: Split {
-                    classes: classes_in(&dir.join("train"))?,
-                },
-                val: Split {
-                    classes: classes_in(&dir.join("val"))?,
-                },
-                test: Split {
-                    classes: classes_in(&dir.join("test"))?,
-                },
-            });
+            let val = dir.join("val");
+            let val = val.is_dir().then(|| classes_in(&val)).transpose()?;
+            return Self::given(
+                classes_in(&dir.join("train"))?,
+                val,
+                classes_in(&dir.join("test"))?,
+                seed,
+                plan,
+                "val/",
+            );
         }
         let mut all = classes_in(dir)?;
-        if all.len() < 3 {
+        let n = all.len();
+        let w = plan.n_way;
+        // The paper's 64% / 16% / 20% of the classes, each split at least one episode wide.
+        let n_test = (n * 20 / 100).max(w).max(1);
+        let n_val = if plan.validate {
+            (n * 16 / 100).max(w).max(1)
+        } else {
+            0
+        };
+        if n < n_test + n_val + w.max(1) {
             return Err(DataError::File {
                 path: dir.to_path_buf(),
                 reason: format!(
-                    "{} class folders with images; need at least 3 for disjoint splits",
-                    all.len()
+                    "{n} class folders cannot make disjoint {w}-way train{} and test splits \
+                     (they need {} classes): use a smaller --n-way{}, or a train/ val/ test/ \
+                     layout",
+                    if plan.validate { ", validation" } else { "" },
+                    n_test + n_val + w.max(1),
+                    if plan.validate {
+                        ", --val-episodes 0 (no validation: the last checkpoint is tested)"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
         SplitMix64::new(seed).shuffle(&mut all);
-        let n = all.len();
-        let n_train = (n * 64 / 100).max(1);
-        let n_val = (n * 16 / 100).max(1);
-        let test = all.split_off(n_train + n_val);
-        let val = all.split_off(n_train);
+        let test = all.split_off(n - n_test);
+        let val = all.split_off(n - n_test - n_val);
+        let note = format!(
+            "{}: {n} classes split by --seed into {} train, {} validation and {} test classes",
+            dir.display(),
+            all.len(),
+            val.len(),
+            test.len()
+        );
         Ok(Splits {
             train: Split { classes: all },
             val: Split { classes: val },
             test: Split { classes: test },
+            note: Some(note),
+        })
+    }
+
+    /// Splits a dataset gives as train, (maybe) validation and test: without validation classes
+    /// (`missing` names what was looked for) and with validation asked, some are carved from the
+    /// training classes by seed, at least one episode's worth, and said so.
+    fn given(
+        mut train: Vec<Class>,
+        val: Option<Vec<Class>>,
+        test: Vec<Class>,
+        seed: u64,
+        plan: SplitPlan,
+        missing: &str,
+    ) -> Result<Self> {
+        let (val, note) = match (val, plan.validate) {
+            (_, false) => (Vec::new(), None),
+            (Some(v), true) => (v, None),
+            (None, true) => {
+                let n = train.len();
+                let carve = (n / 5).max(plan.n_way).max(1);
+                if n < carve + plan.n_way.max(1) {
+                    return Err(DataError::Invalid(format!(
+                        "no {missing}, and the {n} training classes cannot give {carve} for \
+                         validation and keep {} to train: add {missing}, or pass \
+                         --val-episodes 0 (no validation: the last checkpoint is tested)",
+                        plan.n_way
+                    )));
+                }
+                SplitMix64::new(seed).shuffle(&mut train);
+                let val = train.split_off(n - carve);
+                let note = format!(
+                    "no {missing}: {carve} of the {n} training classes (chosen by --seed) \
+                     validate instead: {}",
+                    val.iter()
+                        .map(|c| c.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                (val, Some(note))
+            }
+        };
+        Ok(Splits {
+            train: Split { classes: train },
+            val: Split { classes: val },
+            test: Split { classes: test },
+            note,
         })
     }
 
@@ -203,16 +283,21 @@ impl Splits {
             test: Split {
                 classes: (n_train + n_val..n_classes).map(mk).collect(),
             },
+            note: None,
         }
     }
 
-    /// Checks that every split can make `n_way`-way episodes of `per_class` images per class.
+    /// Checks that every split (validation, where there is one) can make `n_way`-way episodes
+    /// of `per_class` images per class.
     pub fn check(&self, n_way: usize, per_class: usize) -> Result<()> {
         for (name, s) in [
             ("train", &self.train),
             ("val", &self.val),
             ("test", &self.test),
         ] {
+            if name == "val" && s.classes.is_empty() {
+                continue; // no validation
+            }
             if s.classes.len() < n_way {
                 return Err(DataError::Invalid(format!(
                     "the {name} split has {} classes; {n_way}-way episodes need {n_way}",

@@ -6,7 +6,7 @@ use ft_trainer::train::plan::StatePlan;
 use ft_trainer::train::{BestConfig, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
 
 use crate::cli::Args;
-use crate::data::{EpisodeShape, ImageConfig, Splits};
+use crate::data::{EpisodeShape, ImageConfig, SplitPlan, Splits};
 use crate::task::{Accuracy, FewShotTask};
 
 /// Everything a run needs, built from the arguments (also used by tests and benches).
@@ -47,8 +47,15 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
             .data_dir
             .clone()
             .ok_or_else(|| anyhow::anyhow!("--data-dir is required"))?;
-        Splits::from_dir(&dir, args.common.seed)?
+        let plan = SplitPlan {
+            n_way: args.n_way,
+            validate: args.val_episodes > 0,
+        };
+        Splits::from_dir(&dir, args.common.seed, plan)?
     };
+    if let Some(note) = &splits.note {
+        eprintln!("{note}");
+    }
     let shape = EpisodeShape {
         n_way: args.n_way,
         k_shot: args.k_shot,
@@ -133,6 +140,8 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
             dir.display()
         );
         s.task.load_weights(dir)?;
+    } else if args.val_episodes == 0 {
+        eprintln!("no validation (--val-episodes 0): testing the last model");
     }
     s.ledger.mark("eval/before", summary.steps)?;
     let test = s.task.accuracy(

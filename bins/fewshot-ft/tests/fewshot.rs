@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Var};
 use clap::Parser;
 use fewshot_ft::cli::Args;
-use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, Splits};
+use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, SplitPlan, Splits};
 use fewshot_ft::run::{run, setup};
 use ft_trainer::update::{GradAccumulator, LossNorm};
 
@@ -27,8 +27,6 @@ fn demo(out: &Path, extra: &[&str]) -> Args {
         "28",
         "--n-query",
         "6",
-        "--val-episodes",
-        "10",
         "--test-episodes",
         "100",
         "--weight-decay",
@@ -41,7 +39,12 @@ fn demo(out: &Path, extra: &[&str]) -> Args {
     .map(|s| s.to_string())
     .collect();
     v.push(out.display().to_string());
-    for (k, default) in [("--lr", "1e-3"), ("--n-episode", "15"), ("--epochs", "2")] {
+    for (k, default) in [
+        ("--lr", "1e-3"),
+        ("--n-episode", "15"),
+        ("--epochs", "2"),
+        ("--val-episodes", "10"),
+    ] {
         if !has(k) {
             v.extend([k.to_string(), default.to_string()]);
         }
@@ -65,11 +68,24 @@ fn demo_learns_far_above_chance_and_an_untrained_model_does_not() -> anyhow::Res
         "best checkpoint kept"
     );
     assert!(out.join("results.json").is_file());
+    // Without validation (--val-episodes 0) there is no best checkpoint: the last model is tested.
+    let untrained_out = tmp("untrained");
     let untrained = run(&demo(
-        &tmp("untrained"),
-        &["--lr", "1e-12", "--n-episode", "1", "--epochs", "1"],
+        &untrained_out,
+        &[
+            "--lr",
+            "1e-12",
+            "--n-episode",
+            "1",
+            "--epochs",
+            "1",
+            "--val-episodes",
+            "0",
+        ],
     ))?;
     println!("untrained: {:?}", untrained.test);
+    assert!(untrained.summary.best.is_none());
+    assert!(!untrained_out.join("best").exists());
     assert!(
         untrained.test.mean < 30.0,
         "an untrained FSCT must not reach the margin: {:.1}%",
@@ -206,19 +222,36 @@ fn datasets_load_and_bad_data_names_the_file_or_class() -> anyhow::Result<()> {
             png(&d.join(format!("{i}.png")), (c * 10 + i) as u8);
         }
     }
-    let splits = Splits::from_dir(&root, 0)?;
-    assert_eq!(
+    let sizes = |s: &Splits| {
         (
-            splits.train.classes.len(),
-            splits.val.classes.len(),
-            splits.test.classes.len()
-        ),
-        (6, 1, 3)
-    );
+            s.train.classes.len(),
+            s.val.classes.len(),
+            s.test.classes.len(),
+        )
+    };
+    let plan = |n_way, validate| SplitPlan { n_way, validate };
+    // Ten classes, 2-way: every split at least an episode wide (the 64/16/20 split gave one
+    // validation class), and the split made is said.
+    let splits = Splits::from_dir(&root, 0, plan(2, true))?;
+    assert_eq!(sizes(&splits), (6, 2, 2));
+    splits.check(2, 3)?;
+    assert!(splits
+        .note
+        .as_deref()
+        .is_some_and(|n| n.contains("6 train")));
+    // 5-way cannot make three disjoint splits of ten classes: the error says what would.
+    let e = Splits::from_dir(&root, 0, plan(5, true))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     assert!(
-        splits.check(2, 3).is_err(),
-        "one val class cannot make 2-way episodes"
+        e.contains("10 class folders") && e.contains("--val-episodes 0"),
+        "{e}"
     );
+    // Without validation it can: five to train, five to test.
+    let splits = Splits::from_dir(&root, 0, plan(5, false))?;
+    assert_eq!(sizes(&splits), (5, 0, 5));
+    splits.check(5, 3)?;
     let shape = EpisodeShape {
         n_way: 3,
         k_shot: 1,
@@ -257,9 +290,10 @@ fn datasets_load_and_bad_data_names_the_file_or_class() -> anyhow::Result<()> {
         rows.insert(split, text.clone());
         std::fs::write(mini.join(format!("{split}.csv")), text)?;
     }
-    let m = Splits::from_dir(&mini, 0)?;
+    let m = Splits::from_dir(&mini, 0, plan(2, true))?;
     m.check(2, 3)?;
     assert_eq!(m.test.classes[1].name, "n06");
+    assert!(m.note.is_none(), "the data gave every split");
 
     // A missing image and a corrupt one name the file.
     std::fs::remove_file(mini.join("images").join("n01_0.png"))?;
@@ -289,11 +323,25 @@ fn datasets_load_and_bad_data_names_the_file_or_class() -> anyhow::Result<()> {
 
     // A malformed CSV line names file and line; too few images names the class.
     std::fs::write(mini.join("val.csv"), "filename,label\nonly_one_field\n")?;
-    let e = Splits::from_dir(&mini, 0)
+    let e = Splits::from_dir(&mini, 0, plan(2, true))
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(e.contains("val.csv:2"), "{e}");
+    // Without val.csv, validation classes are carved from the training ones (and said), or
+    // there is no validation at all.
+    std::fs::remove_file(mini.join("val.csv"))?;
+    let e = Splits::from_dir(&mini, 0, plan(2, true))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("no val.csv") && e.contains("--val-episodes 0"),
+        "{e}"
+    );
+    let m = Splits::from_dir(&mini, 0, plan(2, false))?;
+    assert_eq!(sizes(&m), (2, 0, 2));
+    m.check(2, 3)?;
     let e = Splits::synthetic(30, 4, 0)
         .check(5, 6)
         .err()
