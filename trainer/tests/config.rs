@@ -296,5 +296,21 @@ fn epochs_zero_and_flags_beyond_toml_integers() -> anyhow::Result<()> {
     )?;
     assert_eq!((a.common.warmup_steps, a.common.seed), (u64::MAX, u64::MAX));
     assert_eq!(a.common.lr, 0.5);
+    // A non-finite float cannot pass through the merge (JSON has no NaN): the flag is named,
+    // not the preset.
+    for (flag, value) in [("--weight-decay", "NaN"), ("--lr", "inf")] {
+        let e = ft_trainer::train::config::parse_with_preset(
+            ["t", flag, value],
+            |a: &Cli| a.common.config.clone(),
+            |_| Some(("a preset", "lr = 0.5\n")),
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(
+            e.contains(flag) && e.contains("finite") && !e.contains("preset"),
+            "{e}"
+        );
+    }
     Ok(())
 }

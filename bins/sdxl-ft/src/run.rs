@@ -12,7 +12,9 @@ use ft_params::ParamStore;
 use ft_trainer::ledger::Category;
 use ft_trainer::train::ema::Ema;
 use ft_trainer::train::plan::StatePlan;
-use ft_trainer::train::{Binary, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
+use ft_trainer::train::{
+    Binary, FolderLock, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units,
+};
 use ft_trainer::update::{MixedOptimizer, Precision};
 
 use crate::cache::{Cache, CacheSettings};
@@ -67,9 +69,12 @@ fn unet_plan(
 /// Resolves model and data, builds the cache, loads the UNet. With `--demo`, first writes the
 /// bundled pipeline and images.
 pub fn setup(args: &Args) -> Result<Setup> {
+    // The folder is this run's before the demo's files are written into it.
+    args.validate()?;
+    let lock = FolderLock::acquire(&args.common.output_dir)?;
     let args = resolved(args)?;
     let out = args.common.output_dir.clone();
-    let mut s = SessionBuilder::new(&args.common)?;
+    let mut s = SessionBuilder::with_lock(&args.common, lock)?;
     let (device, precision) = (s.device().clone(), s.precision());
 
     let pipeline = open_pipeline(&args)?;
@@ -260,8 +265,14 @@ fn report_cache(cache: &Cache) {
         format_bytes(cache.disk_bytes() as i64)
     );
     if let Some((file, reason)) = m.skipped.first() {
+        // The reason names the file already where it comes from the image decoder.
+        let first = if reason.contains(file.as_str()) {
+            reason.clone()
+        } else {
+            format!("{file}: {reason}")
+        };
         eprintln!(
-            "skipped {} unreadable images (first: {file}: {reason}); --strict-images stops instead",
+            "skipped {} unreadable images (first: {first}); --strict-images stops instead",
             m.skipped.len()
         );
     }

@@ -351,6 +351,12 @@ impl Task for SdxlTask {
             0 => None,
             _ => Some(self.validation_loss()?),
         };
+        let mut metrics: Vec<(String, f64)> =
+            loss.map(|l| ("loss".to_string(), l)).into_iter().collect();
+        // No sample prompts (`--num-samples 0`): the validation loss alone.
+        if self.cache.manifest.prompts.is_empty() {
+            return Ok(metrics);
+        }
         let params = self.trainable()?;
         let stash = match &self.ema {
             Some(ema) => {
@@ -367,8 +373,6 @@ impl Task for SdxlTask {
         let images = images?;
         let dir = self.eval.dir.join(format!("step-{step}"));
         crate::data::write_pngs(&images, &dir)?;
-        let mut metrics: Vec<(String, f64)> =
-            loss.map(|l| ("loss".to_string(), l)).into_iter().collect();
         metrics.push(("samples".into(), images.dim(0)? as f64));
         Ok(metrics)
     }

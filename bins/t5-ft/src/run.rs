@@ -6,10 +6,10 @@ use ft_models::t5::{T5Config, T5};
 use ft_params::bytes::format_bytes;
 use ft_trainer::optim::hf_trainer_no_decay;
 use ft_trainer::train::plan::StatePlan;
-use ft_trainer::train::ModelRepo;
 use ft_trainer::train::{
     Binary, EpochOrder, Grouping, LoopPlan, RunSummary, SessionBuilder, Units,
 };
+use ft_trainer::train::{FolderLock, ModelRepo};
 
 use crate::cli::Args;
 use crate::data::{Fields, RecordFile};
@@ -58,8 +58,11 @@ pub fn plan(args: &Args) -> anyhow::Result<StatePlan> {
 
 /// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
+    // The folder is this run's before the demo's files are written into it.
+    args.validate()?;
+    let lock = FolderLock::acquire(&args.common.output_dir)?;
     let args = resolved(args)?;
-    let mut s = SessionBuilder::new(&args.common)?;
+    let mut s = SessionBuilder::with_lock(&args.common, lock)?;
     let (repo, cfg) = model_config(&args)?;
     let tokenizer_path = repo.get("tokenizer.json")?;
     // Weights come from the checkpoint being resumed, else the model's own (an error when it has
@@ -67,7 +70,13 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     let weights = match s.resumed_weights("model")? {
         Some(w) => Some(w),
         None if args.from_scratch => None,
-        None => Some(repo.safetensors("model")?),
+        None => match repo.safetensors_if_present("model")? {
+            Some(w) => Some(w),
+            None => anyhow::bail!(
+                "{}; --from-scratch trains from the seed's random weights instead",
+                repo.missing_weights("model")
+            ),
+        },
     };
     let model = T5::new(&s.params(weights), &cfg)?;
     s.loaded()?;

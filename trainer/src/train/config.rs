@@ -63,6 +63,7 @@ where
         .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
         .map(|id| id.as_str().to_string())
         .collect();
+    non_finite_flags(&parsed, &matches, &explicit)?;
     let with_preset = match preset(&parsed) {
         Some((label, text)) => merge_text(&parsed, text, label, &known, &explicit)?,
         None => parsed,
@@ -71,6 +72,33 @@ where
         Some(path) => merge_file(&with_preset, &path, &known, &explicit),
         None => Ok(with_preset),
     }
+}
+
+/// Refuses a flag typed with a value JSON cannot hold (`--weight-decay NaN`, `--lr inf`): the
+/// merge with a preset or file would read it back as null and fail blamed on the file, and an
+/// optional number would silently become unset.
+fn non_finite_flags<T: Serialize>(
+    parsed: &T,
+    matches: &clap::ArgMatches,
+    explicit: &[String],
+) -> Result<()> {
+    let Ok(serde_json::Value::Object(values)) = serde_json::to_value(parsed) else {
+        return Ok(());
+    };
+    for id in explicit {
+        if !values.get(id).is_some_and(|v| v.is_null()) {
+            continue;
+        }
+        if let Some(raw) = matches.try_get_raw(id).ok().flatten() {
+            let raw: Vec<String> = raw.map(|r| r.to_string_lossy().into_owned()).collect();
+            return Err(Error::Invalid(format!(
+                "--{} {}: must be a finite number",
+                id.replace('_', "-"),
+                raw.join(" ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// [`parse`] over explicit arguments (the first is the program name). `--help` and bad flags exit

@@ -152,30 +152,33 @@ impl ModelRepo {
     /// `stem` may name a subfolder (`unet/diffusion_pytorch_model`). Neither there is an error
     /// that names both and the weight files of other formats the folder holds.
     pub fn safetensors(&self, stem: &str) -> Result<SafetensorsFiles> {
-        self.safetensors_if_present(stem)?.ok_or_else(|| {
-            let others = self.other_weight_files(stem);
-            let found = if others.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    " (it has {}: only safetensors are read; convert them, e.g. transformers' \
-                     save_pretrained(dir, safe_serialization=True))",
-                    others.join(", ")
-                )
-            };
-            match self {
-                ModelRepo::Local(dir) => Error::Invalid(format!(
-                    "{}: no {stem}.safetensors nor {stem}.safetensors.index.json{found}",
-                    dir.display()
-                )),
-                ModelRepo::Hub { id, .. } => Error::Hub {
-                    id: id.clone(),
-                    reason: format!(
-                        "no {stem}.safetensors nor {stem}.safetensors.index.json{found}"
-                    ),
-                },
-            }
-        })
+        self.safetensors_if_present(stem)?
+            .ok_or_else(|| self.missing_weights(stem))
+    }
+
+    /// The error for a model without `stem`'s safetensors, naming the weight files it has
+    /// instead (a `pytorch_model.bin`, say).
+    pub fn missing_weights(&self, stem: &str) -> Error {
+        let others = self.other_weight_files(stem);
+        let found = if others.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (it has {}: only safetensors are read; convert them, e.g. transformers' \
+                 save_pretrained(dir, safe_serialization=True))",
+                others.join(", ")
+            )
+        };
+        match self {
+            ModelRepo::Local(dir) => Error::Invalid(format!(
+                "{}: no {stem}.safetensors nor {stem}.safetensors.index.json{found}",
+                dir.display()
+            )),
+            ModelRepo::Hub { id, .. } => Error::Hub {
+                id: id.clone(),
+                reason: format!("no {stem}.safetensors nor {stem}.safetensors.index.json{found}"),
+            },
+        }
     }
 
     /// [`Self::safetensors`], or `None` when the model certainly has neither file (see

@@ -93,8 +93,14 @@ impl SessionBuilder {
     /// `--device`, picks the precision and starts the ledger (its timeline in `memory.jsonl`
     /// there) at its baseline.
     pub fn new(common: &CommonArgs) -> Result<Self> {
+        Self::with_lock(common, FolderLock::acquire(&common.output_dir)?)
+    }
+
+    /// [`SessionBuilder::new`] with the output folder's lock already taken: a binary that writes
+    /// into the folder before the session starts (a demo's files) takes the lock first, so a
+    /// second run never rewrites files the first is reading.
+    pub fn with_lock(common: &CommonArgs, lock: FolderLock) -> Result<Self> {
         let out = &common.output_dir;
-        let lock = FolderLock::acquire(out)?;
         let device = common.device()?;
         let precision = common.precision(&device)?;
         let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
