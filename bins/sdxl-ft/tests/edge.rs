@@ -57,3 +57,27 @@ fn a_unet_config_with_zero_heads_names_the_file() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out).ok();
     Ok(())
 }
+
+/// The demo's VAE reconstructs shape images (its samples show shapes, not coloured noise), and
+/// the fit that made it lowers the reconstruction error from a random VAE's.
+#[test]
+fn the_demo_vae_reconstructs_shapes() -> anyhow::Result<()> {
+    use sdxl_ft::demo::vae_fit;
+    let out = tmp("demo-vae");
+    let model = out.join("model");
+    sdxl_ft::demo::write_model(&model, 5)?;
+    let psnr = vae_fit::preview(&model.join("vae"), 8, &out.join("preview.png"))?;
+    assert!(psnr > 25.0, "demo VAE reconstruction PSNR {psnr:.1} dB");
+    // A short fit from random weights: the error falls, and the random start's reconstructions
+    // are far from the fitted VAE's.
+    let fitted = vae_fit::fit(60, 4, 5e-3, 1, |_, _| {})?;
+    let r = fitted.report;
+    println!("{r:?}");
+    assert!(r.last_mse < 0.5 * r.first_mse, "{r:?}");
+    let random = vae_fit::fit(0, 4, 2e-3, 1, |_, _| {})?;
+    vae_fit::write(&random, &out.join("random"))?;
+    let random_psnr = vae_fit::preview(&out.join("random"), 8, &out.join("random.png"))?;
+    assert!(random_psnr < 15.0, "a random VAE: {random_psnr:.1} dB");
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}

@@ -1,7 +1,8 @@
 //! The bundled demo: a tiny SDXL-shaped pipeline (two-level UNet with text_time conditioning,
 //! three-level VAE, two small CLIP text encoders with CLIP-style BPE tokenizers, SDXL's scheduler)
-//! written as a diffusers folder with seeded random weights, and a synthetic captioned image set
-//! (coloured shapes on plain backgrounds) in diffusers' imagefolder layout. Everything is
+//! written as a diffusers folder, and a synthetic captioned image set (coloured shapes on plain
+//! backgrounds) in diffusers' imagefolder layout. The UNet and the text encoders get seeded random
+//! weights; the VAE is one fitted to such images ([`vae_fit`]), so the samples show shapes. Everything is
 //! generated, so `sdxl-ft --demo` needs no download, and it goes through the same loader, cache
 //! and trainer as a real model.
 
@@ -10,21 +11,18 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
+
+mod images;
+mod tokenizer;
+pub mod vae_fit;
+
 use ft_models::clip::{ClipTextConfig, ClipTextModel};
 use ft_models::unet::{UNet, UNetConfig};
-use ft_models::vae::{Vae, VaeConfig};
-use ft_params::rng::SplitMix64;
 use ft_params::{ParamBuilder, ParamStore};
+pub use images::{random_batch, write_images};
+use images::{BACKGROUNDS, COLORS, SHAPES};
 use serde_json::json;
-
-const COLORS: [(&str, [u8; 3]); 4] = [
-    ("red", [220, 40, 40]),
-    ("green", [40, 180, 60]),
-    ("blue", [40, 70, 220]),
-    ("yellow", [230, 210, 40]),
-];
-const SHAPES: [&str; 3] = ["circle", "square", "triangle"];
-const BACKGROUNDS: [(&str, [u8; 3]); 2] = [("white", [245, 245, 245]), ("black", [15, 15, 15])];
+use tokenizer::write_tokenizer;
 
 /// Paths of a written demo.
 pub struct Demo {
@@ -32,85 +30,7 @@ pub struct Demo {
     pub data: PathBuf,
 }
 
-/// GPT-2's byte-to-character table that CLIP's BPE vocabulary is written in.
-fn bytes_to_unicode() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut table = vec![' '; 256];
-    for (b, c) in bs.iter().zip(cs) {
-        table[*b as usize] = char::from_u32(c).unwrap_or(' ');
-    }
-    table
-}
-
-/// A CLIP-layout tokenizer (vocab.json, merges.txt, special tokens) whose merges spell `words`.
-fn write_tokenizer(dir: &Path, words: &[&str], pad: &str) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut vocab = serde_json::Map::new();
-    let add = |t: String, vocab: &mut serde_json::Map<String, serde_json::Value>| {
-        if !vocab.contains_key(&t) {
-            let id = vocab.len();
-            vocab.insert(t, json!(id));
-        }
-    };
-    let chars = bytes_to_unicode();
-    for c in &chars {
-        add(c.to_string(), &mut vocab);
-    }
-    for c in &chars {
-        add(format!("{c}</w>"), &mut vocab);
-    }
-    let mut merges: Vec<String> = Vec::new();
-    for w in words {
-        let mut symbols: Vec<String> = w.chars().map(|c| c.to_string()).collect();
-        if let Some(last) = symbols.last_mut() {
-            last.push_str("</w>");
-        }
-        let mut cur = symbols[0].clone();
-        for s in &symbols[1..] {
-            let pair = format!("{cur} {s}");
-            if !merges.contains(&pair) {
-                merges.push(pair);
-            }
-            cur.push_str(s);
-            add(cur.clone(), &mut vocab);
-        }
-    }
-    add("<|startoftext|>".into(), &mut vocab);
-    add("<|endoftext|>".into(), &mut vocab);
-    std::fs::write(
-        dir.join("vocab.json"),
-        serde_json::Value::Object(vocab).to_string(),
-    )?;
-    std::fs::write(
-        dir.join("merges.txt"),
-        format!("#version: 0.2\n{}\n", merges.join("\n")),
-    )?;
-    std::fs::write(
-        dir.join("special_tokens_map.json"),
-        json!({"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
-               "pad_token": pad, "unk_token": "<|endoftext|>"})
-        .to_string(),
-    )?;
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        json!({"model_max_length": 77, "tokenizer_class": "CLIPTokenizer"}).to_string(),
-    )?;
-    Ok(())
-}
-
-fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
+pub(crate) fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
@@ -132,7 +52,34 @@ fn vocab_words() -> Vec<&'static str> {
     words
 }
 
-/// Writes the tiny pipeline into `dir`.
+/// The demo's VAE (`vae_fit`'s result, written by the `fit_demo_vae` example): its config and
+/// weights.
+const DEMO_VAE: [(&str, &[u8]); 2] = [
+    (
+        "config.json",
+        include_bytes!("../../assets/demo-vae/config.json"),
+    ),
+    (
+        "diffusion_pytorch_model.safetensors",
+        include_bytes!("../../assets/demo-vae/diffusion_pytorch_model.safetensors"),
+    ),
+];
+
+/// Writes the demo's fitted VAE as `dir` (a diffusers `vae/` folder), where it differs: a demo
+/// folder from before the VAE was fitted gets it too.
+fn write_vae(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+    for (name, bytes) in DEMO_VAE {
+        let path = dir.join(name);
+        if std::fs::read(&path).ok().as_deref() != Some(bytes) {
+            std::fs::write(&path, bytes).with_context(|| path.display().to_string())?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes the tiny pipeline into `dir`: UNet and text encoders with weights from `seed`, the
+/// fitted VAE.
 pub fn write_model(dir: &Path, seed: u64) -> Result<()> {
     let dev = Device::Cpu;
     let words = vocab_words();
@@ -186,20 +133,7 @@ pub fn write_model(dir: &Path, seed: u64) -> Result<()> {
         ClipTextModel::new(&pb, &ClipTextConfig::from_file(&path)?, proj)?;
         save_store(&store, &dir.join(name).join("model.safetensors"))?;
     }
-    let vae_cfg = json!({
-        "_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"],
-        "block_out_channels": [16, 32, 32], "layers_per_block": 1, "latent_channels": 4,
-        "norm_num_groups": 8, "sample_size": 32, "scaling_factor": 0.13025,
-    });
-    let path = dir.join("vae/config.json");
-    write_json(&path, &vae_cfg)?;
-    let store = ParamStore::new();
-    Vae::new(
-        &ParamBuilder::new(store.clone(), DType::F32, &dev, seed ^ 3),
-        &VaeConfig::from_file(&path)?,
-    )?;
-    save_store(&store, &dir.join("vae/diffusion_pytorch_model.safetensors"))?;
+    write_vae(&dir.join("vae"))?;
     let unet_cfg = json!({
         "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.35.2",
         "act_fn": "silu", "addition_embed_type": "text_time", "addition_embed_type_num_heads": 64,
@@ -226,41 +160,6 @@ pub fn write_model(dir: &Path, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Writes `n` captioned shape images (sizes vary, so resize and crop are exercised) with a
-/// metadata.jsonl into `dir`.
-pub fn write_images(dir: &Path, n: usize, seed: u64) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut rng = SplitMix64::new(seed ^ 0x1A6E);
-    let mut meta = String::new();
-    for i in 0..n {
-        let (cname, color) = COLORS[i % COLORS.len()];
-        let shape = SHAPES[(i / COLORS.len()) % SHAPES.len()];
-        let (bname, bg) = BACKGROUNDS[(i / (COLORS.len() * SHAPES.len())) % BACKGROUNDS.len()];
-        let (w, h) = (48 + 8 * rng.below(3), 48 + 8 * rng.below(3));
-        let (cx, cy) = (w as f64 / 2.0, h as f64 / 2.0);
-        let r = 12.0 + rng.uniform() * 6.0;
-        let img = image::RgbImage::from_fn(w as u32, h as u32, |x, y| {
-            let (dx, dy) = (x as f64 + 0.5 - cx, y as f64 + 0.5 - cy);
-            let inside = match shape {
-                "circle" => dx * dx + dy * dy <= r * r,
-                "square" => dx.abs() <= r * 0.85 && dy.abs() <= r * 0.85,
-                _ => dy >= -r && dy <= r * 0.8 && dx.abs() <= (dy + r) * 0.6,
-            };
-            image::Rgb(if inside { color } else { bg })
-        });
-        let file = format!("{i:03}.png");
-        img.save(dir.join(&file))
-            .with_context(|| dir.join(&file).display().to_string())?;
-        meta.push_str(
-            &json!({"file_name": file, "text": format!("a {cname} {shape} on a {bname} background")})
-                .to_string(),
-        );
-        meta.push('\n');
-    }
-    std::fs::write(dir.join("metadata.jsonl"), meta)?;
-    Ok(())
-}
-
 /// Writes the demo pipeline and images under `dir` (once: an existing demo is reused).
 pub fn write(dir: &Path, images: usize, seed: u64) -> Result<Demo> {
     let demo = Demo {
@@ -273,6 +172,8 @@ pub fn write(dir: &Path, images: usize, seed: u64) -> Result<Demo> {
         .is_file()
     {
         write_model(&demo.model, seed)?;
+    } else {
+        write_vae(&demo.model.join("vae"))?;
     }
     if !demo.data.join("metadata.jsonl").is_file() {
         write_images(&demo.data, images, seed)?;
