@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_params::checkpoint::{Checkpointer, SegmentFn};
+use ft_params::checkpoint::{Checkpointer, SegmentFn, Strategy};
 use ft_params::{Init, ParamBuilder, ParamStore};
 
 mod common;
@@ -36,6 +36,57 @@ fn checkpointed_gradients_equal_plain_backprop_exactly() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every strategy gives plain backprop's loss and gradients bit for bit, over three steps (the
+/// budget strategy measures in the first and follows its plan after), and the budget plan keeps
+/// what fits: everything under a large budget, nothing under a tiny one, part under half.
+#[test]
+fn every_strategy_gives_the_plain_gradients_bit_for_bit() -> anyhow::Result<()> {
+    let (store, layers) = stack(6, 24)?;
+    let params: Vec<Var> = store.trainable()?.into_iter().map(|(_, v)| v).collect();
+    let x = Tensor::randn(0f32, 1., (5, 24), &Device::Cpu)?;
+    let grads_of = |ck: &Checkpointer| -> anyhow::Result<(f32, Vec<Vec<u32>>)> {
+        ck.begin_forward();
+        let (l, g) = loss_and_grads(&layers, &x, ck, &params)?;
+        let g = g
+            .iter()
+            .map(|g| bits(g.as_ref().expect("a gradient for every parameter")))
+            .collect::<candle_core::Result<_>>()?;
+        Ok((l, g))
+    };
+    let plain = grads_of(&Checkpointer::new(false))?;
+    // One layer's graph: the budget's unit.
+    let one = {
+        let ck = Checkpointer::with_strategy(Strategy::Budget(u64::MAX));
+        grads_of(&ck)?;
+        ck.budget_plan().expect("a plan after the first backward").2 / layers.len() as u64
+    };
+    for s in ["blocks", "full", "every:2", "every:4", "budget:1"]
+        .into_iter()
+        .map(|s| s.parse::<Strategy>().expect("strategy"))
+        .chain([Strategy::Budget(u64::MAX), Strategy::Budget(3 * one)])
+    {
+        let ck = Checkpointer::with_strategy(s);
+        for step in 0..3 {
+            assert!(
+                grads_of(&ck)? == plain,
+                "{s}, step {step}: not plain backprop's"
+            );
+        }
+        if let Strategy::Budget(b) = s {
+            let (kept, recomputed, bytes) = ck.budget_plan().expect("a plan");
+            assert_eq!(kept + recomputed, layers.len());
+            assert!(bytes <= b, "{s}: keeps {bytes} B");
+            let expect_kept = match b {
+                1 => 0,
+                u64::MAX => layers.len(),
+                _ => 3,
+            };
+            assert_eq!(kept, expect_kept, "{s}: keeps {kept} segments");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn untracked_input_and_two_input_segments_still_reach_parameters() -> anyhow::Result<()> {
     let dev = Device::Cpu;
@@ -47,15 +98,18 @@ fn untracked_input_and_two_input_segments_still_reach_parameters() -> anyhow::Re
     let ctx = Tensor::randn(0f32, 1., (3, 4), &dev)?;
     let w2 = w.clone();
     let f: SegmentFn = Arc::new(move |xs: &[Tensor]| (xs[0].matmul(&w2)? * &xs[1])?.tanh());
-    let run = |enabled: bool| -> anyhow::Result<Tensor> {
-        let ck = Checkpointer::new(enabled);
+    let run = |s: &str| -> anyhow::Result<Tensor> {
+        let ck = Checkpointer::with_strategy(s.parse().map_err(anyhow::Error::msg)?);
         let y = ck.run(f.clone(), &[&x, &ctx], std::slice::from_ref(&wv))?;
         let loss = y.sum_all()?;
         let g = ck.gradients(&loss, std::slice::from_ref(&wv))?;
         Ok(g[0].clone().expect("gradient for w"))
     };
-    let (a, b) = (run(false)?, run(true)?);
-    assert_eq!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    let plain = run("none")?;
+    for s in ["full", "blocks", "every:2"] {
+        let d = (&plain - run(s)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(d, 0.0, "{s}");
+    }
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 //! layer during the backward, exactly as backward-then-step would.
 
 use candle_core::{DType, Device, Tensor, Var};
-use ft_params::checkpoint::Checkpointer;
+use ft_params::checkpoint::{Checkpointer, EarlyStep, Strategy};
 use ft_trainer::ledger::alloc;
 
 mod common;
@@ -32,6 +32,89 @@ fn checkpointing_lowers_the_measured_peak_on_a_deep_stack() -> anyhow::Result<()
     assert!(
         (ckpt as f64) < 0.5 * plain as f64,
         "checkpointed peak {ckpt} not well below plain {plain}"
+    );
+    Ok(())
+}
+
+/// Block-wise backward frees as it goes: on a deep stack (24 segments), live heap bytes during
+/// the backward never rise above the level at the end of forward plus the parameter gradients
+/// produced so far plus one segment's backward working set (bounded here by twice its graph),
+/// and each segment's graph is gone once its backward has run (probed from the early-step hook,
+/// which sees the live bytes as each segment finishes: they fall by a segment each time).
+#[test]
+fn blockwise_backward_frees_each_segment_as_it_goes() -> anyhow::Result<()> {
+    use std::sync::{Arc, Mutex};
+    let _g = SERIAL.lock();
+    let depth = 24;
+    let (store, layers) = stack(depth, 128)?;
+    let params: Vec<Var> = store.trainable()?.into_iter().map(|(_, v)| v).collect();
+    let x = Tensor::randn(0f32, 1., (256, 128), &Device::Cpu)?;
+    let grad_bytes_per_layer = (128 * 128 + 128) * 4;
+    // Returns (live at the end of forward, backward peak above it, live at each probe above it).
+    let run = |s: Strategy| -> anyhow::Result<(usize, usize, Vec<isize>)> {
+        let ck = Checkpointer::with_strategy(s);
+        ck.begin_forward();
+        let base = alloc::live_bytes();
+        let mut h = x.clone();
+        for l in &layers {
+            h = ck.run(layer_fn(l), &[&h], &l.params)?;
+        }
+        let loss = h.sqr()?.mean_all()?;
+        drop(h);
+        let end_forward = alloc::live_bytes();
+        let probes: Arc<Mutex<Vec<isize>>> = Arc::default();
+        let seen = probes.clone();
+        let hook: EarlyStep = Arc::new(move |grads: Vec<(Var, Tensor)>| {
+            if let Ok(mut p) = seen.lock() {
+                p.push(alloc::live_bytes() as isize - end_forward as isize);
+            }
+            Ok(grads) // takes nothing: a probe
+        });
+        alloc::reset_peak();
+        let (grads, _) = ck.gradients_with(&loss, &params, Some(hook))?;
+        let peak = alloc::peak_bytes() - end_forward;
+        assert!(grads.iter().all(|g| g.is_some()));
+        drop(grads);
+        let p = probes.lock().map(|p| p.clone()).unwrap_or_default();
+        Ok((end_forward - base, peak, p))
+    };
+    // A first pass warms the allocations that persist (matmul packing buffers per thread).
+    run(Strategy::None)?;
+    let (fwd_blocks, peak_blocks, probes) = run(Strategy::Blocks)?;
+    let (fwd_plain, peak_plain, _) = run(Strategy::None)?;
+    let (fwd_full, peak_full, _) = run(Strategy::Full)?;
+    let segment = fwd_blocks / depth;
+    println!(
+        "deep stack: end of forward / backward peak above it: none {fwd_plain} / {peak_plain} B, \
+         blocks {fwd_blocks} / {peak_blocks} B, full {fwd_full} / {peak_full} B; one segment \
+         {segment} B; live above end of forward at each segment's end: {probes:?}"
+    );
+    assert_eq!(probes.len(), depth, "one probe per segment");
+    let all_grads = depth * grad_bytes_per_layer;
+    let working = 2 * segment;
+    assert!(
+        peak_blocks <= all_grads + working,
+        "blocks: backward peak {peak_blocks} B above the end of forward, more than the \
+         gradients ({all_grads} B) and one segment's working set ({working} B)"
+    );
+    for (k, live) in probes.iter().enumerate() {
+        // At the k-th segment's end, the k segments above it have been freed (each graph
+        // minus the leaf it hands on, so 0.8 of one); its own graph and backward temporaries
+        // are still alive.
+        let freed = (k * segment * 4 / 5) as isize;
+        let bound = ((k + 1) * grad_bytes_per_layer + working) as isize - freed;
+        assert!(
+            *live <= bound,
+            "blocks: {live} B above the end of forward at segment {k} from the top, bound {bound}"
+        );
+    }
+    // Plain backprop frees nothing until it returns: its graph is all the activations.
+    assert!(fwd_plain > depth * segment / 2, "plain {fwd_plain} B");
+    assert!(peak_plain > 0);
+    // Full recompute keeps only boundaries in forward.
+    assert!(
+        fwd_full * 2 < fwd_blocks,
+        "full {fwd_full} B, blocks {fwd_blocks} B"
     );
     Ok(())
 }

@@ -39,6 +39,42 @@ fn step_modes_from_the_flags() -> anyhow::Result<()> {
         "--full-bf16",
     ])?;
     assert!(bf16.fused_backward());
+    // Any strategy that runs the model as segments carries a fused backward pass.
+    for s in ["blocks", "full", "every:2", "budget:1GiB"] {
+        assert!(mode(&["--fused-backward", "--checkpointing", s])?.fused_backward());
+    }
+    Ok(())
+}
+
+#[test]
+fn checkpointing_strategies_from_the_flags() -> anyhow::Result<()> {
+    use ft_params::checkpoint::Strategy;
+    let strategy = |args: &[&str]| -> ft_trainer::Result<Strategy> {
+        let mut v = vec!["t"];
+        v.extend(args);
+        let c = Cli::parse_from(v).common;
+        c.validate()?;
+        c.checkpoint_strategy()
+    };
+    assert_eq!(strategy(&[])?, Strategy::None);
+    assert_eq!(strategy(&["--gradient-checkpointing"])?, Strategy::Full);
+    assert_eq!(strategy(&["--checkpointing", "blocks"])?, Strategy::Blocks);
+    assert_eq!(
+        strategy(&["--checkpointing", "full", "--gradient-checkpointing"])?,
+        Strategy::Full
+    );
+    assert_eq!(
+        strategy(&["--checkpointing", "budget:300MiB"])?,
+        Strategy::Budget(300 << 20)
+    );
+    let e = strategy(&["--checkpointing", "blocks", "--gradient-checkpointing"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("give one of the two"), "{e}");
+    let e = strategy(&["--checkpointing", "every:0"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--checkpointing `every:0`"), "{e}");
     Ok(())
 }
 
@@ -55,6 +91,10 @@ fn impossible_step_modes_name_what_stands_in_the_way() {
         "--accum above 1",
     );
     refused(&["--fused-backward"], "--gradient-checkpointing");
+    refused(
+        &["--fused-backward", "--checkpointing", "none"],
+        "--checkpointing blocks",
+    );
     refused(
         &[
             "--fused-backward",

@@ -63,10 +63,13 @@ impl Args {
     /// Rejects impossible settings with a message naming the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
         // Before the shared checks, which would ask for --gradient-checkpointing.
-        if self.common.gradient_checkpointing || self.common.fused_backward {
+        if self.common.gradient_checkpointing
+            || self.common.checkpointing.is_some()
+            || self.common.fused_backward
+        {
             anyhow::bail!(
-                "fewshot-ft's models have no checkpoint segments: --gradient-checkpointing and \
-                 --fused-backward do not apply"
+                "fewshot-ft's models have no checkpoint segments: --gradient-checkpointing, \
+                 --checkpointing and --fused-backward do not apply"
             );
         }
         self.common.validate()?;

@@ -289,7 +289,7 @@ pub fn run(args: &Args) -> Result<RunSummary> {
         s.loop_config.mode.micro_batches(),
         s.task.batch_size,
         s.task.dtype,
-        s.checkpointer.enabled()
+        s.checkpointer.strategy()
     );
     let summary = s.train()?;
     eprintln!("{}", s.ledger.table());

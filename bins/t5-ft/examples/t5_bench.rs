@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use ft_models::dropout::DropoutCtx;
 use ft_models::t5::{T5Batch, T5Config, T5};
 use ft_params::bytes::format_bytes;
-use ft_params::checkpoint::Checkpointer;
+use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::rng::SplitMix64;
 use ft_params::{ParamBuilder, ParamStore};
 
@@ -42,7 +42,7 @@ struct Row {
     told: Option<(u64, u64, u64)>,
 }
 
-fn ours(checkpointing: bool) -> anyhow::Result<Row> {
+fn ours(strategy: Strategy) -> anyhow::Result<Row> {
     let dev = Device::Cpu;
     let cfg = small();
     let store = ParamStore::new();
@@ -62,8 +62,9 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
         labels: Tensor::from_vec(ids(BATCH * TGT), (BATCH, TGT), &dev)?.to_dtype(DType::I64)?,
         label_tokens: BATCH * TGT,
     };
-    let ck = Checkpointer::new(checkpointing);
+    let ck = Checkpointer::with_strategy(strategy);
     let mut step = || -> anyhow::Result<()> {
+        ck.begin_forward();
         let loss = (model.summed_loss(&batch, &DropoutCtx::eval(), &ck)? / (BATCH * TGT) as f64)?;
         let grads = ck.gradients(&loss, &params)?;
         drop(loss);
@@ -71,13 +72,47 @@ fn ours(checkpointing: bool) -> anyhow::Result<Row> {
         Ok(())
     };
     let m = ft_trainer::train::bench::measure_steps(STEPS, &mut step)?;
+    // One more step, probed: where in the step the heap peaks (exact bytes above its start).
+    {
+        use ft_trainer::ledger::alloc;
+        use std::sync::{Arc, Mutex};
+        let mib = |b: usize| b >> 20;
+        ck.begin_forward();
+        let b0 = alloc::live_bytes();
+        let loss = (model.summed_loss(&batch, &DropoutCtx::eval(), &ck)? / (BATCH * TGT) as f64)?;
+        let end_forward = alloc::live_bytes().saturating_sub(b0);
+        alloc::reset_peak();
+        // At each segment's end: (peak since the previous one, live now), in MiB.
+        let probes: Arc<Mutex<Vec<(usize, usize)>>> = Arc::default();
+        let seen = probes.clone();
+        let hook: ft_params::checkpoint::EarlyStep = Arc::new(move |g| {
+            let (live, peak) = (alloc::live_bytes(), alloc::peak_bytes());
+            if let Ok(mut p) = seen.lock() {
+                p.push((mib(peak.saturating_sub(b0)), mib(live.saturating_sub(b0))));
+            }
+            alloc::reset_peak();
+            Ok(g) // takes nothing: a probe
+        });
+        let (grads, _) = ck.gradients_with(&loss, &params, Some(hook))?;
+        let tail = alloc::peak_bytes().saturating_sub(b0);
+        drop(loss);
+        alloc::reset_peak();
+        opt.step(grads, 1e-4)?;
+        let step_peak = alloc::peak_bytes().saturating_sub(b0);
+        let probes = probes.lock().map(|p| p.clone()).unwrap_or_default();
+        eprintln!(
+            "--checkpointing {strategy}, heap above the step's start (MiB): end of forward {}; \
+             at each segment's end in backward (peak since the last, live): {probes:?}; \
+             backward peak after the last segment {}; optimizer step peak {}",
+            mib(end_forward),
+            mib(tail),
+            mib(step_peak)
+        );
+    }
     let (_, pbytes) = store.count(true);
     let state = opt.optimizer().state_bytes();
     Ok(Row {
-        name: format!(
-            "candle (this repo){}",
-            if checkpointing { ", checkpointing" } else { "" }
-        ),
+        name: format!("candle (this repo), --checkpointing {strategy}"),
         step_s: m.step_s,
         alloc_peak: Some(m.alloc_peak),
         rss_peak: m.rss_peak,
@@ -159,9 +194,22 @@ fn main() -> anyhow::Result<()> {
     );
     println!("|---|---|---|---|---|---|---|---|");
     let mut measured = Vec::new();
-    for ck in [false, true] {
-        let r = ours(ck)?;
-        let t = torch(ck);
+    // Ratios to PyTorch's plain step, and for `full` to its torch.utils.checkpoint step; each
+    // PyTorch row printed after the first strategy compared with it.
+    let (t_plain, t_ckpt) = (torch(false), torch(true));
+    let strategies = [
+        Strategy::None,
+        Strategy::Blocks,
+        Strategy::Every(2),
+        Strategy::Full,
+    ];
+    for strategy in strategies {
+        let r = ours(strategy)?;
+        let t = if strategy == Strategy::Full {
+            &t_ckpt
+        } else {
+            &t_plain
+        };
         let ratio = t
             .as_ref()
             .map(|t| format!("{:.2}x", r.step_s / t.step_s))
@@ -177,7 +225,8 @@ fn main() -> anyhow::Result<()> {
             format_bytes(g as i64),
             format_bytes(o as i64)
         );
-        if let Some(t) = t {
+        let first = matches!(strategy, Strategy::None | Strategy::Full);
+        if let (Some(t), true) = (t, first) {
             println!(
                 "| {} | {:.3} s | 1.00x | {} | - | - | - | - |",
                 t.name,
@@ -185,7 +234,9 @@ fn main() -> anyhow::Result<()> {
                 fmt(t.rss_peak)
             );
         }
-        measured.push(r);
+        if first {
+            measured.push(r);
+        }
     }
 
     // FLAN-T5-XL from its real config: exact model states, activations scaled from t5-small.

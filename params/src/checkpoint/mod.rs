@@ -1,50 +1,98 @@
-//! Exact gradient checkpointing: a segment keeps only its inputs in forward and is recomputed in
-//! backward.
+//! Exact gradient checkpointing: the model runs as segments cut from each other, and each
+//! segment's graph is either kept until its own backward and freed there (`blocks`) or dropped
+//! in forward and recomputed in backward (`full`); [`Strategy`] mixes the two.
 //!
-//! candle keeps every activation alive until the loss is dropped and has no recompute hook. A
-//! checkpointed segment is therefore run as one custom op: its forward evaluates the segment on
-//! detached inputs and keeps only the output (the segment's graph is dropped at once); its
-//! backward re-runs the segment on fresh `Var` copies of the inputs, backpropagates
-//! `sum(output * grad_output)`, hands the input gradients back to candle's backprop and puts the
-//! parameter gradients in a [`GradSink`]. The chain rule is unchanged, so the gradients equal
-//! plain backprop (bit-identical on CPU f32 when no parameter is shared between segments).
+//! candle's `backward()` holds every node of the graph (and so every activation) until it
+//! returns, and has no recompute hook. A segment is therefore run as one custom op whose
+//! backward backpropagates `sum(output * grad_output)` through the segment's own graph (kept,
+//! or rebuilt on fresh `Var` copies of the inputs), hands the input gradients back to candle's
+//! backprop and puts the parameter gradients in a [`GradSink`]. When it returns, that graph is
+//! gone: backward walks the segments in reverse and frees each as it goes. The chain rule is
+//! unchanged, so the gradients equal plain backprop (bit-identical on CPU f32 when no parameter
+//! is shared between segments).
 //!
-//! A segment function must be deterministic: dropout inside it has to take its mask from state
-//! captured in the closure, or the recomputed forward differs from the first one.
+//! A recomputed segment function must be deterministic: dropout inside it has to take its mask
+//! from state captured in the closure, or the recomputed forward differs from the first one.
 
 mod segment;
 mod sink;
+mod strategy;
 
+pub use segment::graph_bytes;
 pub use sink::{EarlyStep, GradSink};
+pub use strategy::Strategy;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{Tensor, TensorId, Var};
 
 use crate::error::Result;
-use segment::SegmentOp;
+use segment::{Body, KeptGraph, SegmentOp};
 use sink::locked;
+use strategy::{SegmentCost, Treatment};
 
 /// A segment: a function of 1 to 3 tensors (hidden state, encoder output, bias, ...).
 pub type SegmentFn = Arc<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync>;
 
-/// Runs segments checkpointed or plainly, and collects gradients from both paths.
+/// Where the current forward is, and what the budget strategy has measured and chosen.
+#[derive(Default)]
+struct Progress {
+    /// Index of the next segment in this forward.
+    next: usize,
+    /// Per segment, its graph's bytes and recompute time (budget strategy, first step).
+    costs: Arc<Mutex<Vec<Option<SegmentCost>>>>,
+    /// Per segment, whether the budget plan recomputes it.
+    recompute: Option<Vec<bool>>,
+}
+
+/// Runs segments as the strategy says, and collects gradients from all of them.
 #[derive(Clone, Default)]
 pub struct Checkpointer {
     sink: GradSink,
-    enabled: bool,
+    strategy: Strategy,
+    progress: Arc<Mutex<Progress>>,
 }
 
 impl Checkpointer {
+    /// `enabled`: full recompute (`--gradient-checkpointing`); otherwise no segments.
     pub fn new(enabled: bool) -> Self {
+        Self::with_strategy(if enabled {
+            Strategy::Full
+        } else {
+            Strategy::None
+        })
+    }
+
+    pub fn with_strategy(strategy: Strategy) -> Self {
         Checkpointer {
-            sink: GradSink::default(),
-            enabled,
+            strategy,
+            ..Default::default()
         }
     }
 
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// `true` when the model runs as segments (any strategy but `none`).
     pub fn enabled(&self) -> bool {
-        self.enabled
+        self.strategy.segmented()
+    }
+
+    /// The budget strategy's plan once made (after the first backward): how many segments keep
+    /// their graph, how many are recomputed, and the bytes the kept ones hold.
+    pub fn budget_plan(&self) -> Option<(usize, usize, u64)> {
+        let p = locked(&self.progress);
+        let plan = p.recompute.as_ref()?;
+        let costs = locked(&p.costs);
+        let kept_bytes = plan
+            .iter()
+            .zip(costs.iter())
+            .filter(|(r, _)| !**r)
+            .map(|(_, c)| c.map_or(0, |c| c.bytes))
+            .sum();
+        let recomputed = plan.iter().filter(|r| **r).count();
+        Some((plan.len() - recomputed, recomputed, kept_bytes))
     }
 
     /// Starts counting which segments use which parameters afresh: call before each forward
@@ -52,20 +100,30 @@ impl Checkpointer {
     /// its counts must not make every parameter look shared).
     pub fn begin_forward(&self) {
         locked(&self.sink.uses).clear();
+        locked(&self.progress).next = 0;
     }
 
     /// Evaluates `f(inputs)` (1 to 3 inputs). When checkpointing is on, only the inputs and the
     /// output stay alive; `params` are the trainable parameters `f` uses, whose gradients go to
     /// the sink when the segment is recomputed in backward.
     pub fn run(&self, f: SegmentFn, inputs: &[&Tensor], params: &[Var]) -> Result<Tensor> {
-        if !self.enabled {
+        let (index, recompute, costs) = {
+            let mut p = locked(&self.progress);
+            let index = p.next;
+            p.next += 1;
+            let measure = matches!(self.strategy, Strategy::Budget(_)) && p.recompute.is_none();
+            (index, p.recompute.clone(), measure.then(|| p.costs.clone()))
+        };
+        let treatment = self.strategy.treatment(index, recompute.as_deref());
+        if treatment == Treatment::Plain {
             let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
             return Ok(f(&owned)?);
         }
         let mut args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        let tracked: Vec<bool> = args.iter().map(|a| a.track_op()).collect();
         // An op whose inputs are all untracked would not be recorded, and its parameters would
         // get no gradient: make the first input a variable so backprop reaches the segment.
-        if !args.iter().any(|a| a.track_op()) {
+        if !tracked.iter().any(|t| *t) {
             if let Some(first) = args.first_mut() {
                 *first = Var::from_tensor(first)?.into_inner();
             }
@@ -78,9 +136,34 @@ impl Checkpointer {
                 *uses.entry(id).or_default() += 1;
             }
         }
+        let body = match treatment {
+            Treatment::Keep => {
+                // The segment's own leaves: a copy of each input whose gradient is needed, so
+                // that its graph stops there; the others are read as they are.
+                let mut leaves = Vec::with_capacity(args.len());
+                let mut xs = Vec::with_capacity(args.len());
+                for (a, t) in args.iter().zip(&tracked) {
+                    if *t {
+                        let v = Var::from_tensor(&a.detach())?;
+                        xs.push(v.as_tensor().clone());
+                        leaves.push(Some(v));
+                    } else {
+                        xs.push(a.detach());
+                        leaves.push(None);
+                    }
+                }
+                let y = f(&xs)?;
+                Body::Kept(Mutex::new(Some(KeptGraph { leaves, y })))
+            }
+            _ => Body::Recompute {
+                f,
+                inputs: args.iter().map(|a| a.detach()).collect(),
+                costs,
+                index,
+            },
+        };
         let op = SegmentOp {
-            f,
-            inputs: args.iter().map(|a| a.detach()).collect(),
+            body,
             tracked: args.iter().map(|a| a.track_op()).collect(),
             params: params.to_vec(),
             sink: self.sink.clone(),
@@ -121,6 +204,7 @@ impl Checkpointer {
         *locked(&self.sink.early) = early;
         let result = self.collect(loss, params);
         *locked(&self.sink.early) = None;
+        self.end_backward();
         let taken: std::collections::HashSet<TensorId> =
             locked(&self.sink.taken).drain(..).collect();
         if result.is_err() {
@@ -143,6 +227,20 @@ impl Checkpointer {
             .map(|(g, p)| if taken.contains(&p.id()) { None } else { g })
             .collect();
         Ok((grads, taken.len()))
+    }
+
+    /// After a backward: the next forward starts at segment 0, and the budget strategy makes
+    /// its plan once every segment of the first step has been measured.
+    fn end_backward(&self) {
+        let mut p = locked(&self.progress);
+        let seen = std::mem::take(&mut p.next);
+        if let (Strategy::Budget(budget), None) = (self.strategy, &p.recompute) {
+            let costs = locked(&p.costs).clone();
+            if seen > 0 && costs.len() == seen && costs.iter().all(|c| c.is_some()) {
+                let costs: Vec<SegmentCost> = costs.into_iter().flatten().collect();
+                p.recompute = Some(strategy::plan_budget(&costs, budget));
+            }
+        }
     }
 
     fn collect(&self, loss: &Tensor, params: &[Var]) -> Result<Vec<Option<Tensor>>> {

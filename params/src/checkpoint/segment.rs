@@ -1,53 +1,140 @@
-//! A checkpointed segment as one candle custom op (1 to 3 inputs): forward keeps only the
-//! inputs and the output; backward recomputes the segment on `Var` copies of the inputs.
+//! A segment as one candle custom op (1 to 3 inputs), cut from the graph around it: either
+//! recomputed in backward from its inputs (`full`), or with its graph kept from forward and
+//! dropped as soon as its backward has run (`blocks`).
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, Var,
 };
 
+use super::sink::locked;
+use super::strategy::SegmentCost;
 use super::{GradSink, SegmentFn};
 
+/// A segment's graph built in forward: its own input leaves (a `Var` per tracked input, whose
+/// gradient backward hands on; `None` where the input needs none) and its output.
+pub(crate) struct KeptGraph {
+    pub(crate) leaves: Vec<Option<Var>>,
+    pub(crate) y: Tensor,
+}
+
+/// How backward gets the segment's graph.
+pub(crate) enum Body {
+    /// Recomputed from the detached inputs; with `costs`, the recomputation's graph bytes and
+    /// time are written at `index` (the budget strategy's first step).
+    Recompute {
+        f: SegmentFn,
+        inputs: Vec<Tensor>,
+        costs: Option<Arc<Mutex<Vec<Option<SegmentCost>>>>>,
+        index: usize,
+    },
+    /// Built in forward and taken (so freed) by backward.
+    Kept(Mutex<Option<KeptGraph>>),
+}
+
 pub(crate) struct SegmentOp {
-    pub(crate) f: SegmentFn,
-    pub(crate) inputs: Vec<Tensor>,
+    pub(crate) body: Body,
     pub(crate) tracked: Vec<bool>,
     pub(crate) params: Vec<Var>,
     pub(crate) sink: GradSink,
 }
 
+/// Bytes held by the graph behind `y`: every tensor on a path from `y` to a variable (the
+/// variables themselves excluded), each storage counted once however many views share it.
+/// Tensors off those paths (masks, constants) are not counted: backward does not visit them,
+/// and they are small next to the activations in the models here.
+pub fn graph_bytes(y: &Tensor) -> u64 {
+    let mut seen: std::collections::HashMap<usize, u64> = std::collections::HashMap::new();
+    for node in y.sorted_nodes() {
+        if node.is_variable() || !node.is_contiguous() {
+            continue;
+        }
+        let (storage, layout) = node.storage_and_layout();
+        let key = &*storage as *const Storage as usize;
+        let end =
+            ((layout.start_offset() + node.elem_count()) * node.dtype().size_in_bytes()) as u64;
+        let e = seen.entry(key).or_default();
+        *e = (*e).max(end);
+    }
+    seen.values().sum()
+}
+
 impl SegmentOp {
-    /// Forward on the detached inputs; the segment's graph dies with `y` when this returns.
+    /// The output as a fresh contiguous tensor: the recomputing body evaluates the segment on
+    /// the detached inputs (its graph dies when this returns); the kept body hands out its
+    /// output, whose graph stays with it.
     fn forward(&self) -> candle_core::Result<Tensor> {
-        let y = (self.f)(&self.inputs)?;
+        let y = match &self.body {
+            Body::Recompute { f, inputs, .. } => f(inputs)?,
+            Body::Kept(kept) => match &*locked(kept) {
+                Some(k) => k.y.clone(),
+                None => candle_core::bail!("checkpointed segment: forward after backward"),
+            },
+        };
         let exact = y.is_contiguous() && y.layout().start_offset() == 0;
         Ok(if exact { y } else { y.force_contiguous()? })
     }
 
+    /// The segment's graph for backward: rebuilt on fresh `Var` copies of the inputs, or the
+    /// one kept from forward (taken, so that it is freed when backward is done with it).
+    fn graph(&self) -> candle_core::Result<KeptGraph> {
+        match &self.body {
+            Body::Kept(kept) => locked(kept).take().ok_or_else(|| {
+                candle_core::Error::Msg("checkpointed segment: backward ran twice".into())
+            }),
+            Body::Recompute {
+                f,
+                inputs,
+                costs,
+                index,
+            } => {
+                let leaves = inputs
+                    .iter()
+                    .map(|t| Var::from_tensor(t).map(Some))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let xs: Vec<Tensor> = leaves
+                    .iter()
+                    .flatten()
+                    .map(|v| v.as_tensor().clone())
+                    .collect();
+                let t0 = Instant::now();
+                let y = f(&xs)?;
+                if let Some(costs) = costs {
+                    y.device().synchronize()?;
+                    let cost = SegmentCost {
+                        bytes: graph_bytes(&y),
+                        seconds: t0.elapsed().as_secs_f64(),
+                    };
+                    let mut c = locked(costs);
+                    if c.len() <= *index {
+                        c.resize(*index + 1, None);
+                    }
+                    c[*index] = Some(cost);
+                }
+                Ok(KeptGraph { leaves, y })
+            }
+        }
+    }
+
     fn backward(&self, grad_out: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
-        let vars = self
-            .inputs
-            .iter()
-            .map(Var::from_tensor)
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let xs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let y = (self.f)(&xs)?;
+        let KeptGraph { leaves, y } = self.graph()?;
         let surrogate = (y * grad_out.detach())?.sum_all()?;
         let mut grads = surrogate.backward()?;
+        drop(surrogate);
         let finished = self
             .params
             .iter()
             .filter_map(|p| Some((p.clone(), grads.remove(p.as_tensor())?.detach())))
             .collect();
         self.sink.finish(finished)?;
-        Ok(vars
+        Ok(leaves
             .iter()
             .zip(&self.tracked)
-            .map(|(v, tracked)| {
-                if *tracked {
-                    grads.remove(v.as_tensor()).map(|g| g.detach())
-                } else {
-                    None
-                }
+            .map(|(v, tracked)| match (v, tracked) {
+                (Some(v), true) => grads.remove(v.as_tensor()).map(|g| g.detach()),
+                _ => None,
             })
             .collect())
     }

@@ -12,6 +12,7 @@ use super::schedule::{LrSchedule, ScheduleKind};
 use crate::error::{Error, Result};
 use crate::optim::registry::{self, OptimSettings, OptimSpec};
 use crate::update::{MixedOptimizer, Precision, StatePlacement, StepMode, StepModeRequest};
+use ft_params::checkpoint::Strategy;
 
 /// Settings every trainer shares.
 #[derive(clap::Args, Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
@@ -101,9 +102,19 @@ pub struct CommonArgs {
     /// stops.
     #[arg(long, default_value_t = 3)]
     pub max_bad_steps: u64,
-    /// Recompute activations in backward instead of storing them.
+    /// Recompute activations in backward instead of storing them: the alias of
+    /// `--checkpointing full`.
     #[arg(long)]
     pub gradient_checkpointing: bool,
+    /// How the model's blocks keep their activations for backward: `none` (one graph, freed
+    /// when the backward returns), `blocks` (each block's graph freed as soon as its backward
+    /// has run; nothing recomputed), `full` (each block recomputed in backward), `every:K`
+    /// (blocks 0, K, 2K, ... recomputed, the others kept) or `budget:SIZE` (keep the blocks
+    /// that fit in SIZE, e.g. budget:2GiB, recomputing those with the most bytes per second of
+    /// recompute). Every strategy gives the same gradients. Default: none, or full with
+    /// --gradient-checkpointing.
+    #[arg(long)]
+    pub checkpointing: Option<String>,
     /// Keep the fp32 master weights, the optimizer state and the accumulated gradients in host
     /// memory (DeepSpeed's ZeRO-Offload of the optimizer): the GPU holds only the weights, one
     /// micro-batch's gradients and the activations; the step runs on the CPU.
@@ -153,6 +164,7 @@ impl CommonArgs {
             );
         }
         self.schedule.parse::<ScheduleKind>()?;
+        self.checkpoint_strategy()?;
         let cuda_n = |s: &str| {
             s.strip_prefix("cuda:")
                 .is_some_and(|n| n.parse::<usize>().is_ok())
@@ -194,9 +206,29 @@ impl CommonArgs {
         StepMode::new(StepModeRequest {
             micro_batches: self.accum,
             fused_backward: self.fused_backward,
-            checkpointing: self.gradient_checkpointing,
+            checkpointing: self.checkpoint_strategy()?.segmented(),
             loss_scaling: self.planned_precision()?.loss_scaling,
         })
+    }
+
+    /// The checkpointing strategy: `--checkpointing`, or `full` for `--gradient-checkpointing`.
+    pub fn checkpoint_strategy(&self) -> Result<Strategy> {
+        let given = match &self.checkpointing {
+            Some(s) => Some(
+                s.parse::<Strategy>()
+                    .map_err(|e| Error::Invalid(format!("--{e}")))?,
+            ),
+            None => None,
+        };
+        match (given, self.gradient_checkpointing) {
+            (Some(s), true) if s != Strategy::Full => Err(Error::Invalid(format!(
+                "--gradient-checkpointing means --checkpointing full, and --checkpointing is {s}: \
+                 give one of the two"
+            ))),
+            (Some(s), _) => Ok(s),
+            (None, true) => Ok(Strategy::Full),
+            (None, false) => Ok(Strategy::None),
+        }
     }
 
     /// The `--device` as a candle device: `cpu`, `cuda` or `cuda:N`.

@@ -217,7 +217,7 @@ impl SessionBuilder {
             optimizer,
             ledger: self.ledger,
             loop_config,
-            checkpointer: Checkpointer::new(c.gradient_checkpointing),
+            checkpointer: Checkpointer::with_strategy(c.checkpoint_strategy()?),
             lock: Some(self.lock),
         })
     }

@@ -28,8 +28,8 @@ pub struct StepModeRequest {
     pub micro_batches: usize,
     /// `--fused-backward`.
     pub fused_backward: bool,
-    /// Whether the model runs as checkpointed segments (`--gradient-checkpointing`, on a model
-    /// that has segments).
+    /// Whether the model runs as segments (`--checkpointing` other than none, or
+    /// `--gradient-checkpointing`, on a model that has segments).
     pub checkpointing: bool,
     /// Whether the loss is scaled (f16).
     pub loss_scaling: bool,
@@ -56,8 +56,9 @@ impl StepMode {
         }
         if !r.checkpointing {
             return bad(
-                "--fused-backward updates parameters as checkpointed segments are recomputed: \
-                 add --gradient-checkpointing (on a model that has checkpoint segments)",
+                "--fused-backward updates each segment's parameters when that segment's \
+                 backward ends: add --checkpointing blocks (nothing recomputed), full or \
+                 --gradient-checkpointing (on a model that has checkpoint segments)",
             );
         }
         if r.loss_scaling {
