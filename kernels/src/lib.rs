@@ -10,6 +10,7 @@ pub mod arch;
 pub mod attention;
 pub mod conv;
 mod cpu;
+pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gradcheck;

@@ -3,7 +3,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::dropout::DropoutCtx;
-use ft_models::t5::{relative_position_bucket, shift_right, T5Batch, T5Config, T5};
+use ft_models::t5::{
+    relative_position_bucket, shift_right, summed_cross_entropy, T5Batch, T5Config, T5,
+};
 use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::{ParamBuilder, ParamStore};
 
@@ -63,6 +65,37 @@ fn every_parameter_gets_a_nonzero_gradient_in_both_variants() -> anyhow::Result<
             names.contains(&"decoder.block.0.layer.2.DenseReluDense.wi_1.weight"),
             !tied
         );
+    }
+    Ok(())
+}
+
+#[test]
+fn the_fused_head_loss_equals_logits_then_cross_entropy() -> anyhow::Result<()> {
+    for tied in [false, true] {
+        let mut cfg = T5Config::tiny(20);
+        cfg.tie_word_embeddings = tied;
+        let (m, params) = model(&cfg)?;
+        let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
+        let (ck, drop) = (Checkpointer::new(false), DropoutCtx::eval());
+        let b = batch(&Device::Cpu)?;
+        let fused = m.summed_loss(&b, &drop, &ck)?;
+        let plain = summed_cross_entropy(&m.forward(&b, &drop, &ck)?, &b.labels)?;
+        let (f, p) = (fused.to_scalar::<f32>()?, plain.to_scalar::<f32>()?);
+        assert!((f - p).abs() <= 1e-5 * p.abs(), "tied {tied}: {f} vs {p}");
+        let eval = m.eval_summed_loss(&b)?;
+        assert!(!eval.track_op());
+        assert_eq!(eval.to_scalar::<f32>()?, f);
+        let gf = ck.gradients(&fused, &vars)?;
+        let gp = ck.gradients(&plain, &vars)?;
+        for (((name, _), a), b) in params.iter().zip(&gf).zip(&gp) {
+            let (a, b) = (a.as_ref().expect("grad"), b.as_ref().expect("grad"));
+            let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12);
+            let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff <= 1e-5 * scale,
+                "tied {tied}: `{name}` differs by {diff}"
+            );
+        }
     }
     Ok(())
 }

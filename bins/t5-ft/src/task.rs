@@ -84,12 +84,11 @@ impl T5Task {
         let Some(eval) = &self.eval else {
             return Ok(Vec::new());
         };
-        let ck = ft_params::checkpoint::Checkpointer::new(false);
         let (mut loss_sum, mut tokens, mut exact, mut n) = (0f64, 0usize, 0usize, 0usize);
         for idx in self.eval_batches() {
             let examples = eval.read(&idx)?;
             let batch = self.collator.collate(&examples, &self.device)?;
-            let loss = self.model.summed_loss(&batch, &DropoutCtx::eval(), &ck)?;
+            let loss = self.model.eval_summed_loss(&batch)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
             tokens += batch.label_tokens;
             let generated = self.model.generate_greedy(

@@ -5,5 +5,5 @@ mod model;
 mod position;
 
 pub use config::{FfAct, T5Config};
-pub use model::{shift_right, T5Batch, T5};
+pub use model::{shift_right, summed_cross_entropy, T5Batch, T5};
 pub use position::relative_position_bucket;

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
+use ft_kernels::cross_entropy::linear_cross_entropy;
 use ft_kernels::{attention, linear, norm, softmax};
 use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::{Init, ParamBuilder};
@@ -473,26 +474,55 @@ impl T5 {
         })
     }
 
-    /// Teacher-forced logits for a batch.
-    pub fn forward(&self, batch: &T5Batch, drop: &DropoutCtx, ck: &Checkpointer) -> Result<Tensor> {
+    /// Decoder hidden states [B, Lt, D] for a batch, teacher-forced on its shifted labels.
+    pub fn hidden(&self, batch: &T5Batch, drop: &DropoutCtx, ck: &Checkpointer) -> Result<Tensor> {
         let enc = self.encode(&batch.input_ids, &batch.attention_mask, drop, ck)?;
         let labels = batch.labels.to_vec2::<i64>()?;
         let dec_ids = shift_right(&labels, self.cfg.decoder_start(), self.cfg.pad_token_id);
         let (b, lt) = (dec_ids.len(), dec_ids.first().map(|r| r.len()).unwrap_or(0));
         let dec_ids = Tensor::from_vec(dec_ids.concat(), (b, lt), self.device())?;
-        let hidden = self.decode(&dec_ids, &enc, &batch.attention_mask, drop, ck)?;
-        self.logits(&hidden)
+        self.decode(&dec_ids, &enc, &batch.attention_mask, drop, ck)
+    }
+
+    /// Teacher-forced logits for a batch.
+    pub fn forward(&self, batch: &T5Batch, drop: &DropoutCtx, ck: &Checkpointer) -> Result<Tensor> {
+        self.logits(&self.hidden(batch, drop, ck)?)
     }
 
     /// Cross-entropy summed over label tokens (in f32), for accumulation over micro-batches.
+    ///
+    /// The head and the loss are one op ([`linear_cross_entropy`]) that never holds the whole
+    /// [B, Lt, vocab] logits: the same value and gradients as `summed_cross_entropy(forward)`
+    /// up to summation order, without the vocabulary-sized tensors that made the head's backward
+    /// the step's memory peak.
     pub fn summed_loss(
         &self,
         batch: &T5Batch,
         drop: &DropoutCtx,
         ck: &Checkpointer,
     ) -> Result<Tensor> {
-        let logits = self.forward(batch, drop, ck)?;
-        Ok(summed_cross_entropy(&logits, &batch.labels)?)
+        let hidden = self.hidden(batch, drop, ck)?;
+        self.head_loss(&hidden, &batch.labels, false)
+    }
+
+    /// [`Self::summed_loss`] for evaluation: nothing is kept for a backward (the decoder's graph
+    /// is cut before the head, and the head computes no gradients).
+    pub fn eval_summed_loss(&self, batch: &T5Batch) -> Result<Tensor> {
+        let ck = Checkpointer::new(false);
+        let hidden = self.hidden(batch, &DropoutCtx::eval(), &ck)?.detach();
+        self.head_loss(&hidden, &batch.labels, true)
+    }
+
+    fn head_loss(&self, hidden: &Tensor, labels: &Tensor, frozen: bool) -> Result<Tensor> {
+        let (h, w) = match &self.lm_head {
+            Some(w) => (hidden.clone(), w.clone()),
+            None => (
+                (hidden * (self.cfg.d_model as f64).powf(-0.5))?,
+                self.shared.clone(),
+            ),
+        };
+        let w = if frozen { w.detach() } else { w };
+        Ok(linear_cross_entropy(&h, &w, labels)?)
     }
 
     /// Greedy generation of up to `max_len` tokens (stops at EOS), without a cache: each step
