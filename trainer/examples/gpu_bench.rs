@@ -34,7 +34,7 @@ use ft_trainer::ledger::measure;
 use ft_trainer::optim::adafactor::{Adafactor, AdafactorConfig};
 use ft_trainer::optim::adamw8bit::AdamW8bit;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer};
-use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
+use ft_trainer::update::{GradAccumulator, MixedOptimizer, Precision, StatePlacement};
 use serde_json::json;
 
 /// Whether `FT_OFFLOAD=1` asks for the optimizer state on the host.
@@ -161,8 +161,12 @@ fn train_step(
         forward,
         |loss| {
             Ok(if fused {
-                opt.borrow_mut()
-                    .backward_and_step(checkpointer, &loss, LR)?;
+                opt.borrow_mut().backward_and_step(
+                    checkpointer,
+                    &loss,
+                    LR,
+                    &mut GradAccumulator::new(),
+                )?;
                 None
             } else {
                 Some(checkpointer.gradients(&loss, params)?)

@@ -11,7 +11,7 @@ use ft_params::weights::SafetensorsFiles;
 use ft_params::Init;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer, Sgd};
 use ft_trainer::train::{CommonArgs, SessionBuilder};
-use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
+use ft_trainer::update::{GradAccumulator, MixedOptimizer, Precision, StatePlacement};
 
 fn tmp(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("ft-nonfinite-{tag}-{}", std::process::id()));
@@ -106,7 +106,7 @@ fn the_fused_backward_pass_skips_a_tensor_with_a_non_finite_gradient() -> anyhow
     let h = ck.run(f2, &[&h], std::slice::from_ref(&bv))?;
     let loss = h.sqr()?.mean_all()?;
     assert!(loss.to_scalar::<f32>()?.is_finite(), "the loss is finite");
-    let out = opt.backward_and_step(&ck, &loss, 0.1)?;
+    let out = opt.backward_and_step(&ck, &loss, 0.1, &mut GradAccumulator::new())?;
     assert_eq!(out.non_finite, 1);
     assert_eq!(values(&bv)?, before.1, "the NaN-gradient tensor moved");
     assert_ne!(values(&gv)?, before.0, "the finite one must be updated");

@@ -344,6 +344,31 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
             .map(|r| r.bytes)
             .collect();
         assert_eq!(moved, vec![2 * 1028, 2 * 1028], "{}", off.table());
+        // With accumulation (--fused-backward --accum 16): the fp32 sums are whole, one
+        // micro-batch's gradients alive at once are bounded as without it.
+        let acc = state_plan(
+            &store.shapes(true),
+            &Precision::full_bf16(),
+            StatePlacement::WithModel,
+            &ft_trainer::optim::adamw::SPEC,
+            16,
+            true,
+        )
+        .under_fused_backward(seg);
+        let bytes = |what: &str| {
+            acc.rows
+                .iter()
+                .find(|r| r.component.contains(what))
+                .map(|r| r.bytes)
+        };
+        assert_eq!(bytes("one micro-batch's gradients"), Some(2 * 1028));
+        assert_eq!(bytes("gradient sums (fp32"), Some(4 * 1092));
+        assert_eq!(
+            fused.device_bytes() + 4 * 1092,
+            acc.device_bytes(),
+            "{}",
+            acc.table()
+        );
     }
     Ok(())
 }

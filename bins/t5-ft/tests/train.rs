@@ -317,7 +317,8 @@ fn full_bf16_trains_and_resumes() -> anyhow::Result<()> {
 
 /// `--fused-backward` (kohya's fused backward pass): each checkpointed layer's parameters are
 /// updated during the backward, as soon as their gradients are final. Without clipping the run
-/// is the plain one, loss for loss and weight for weight; with clipping it is per tensor.
+/// is the plain one, loss for loss and weight for weight; with clipping it is per tensor. With
+/// accumulation it is plain accumulation, weight for weight.
 #[test]
 fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
     let flags = [
@@ -365,9 +366,41 @@ fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("no fused gradient row:\n{}", plan.table()))?;
     assert!(seg.largest > 0 && seg.inside < plan.params);
     assert_eq!(grads.bytes, 4 * (plan.params - seg.inside + seg.largest));
+    // With accumulation (blocks kept, not recomputed): each block's gradients into the sums,
+    // then into the update; the weights equal plain accumulation's.
+    let accum = |name: &str, fused: bool| -> anyhow::Result<Vec<u8>> {
+        let dir = tmp(name);
+        let mut v = vec![
+            "--max-steps",
+            "3",
+            "--eval-limit",
+            "4",
+            "--eval-every",
+            "0",
+            "--accum",
+            "3",
+            "--checkpointing",
+            "blocks",
+            "--max-grad-norm",
+            "0",
+        ];
+        if fused {
+            v.push("--fused-backward");
+        }
+        let summary = train_run(&demo_args(&dir, &v))?;
+        assert_eq!(summary.steps, 3);
+        Ok(std::fs::read(
+            dir.join("checkpoint-3").join("model.safetensors"),
+        )?)
+    };
+    assert_eq!(
+        accum("fused-accum", true)?,
+        accum("plain-accum", false)?,
+        "--fused-backward --accum 3"
+    );
     // Refused where it cannot work.
     for (extra, word) in [
-        (&["--accum", "2", "--gradient-checkpointing"][..], "--accum"),
+        (&["--accum", "2"][..], "--gradient-checkpointing"),
         (&["--accum", "1"][..], "--gradient-checkpointing"),
     ] {
         let mut v = vec!["--fused-backward"];

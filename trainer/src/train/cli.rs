@@ -94,7 +94,8 @@ pub struct CommonArgs {
     /// Passes over the training data.
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,
-    /// Clip gradients to this global L2 norm (0 disables).
+    /// Clip gradients to this global L2 norm (0 disables); under --fused-backward each tensor
+    /// to this norm of its own (kohya's rule: the model's gradients never exist at once).
     #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
     /// Stop with an error after this many steps in a row whose loss or gradient holds inf or NaN

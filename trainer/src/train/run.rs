@@ -219,9 +219,19 @@ impl<T: Task> Loop<'_, T> {
             } else {
                 loss
             };
-            if fused {
+            if fused && micro + 1 < batches.len() {
+                // Each segment's gradients into the step's sums as its backward ends.
+                self.opt
+                    .backward_and_accumulate(self.checkpointer, &scaled, &mut self.acc)?;
+                drop(scaled);
+                let (bytes, device) = (self.acc.bytes(), self.acc.device().clone());
+                self.ledger
+                    .set_on(Category::Gradients, "model", bytes, &device);
+            } else if fused {
                 // Backward and update together: no gradients of the whole model at once.
-                let f = self.opt.backward_and_step(self.checkpointer, &scaled, lr)?;
+                let f =
+                    self.opt
+                        .backward_and_step(self.checkpointer, &scaled, lr, &mut self.acc)?;
                 updated_in_backward += f.updated_in_backward;
                 non_finite_grads |= f.non_finite > 0;
             } else {

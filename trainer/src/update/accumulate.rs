@@ -77,42 +77,100 @@ impl GradAccumulator {
 
     /// Adds one micro-batch's gradients (same parameter order every time).
     pub fn add(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
-        if self.sums.is_empty() {
-            self.sums = vec![None; grads.len()];
-            self.owned = vec![false; grads.len()];
+        self.reserve(grads.len())?;
+        for (i, g) in grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                self.add_one(i, g)?;
+            }
         }
-        if grads.len() != self.sums.len() {
+        self.end_micro_batch();
+        Ok(())
+    }
+
+    /// Makes room for `n` parameters (the same `n` every micro-batch).
+    pub fn reserve(&mut self, n: usize) -> Result<()> {
+        if self.sums.is_empty() {
+            self.sums = vec![None; n];
+            self.owned = vec![false; n];
+        }
+        if n != self.sums.len() {
             return Err(Error::Invalid(format!(
-                "accumulating {} gradients into {}",
-                grads.len(),
+                "accumulating {n} gradients into {}",
                 self.sums.len()
             )));
         }
-        for ((s, owned), g) in self.sums.iter_mut().zip(&mut self.owned).zip(grads) {
-            let Some(g) = g else { continue };
-            let g = match &self.device {
-                Some(d) => g.to_device(d)?,
-                None => g,
-            };
-            let g = g.detach();
-            // On the host: one threaded pass each, adding into the sum in place (the sums are
-            // the accumulator's own tensors). Elsewhere candle's ops, which on a GPU are one
-            // kernel each anyway.
-            *s = Some(match s.take() {
-                None => g,
-                Some(prev) => {
-                    let prev = if *owned { prev } else { as_f32_sum(&prev)? };
-                    *owned = true;
-                    if ft_kernels::host::add_into(&prev, &g)? {
-                        prev
-                    } else {
-                        (prev + g.to_dtype(DType::F32)?)?.detach()
-                    }
-                }
-            });
-        }
-        self.micro_batches += 1;
         Ok(())
+    }
+
+    /// Adds parameter `i`'s gradient of the current micro-batch (a fused backward adds each
+    /// segment's as soon as that segment's backward ends); [`Self::end_micro_batch`] closes it.
+    pub fn add_one(&mut self, i: usize, g: Tensor) -> Result<()> {
+        let sum = self.combine(i, g)?;
+        self.sums[i] = Some(sum);
+        Ok(())
+    }
+
+    /// Counts a micro-batch whose gradients [`Self::add_one`] has added.
+    pub fn end_micro_batch(&mut self) {
+        self.micro_batches += 1;
+    }
+
+    /// Parameter `i`'s sum with the last micro-batch's gradient `g` added, taken out of the
+    /// accumulator: what [`Self::take`] would return for it after `add_one(i, g)`, bit for bit,
+    /// for a fused backward that steps each parameter as its final gradient arrives.
+    pub fn take_with(&mut self, i: usize, g: Tensor) -> Result<Tensor> {
+        let sum = self.combine(i, g)?;
+        if let Some(o) = self.owned.get_mut(i) {
+            *o = false;
+        }
+        Ok(sum)
+    }
+
+    /// The parameters whose sums are still held, taken out (a fused backward steps those
+    /// that got no gradient in the last micro-batch from their sums alone).
+    pub fn take_remaining(&mut self) -> Vec<(usize, Tensor)> {
+        let left = self
+            .sums
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.take()?)))
+            .collect();
+        self.take();
+        left
+    }
+
+    /// `sums[i] + g` in fp32 (or `g` as it comes when nothing is summed yet), `sums[i]` taken.
+    fn combine(&mut self, i: usize, g: Tensor) -> Result<Tensor> {
+        if i >= self.sums.len() {
+            return Err(Error::Invalid(format!(
+                "gradient of parameter {i} for an accumulator of {}",
+                self.sums.len()
+            )));
+        }
+        let g = match &self.device {
+            Some(d) => g.to_device(d)?,
+            None => g,
+        };
+        let g = g.detach();
+        // On the host: one threaded pass each, adding into the sum in place (the sums are
+        // the accumulator's own tensors). Elsewhere candle's ops, which on a GPU are one
+        // kernel each anyway.
+        Ok(match self.sums[i].take() {
+            None => g,
+            Some(prev) => {
+                let prev = if self.owned[i] {
+                    prev
+                } else {
+                    as_f32_sum(&prev)?
+                };
+                self.owned[i] = true;
+                if ft_kernels::host::add_into(&prev, &g)? {
+                    prev
+                } else {
+                    (prev + g.to_dtype(DType::F32)?)?.detach()
+                }
+            }
+        })
     }
 
     /// Where the sums live (for the ledger); the first gradient's device when not pinned.

@@ -10,7 +10,7 @@ use candle_core::{Tensor, Var};
 use ft_params::checkpoint::{Checkpointer, EarlyStep};
 
 use super::norm::{clip_factor, sum_of_squares_each};
-use super::MixedOptimizer;
+use super::{GradAccumulator, MixedOptimizer};
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, WriteRules};
 
@@ -28,11 +28,19 @@ impl MixedOptimizer {
     /// of `checkpointer.gradients` followed by `step`, bit for bit. With clipping, a tensor whose
     /// gradient holds inf or NaN is left as it is (its update skipped, counted in the outcome);
     /// without, the loop's check of the loss is the guard.
+    ///
+    /// With accumulation (`--accum` above 1), `sums` holds the step's earlier micro-batches'
+    /// gradients ([`Self::backward_and_accumulate`]): each parameter steps from its sum plus this
+    /// micro-batch's gradient, added as [`GradAccumulator`] adds them, so without clipping the
+    /// update is that of plain accumulated training bit for bit; clipping is per tensor, on that
+    /// summed gradient. A parameter with a sum but no gradient in this micro-batch steps from
+    /// its sum after the backward. `sums` is empty when this returns.
     pub fn backward_and_step(
         &mut self,
         checkpointer: &Checkpointer,
         loss: &Tensor,
         lr: f64,
+        sums: &mut GradAccumulator,
     ) -> Result<FusedOutcome> {
         debug_assert!(self.scaler.is_none(), "StepMode refuses f16 here");
         // The optimizer is lent to the early-step hook for the backward (it runs inside
@@ -52,31 +60,12 @@ impl MixedOptimizer {
             lr,
             max_grad_norm: self.max_grad_norm,
             non_finite: AtomicUsize::new(0),
+            sums: Mutex::new(std::mem::take(sums)),
         };
-        let index: HashMap<candle_core::TensorId, usize> = self
-            .model
-            .iter()
-            .enumerate()
-            .map(|(i, v)| (v.id(), i))
-            .collect();
         let stepper = Arc::new(stepper);
         let hook = {
             let stepper = stepper.clone();
-            Arc::new(
-                move |grads: Vec<(Var, Tensor)>| -> candle_core::Result<Vec<(Var, Tensor)>> {
-                    let (mine, others): (Vec<_>, Vec<_>) = grads
-                        .into_iter()
-                        .partition(|(p, _)| index.contains_key(&p.id()));
-                    let mine = mine
-                        .into_iter()
-                        .filter_map(|(p, g)| Some((*index.get(&p.id())?, g)))
-                        .collect();
-                    stepper
-                        .step_all(mine)
-                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                    Ok(others)
-                },
-            ) as EarlyStep
+            self.early_hook(move |mine| stepper.step_all(mine))
         };
         let result = checkpointer.gradients_with(loss, &self.model, Some(hook));
         let rest = result.map_err(Error::from).and_then(|(grads, taken)| {
@@ -85,25 +74,99 @@ impl MixedOptimizer {
                 .enumerate()
                 .filter_map(|(i, g)| Some((i, g?)))
                 .collect();
-            let stepped = taken + rest.len();
+            let after = rest.len();
             stepper.step_all(rest)?;
+            // Sums of parameters this micro-batch gave no gradient: their own update.
+            let left = locked(&stepper.sums).take_remaining();
+            let stepped = taken + after + left.len();
+            stepper.step_summed(left)?;
             // A step without any gradient still counts, as `step` counts it.
             if stepped == 0 {
-                let mut opt = lent.lock().unwrap_or_else(|p| p.into_inner());
+                let mut opt = locked(&lent);
                 opt.load_state(t0 + 1, &[])?;
             }
             Ok(taken)
         });
         let non_finite = stepper.non_finite.load(Ordering::Relaxed);
+        // Whatever happened, the sums are spent (a failed step's are not reused).
+        locked(&stepper.sums).take();
         // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
         drop(stepper);
-        let mut slot = lent.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = locked(&lent);
         self.optimizer = std::mem::replace(&mut *slot, Box::new(Lent::default()));
         Ok(FusedOutcome {
             updated_in_backward: rest?,
             non_finite,
         })
     }
+}
+
+impl MixedOptimizer {
+    /// The backward of a micro-batch before the step's last under a fused backward pass with
+    /// accumulation: each segment's parameter gradients are added into `sums` as soon as that
+    /// segment's backward ends, and dropped, so one micro-batch's gradients never exist all at
+    /// once here either (the sums do: fp32 from the second micro-batch, on the host under
+    /// `--offload-optimizer`). Returns how many gradients were added during the backward.
+    pub fn backward_and_accumulate(
+        &self,
+        checkpointer: &Checkpointer,
+        loss: &Tensor,
+        sums: &mut GradAccumulator,
+    ) -> Result<usize> {
+        sums.reserve(self.model.len())?;
+        let shared = Arc::new(Mutex::new(std::mem::take(sums)));
+        let hook = {
+            let shared = shared.clone();
+            self.early_hook(move |mine| {
+                let mut acc = locked(&shared);
+                mine.into_iter().try_for_each(|(i, g)| acc.add_one(i, g))
+            })
+        };
+        let result = checkpointer
+            .gradients_with(loss, &self.model, Some(hook))
+            .map_err(Error::from);
+        // The hook went with the backward: the sums are ours again, whatever happened.
+        *sums = std::mem::take(&mut *locked(&shared));
+        let (grads, taken) = result?;
+        for (i, g) in grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                sums.add_one(i, g)?;
+            }
+        }
+        sums.end_micro_batch();
+        Ok(taken)
+    }
+
+    /// The early-step hook of a fused backward: the gradients of this optimizer's parameters
+    /// go to `take` by parameter index, the others are handed back to the checkpointer.
+    fn early_hook(
+        &self,
+        take: impl Fn(Vec<(usize, Tensor)>) -> Result<()> + Send + Sync + 'static,
+    ) -> EarlyStep {
+        let index: HashMap<candle_core::TensorId, usize> = self
+            .model
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.id(), i))
+            .collect();
+        Arc::new(
+            move |grads: Vec<(Var, Tensor)>| -> candle_core::Result<Vec<(Var, Tensor)>> {
+                let (mine, others): (Vec<_>, Vec<_>) = grads
+                    .into_iter()
+                    .partition(|(p, _)| index.contains_key(&p.id()));
+                let mine = mine
+                    .into_iter()
+                    .filter_map(|(p, g)| Some((*index.get(&p.id())?, g)))
+                    .collect();
+                take(mine).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                Ok(others)
+            },
+        )
+    }
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What a fused backward pass did.
@@ -126,6 +189,8 @@ struct ParamStepper {
     max_grad_norm: Option<f64>,
     /// Updates skipped for a non-finite gradient.
     non_finite: AtomicUsize,
+    /// The step's earlier micro-batches' gradients (empty without accumulation).
+    sums: Mutex<GradAccumulator>,
 }
 
 impl ParamStepper {
@@ -133,6 +198,22 @@ impl ParamStepper {
     /// clipping is on: the norms of all of them are read back from the device at once, and a
     /// non-finite one skips its tensor's update.
     fn step_all(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
+        let grads = {
+            let mut sums = locked(&self.sums);
+            if sums.micro_batches() == 0 {
+                grads
+            } else {
+                grads
+                    .into_iter()
+                    .map(|(i, g)| Ok((i, sums.take_with(i, g)?)))
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
+        self.step_summed(grads)
+    }
+
+    /// [`Self::step_all`] for gradients already summed over the step's micro-batches.
+    fn step_summed(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
         let coefs: Vec<Option<f64>> = match self.max_grad_norm {
             Some(max) => {
                 let gs: Vec<Tensor> = grads.iter().map(|(_, g)| g.clone()).collect();
@@ -143,7 +224,7 @@ impl ParamStepper {
             }
             None => vec![Some(1.0); grads.len()],
         };
-        let mut opt = self.optimizer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut opt = locked(&self.optimizer);
         let mut one: Vec<Option<Tensor>> = vec![None; self.targets.len()];
         for ((i, g), coef) in grads.into_iter().zip(coefs) {
             let Some(coef) = coef else {

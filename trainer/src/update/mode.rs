@@ -16,9 +16,11 @@ enum Kind {
     Plain,
     /// Several micro-batches: each one's gradients summed (`GradAccumulator`), then one update.
     Accumulate(usize),
-    /// One micro-batch whose backward updates each checkpointed segment's parameters as soon as
-    /// their gradients are final, and drops them (`MixedOptimizer::backward_and_step`).
-    FusedBackward,
+    /// Micro-batches whose backward hands each checkpointed segment's parameter gradients on as
+    /// soon as that segment's backward ends, and drops them: into the step's sums
+    /// (`MixedOptimizer::backward_and_accumulate`) for all but the last, into the update for the
+    /// last (`MixedOptimizer::backward_and_step`).
+    FusedBackward(usize),
 }
 
 /// What [`StepMode::new`] is decided from.
@@ -48,12 +50,6 @@ impl StepMode {
                 n => Kind::Accumulate(n),
             }));
         }
-        if r.micro_batches != 1 {
-            return bad(
-                "--fused-backward updates the weights during one micro-batch's backward: it \
-                 cannot go with --accum above 1",
-            );
-        }
         if !r.checkpointing {
             return bad(
                 "--fused-backward updates each segment's parameters when that segment's \
@@ -64,7 +60,7 @@ impl StepMode {
         if r.loss_scaling {
             return bad("--fused-backward has no loss scaling: use bf16 or f32, not f16");
         }
-        Ok(StepMode(Kind::FusedBackward))
+        Ok(StepMode(Kind::FusedBackward(r.micro_batches)))
     }
 
     /// One plain micro-batch a step.
@@ -75,13 +71,14 @@ impl StepMode {
     /// Micro-batches per step.
     pub fn micro_batches(self) -> usize {
         match self.0 {
-            Kind::Accumulate(n) => n,
-            Kind::Plain | Kind::FusedBackward => 1,
+            Kind::Accumulate(n) | Kind::FusedBackward(n) => n,
+            Kind::Plain => 1,
         }
     }
 
-    /// Whether the backward updates the parameters (and no gradients are accumulated).
+    /// Whether the backward hands gradients on segment by segment (into the sums, and on the
+    /// step's last micro-batch into the update).
     pub fn fused_backward(self) -> bool {
-        self.0 == Kind::FusedBackward
+        matches!(self.0, Kind::FusedBackward(_))
     }
 }
