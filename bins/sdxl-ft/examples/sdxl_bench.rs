@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::unet::{UNet, UNetConfig};
 use ft_params::bytes::format_bytes;
-use ft_params::checkpoint::Checkpointer;
+use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::rng::SplitMix64;
 use ft_params::{ParamBuilder, ParamStore};
 use ft_trainer::train::bench::{measure_steps, python_reference, StepMeasure};
@@ -66,7 +66,7 @@ struct Ours {
     params: usize,
 }
 
-fn ours(cfg: &UNetConfig, latent: usize, checkpointing: bool) -> anyhow::Result<Ours> {
+fn ours(cfg: &UNetConfig, latent: usize, strategy: Strategy) -> anyhow::Result<Ours> {
     let dev = Device::Cpu;
     let store = ParamStore::new();
     let unet = UNet::new(&ParamBuilder::new(store.clone(), DType::F32, &dev, 0), cfg)?;
@@ -84,8 +84,9 @@ fn ours(cfg: &UNetConfig, latent: usize, checkpointing: bool) -> anyhow::Result<
     let pooled = randn(&[1, POOLED])?;
     let px = (latent * 8) as f32;
     let ids = Tensor::new(&[[px, px, 0.0, 0.0, px, px]], &dev)?;
-    let ck = Checkpointer::new(checkpointing);
+    let ck = Checkpointer::with_strategy(strategy);
     let mut step = || -> anyhow::Result<()> {
+        ck.begin_forward();
         let pred = unet.forward(&x, &[500.0], &ctx, Some((&pooled, &ids)), &ck)?;
         let loss = (pred - &target)?.sqr()?.mean_all()?;
         let grads = ck.gradients(&loss, &params)?;
@@ -156,16 +157,30 @@ fn main() -> anyhow::Result<()> {
     // Activation peaks (heap peak minus the gradients) for the plan below.
     let mut act = Vec::new();
     for latent in [16usize, 32] {
-        for ck in [false, true] {
-            let r = ours(&cfg, latent, ck)?;
-            let t = torch(&path, latent, ck);
-            let ratio = t
-                .as_ref()
-                .map(|t| format!("{:.2}x", r.m.step_s / t.step_s))
+        // Each strategy of `--checkpointing`; PyTorch plain after `none`, checkpointed after
+        // `full`.
+        for strategy in [
+            Strategy::None,
+            Strategy::Blocks,
+            Strategy::Every(2),
+            Strategy::Full,
+        ] {
+            let r = ours(&cfg, latent, strategy)?;
+            let torch_ck = match strategy {
+                Strategy::None => Some(false),
+                Strategy::Full => Some(true),
+                _ => None,
+            };
+            let t = torch_ck.and_then(|ck| torch(&path, latent, ck));
+            let reference = match strategy {
+                Strategy::None | Strategy::Full => t.as_ref().map(|t| t.step_s),
+                _ => None,
+            };
+            let ratio = reference
+                .map(|t| format!("{:.2}x", r.m.step_s / t))
                 .unwrap_or("-".into());
-            let label = if ck { ", checkpointing" } else { "" };
             println!(
-                "| candle (this repo){label} | {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} |",
+                "| candle (this repo), --checkpointing {strategy} | {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} |",
                 latent * 8,
                 r.m.step_s,
                 fmt(r.m.rss_peak),
@@ -175,6 +190,11 @@ fn main() -> anyhow::Result<()> {
                 format_bytes(r.state_bytes as i64)
             );
             if let Some(t) = t {
+                let label = if torch_ck == Some(true) {
+                    ", checkpointing"
+                } else {
+                    ""
+                };
                 println!(
                     "| PyTorch + diffusers{label} | {} | {:.3} s | 1.00x | {} | - | - | - | - |",
                     latent * 8,
@@ -182,14 +202,16 @@ fn main() -> anyhow::Result<()> {
                     fmt(t.rss_peak)
                 );
             }
-            if latent == 16 && !ck {
+            if latent == 16 && strategy == Strategy::None {
                 println!("| ({} parameters) | | | | | | | | |", r.params);
             }
-            act.push((
-                latent,
-                ck,
-                r.m.alloc_peak.saturating_sub(r.param_bytes) as f64,
-            ));
+            if let Some(ck) = torch_ck {
+                act.push((
+                    latent,
+                    ck,
+                    r.m.alloc_peak.saturating_sub(r.param_bytes) as f64,
+                ));
+            }
         }
     }
     std::fs::remove_file(&path).ok();
