@@ -108,7 +108,12 @@ fn checkpointed_blocks_with_dropout_equal_plain_backprop() -> anyhow::Result<()>
     let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
     let drop = DropoutCtx::train(0.2, 77);
     let plain = grads(&m, &vars, &Checkpointer::new(false), &drop)?;
-    for strategy in [Strategy::Blocks, Strategy::Full, Strategy::Every(2)] {
+    for strategy in [
+        Strategy::Blocks,
+        Strategy::Full,
+        Strategy::FullHost,
+        Strategy::Every(2),
+    ] {
         let ckpt = grads(&m, &vars, &Checkpointer::with_strategy(strategy), &drop)?;
         for ((name, _), (a, b)) in params.iter().zip(plain.iter().zip(&ckpt)) {
             let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;

@@ -46,6 +46,7 @@ fn output_and_every_gradient_match_diffusers_with_and_without_checkpointing() ->
         Strategy::None,
         Strategy::Blocks,
         Strategy::Full,
+        Strategy::FullHost,
         Strategy::Every(2),
     ] {
         let ck = Checkpointer::with_strategy(checkpointing);

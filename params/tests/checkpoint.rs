@@ -60,10 +60,17 @@ fn every_strategy_gives_the_plain_gradients_bit_for_bit() -> anyhow::Result<()> 
         grads_of(&ck)?;
         ck.budget_plan().expect("a plan after the first backward").2 / layers.len() as u64
     };
-    for s in ["blocks", "full", "every:2", "every:4", "budget:1"]
-        .into_iter()
-        .map(|s| s.parse::<Strategy>().expect("strategy"))
-        .chain([Strategy::Budget(u64::MAX), Strategy::Budget(3 * one)])
+    for s in [
+        "blocks",
+        "full",
+        "full-host",
+        "every:2",
+        "every:4",
+        "budget:1",
+    ]
+    .into_iter()
+    .map(|s| s.parse::<Strategy>().expect("strategy"))
+    .chain([Strategy::Budget(u64::MAX), Strategy::Budget(3 * one)])
     {
         let ck = Checkpointer::with_strategy(s);
         for step in 0..3 {
@@ -155,5 +162,44 @@ fn early_step_gets_one_call_per_segment() -> anyhow::Result<()> {
         let p = p.ok_or_else(|| anyhow::anyhow!("no plain gradient"))?;
         assert_eq!(bits(g)?, bits(p)?);
     }
+    Ok(())
+}
+
+/// `full-host` holds the tensors between segments in host memory: on the CPU as buffers of
+/// their own (the model's copy and the host copy are distinct), counted by `host_bytes` during
+/// the forward (the first input and every segment's output) and released by the backward.
+#[test]
+fn full_host_keeps_the_boundaries_in_buffers_of_their_own() -> anyhow::Result<()> {
+    let (store, layers) = stack(4, 8)?;
+    let params: Vec<Var> = store.trainable()?.into_iter().map(|(_, v)| v).collect();
+    let x = Tensor::randn(0f32, 1., (3, 8), &Device::Cpu)?;
+    let ck = Checkpointer::with_strategy(Strategy::FullHost);
+    ck.begin_forward();
+    let mut h = x.clone();
+    let mut outputs = Vec::new();
+    for l in &layers {
+        h = ck.run(common::layer_fn(l), &[&h], &l.params)?;
+        outputs.push(h.clone());
+    }
+    let one = (3 * 8 * 4) as u64;
+    assert_eq!(ck.host_bytes(), (1 + layers.len() as u64) * one);
+    // What the model holds is not the host copy: the segment op's output behind it (the
+    // first node of its shape below it in the graph) is another buffer.
+    for o in &outputs {
+        let (s, _) = o.storage_and_layout();
+        let nodes = o.sorted_nodes();
+        let host = nodes
+            .iter()
+            .find(|n| n.id() != o.id() && n.dims() == o.dims() && !n.is_variable())
+            .expect("the host tensor behind the model's output");
+        let (t, _) = host.storage_and_layout();
+        assert!(!std::ptr::eq(&*s, &*t), "one buffer for both");
+    }
+    drop(outputs);
+    let loss = h.sqr()?.mean_all()?;
+    drop(h);
+    let grads = ck.gradients(&loss, &params)?;
+    assert!(grads.iter().all(|g| g.is_some()));
+    assert_eq!(ck.host_bytes(), 0, "released by the backward");
     Ok(())
 }

@@ -69,6 +69,11 @@ fn checkpointing_strategies_from_the_flags() -> anyhow::Result<()> {
     assert_eq!(strategy(&["--gradient-checkpointing"])?, Strategy::Full);
     assert_eq!(strategy(&["--checkpointing", "blocks"])?, Strategy::Blocks);
     assert_eq!(
+        strategy(&["--checkpointing", "full-host"])?,
+        Strategy::FullHost
+    );
+    assert_eq!(Strategy::FullHost.to_string(), "full-host");
+    assert_eq!(
         strategy(&["--checkpointing", "full", "--gradient-checkpointing"])?,
         Strategy::Full
     );

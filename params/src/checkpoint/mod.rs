@@ -43,6 +43,11 @@ struct Progress {
     costs: Arc<Mutex<Vec<Option<SegmentCost>>>>,
     /// Per segment, whether the budget plan recomputes it.
     recompute: Option<Vec<bool>>,
+    /// `full-host`: the host tensor behind each segment output handed to the model on the
+    /// device, so that the next segment reads the host one (and the device one is not kept).
+    host_twins: std::collections::HashMap<TensorId, Tensor>,
+    /// `full-host`: bytes of the tensors between segments held in host memory this forward.
+    host_bytes: u64,
 }
 
 /// Runs segments as the strategy says, and collects gradients from all of them.
@@ -100,7 +105,33 @@ impl Checkpointer {
     /// its counts must not make every parameter look shared).
     pub fn begin_forward(&self) {
         locked(&self.sink.uses).clear();
-        locked(&self.progress).next = 0;
+        let mut p = locked(&self.progress);
+        p.next = 0;
+        p.host_twins.clear();
+        p.host_bytes = 0;
+    }
+
+    /// Bytes of the tensors between segments that `full-host` holds in host memory in the
+    /// current forward (0 under every other strategy; back to 0 when the backward has run).
+    pub fn host_bytes(&self) -> u64 {
+        locked(&self.progress).host_bytes
+    }
+
+    /// `a` as the host-side input of a `full-host` segment: the host tensor behind a previous
+    /// segment's output, or a tracked copy in host memory (a distinct buffer on the CPU too,
+    /// so that the path is exercised there).
+    fn to_host(&self, a: &Tensor) -> Result<Tensor> {
+        let mut p = locked(&self.progress);
+        if let Some(t) = p.host_twins.get(&a.id()) {
+            return Ok(t.clone());
+        }
+        let h = match (a.device().is_cpu(), a.track_op()) {
+            (true, true) => a.copy()?,
+            (true, false) => a.detach(),
+            (false, _) => a.to_device(&candle_core::Device::Cpu)?,
+        };
+        p.host_bytes += crate::bytes::tensor_bytes(&h);
+        Ok(h)
     }
 
     /// Evaluates `f(inputs)` (1 to 3 inputs). When checkpointing is on, only the inputs and the
@@ -155,12 +186,36 @@ impl Checkpointer {
                 let y = f(&xs)?;
                 Body::Kept(Mutex::new(Some(KeptGraph { leaves, y })))
             }
+            Treatment::RecomputeOnHost => {
+                let device = args
+                    .first()
+                    .map(|a| a.device().clone())
+                    .unwrap_or(candle_core::Device::Cpu);
+                args = args
+                    .iter()
+                    .map(|a| self.to_host(a))
+                    .collect::<Result<_>>()?;
+                Body::Recompute {
+                    f,
+                    inputs: args.iter().map(|a| a.detach()).collect(),
+                    costs,
+                    index,
+                    device: Some(device),
+                }
+            }
             _ => Body::Recompute {
                 f,
                 inputs: args.iter().map(|a| a.detach()).collect(),
                 costs,
                 index,
+                device: None,
             },
+        };
+        let to_device = match &body {
+            Body::Recompute {
+                device: Some(d), ..
+            } => Some(d.clone()),
+            _ => None,
         };
         let op = SegmentOp {
             body,
@@ -179,7 +234,19 @@ impl Checkpointer {
                 )))
             }
         };
-        Ok(out)
+        let Some(device) = to_device else {
+            return Ok(out);
+        };
+        // The model gets the output on its device; the next segment will read the host one.
+        let on_device = if device.is_cpu() {
+            out.copy()?
+        } else {
+            out.to_device(&device)?
+        };
+        let mut p = locked(&self.progress);
+        p.host_bytes += crate::bytes::tensor_bytes(&out);
+        p.host_twins.insert(on_device.id(), out);
+        Ok(on_device)
     }
 
     /// Backpropagates `loss` and returns the gradient of each of `params` (None where the loss
@@ -234,6 +301,8 @@ impl Checkpointer {
     fn end_backward(&self) {
         let mut p = locked(&self.progress);
         let seen = std::mem::take(&mut p.next);
+        p.host_twins.clear();
+        p.host_bytes = 0;
         if let (Strategy::Budget(budget), None) = (self.strategy, &p.recompute) {
             let costs = locked(&p.costs).clone();
             if seen > 0 && costs.len() == seen && costs.iter().all(|c| c.is_some()) {

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, Var,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Shape, Storage,
+    Tensor, Var,
 };
 
 use super::sink::locked;
@@ -29,6 +30,10 @@ pub(crate) enum Body {
         inputs: Vec<Tensor>,
         costs: Option<Arc<Mutex<Vec<Option<SegmentCost>>>>>,
         index: usize,
+        /// `full-host`: the inputs are in host memory and the segment runs on this device
+        /// (brought there for the forward and again for the recompute; the output and the
+        /// input gradients go back to the host).
+        device: Option<Device>,
     },
     /// Built in forward and taken (so freed) by backward.
     Kept(Mutex<Option<KeptGraph>>),
@@ -67,6 +72,12 @@ impl SegmentOp {
     /// output, whose graph stays with it.
     fn forward(&self) -> candle_core::Result<Tensor> {
         let y = match &self.body {
+            Body::Recompute {
+                f,
+                inputs,
+                device: Some(d),
+                ..
+            } => f(&on(inputs, d)?)?.to_device(&Device::Cpu)?,
             Body::Recompute { f, inputs, .. } => f(inputs)?,
             Body::Kept(kept) => match &*locked(kept) {
                 Some(k) => k.y.clone(),
@@ -89,7 +100,12 @@ impl SegmentOp {
                 inputs,
                 costs,
                 index,
+                device,
             } => {
+                let inputs = match device {
+                    Some(d) => on(inputs, d)?,
+                    None => inputs.clone(),
+                };
                 let leaves = inputs
                     .iter()
                     .map(|t| Var::from_tensor(t).map(Some))
@@ -120,7 +136,15 @@ impl SegmentOp {
 
     fn backward(&self, grad_out: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         let KeptGraph { leaves, y } = self.graph()?;
-        let surrogate = (y * grad_out.detach())?.sum_all()?;
+        let host = matches!(
+            self.body,
+            Body::Recompute {
+                device: Some(_),
+                ..
+            }
+        );
+        let grad_out = grad_out.detach().to_device(y.device())?;
+        let surrogate = (y * grad_out)?.sum_all()?;
         let mut grads = surrogate.backward()?;
         drop(surrogate);
         let finished = self
@@ -129,14 +153,23 @@ impl SegmentOp {
             .filter_map(|p| Some((p.clone(), grads.remove(p.as_tensor())?.detach())))
             .collect();
         self.sink.finish(finished)?;
-        Ok(leaves
+        leaves
             .iter()
             .zip(&self.tracked)
             .map(|(v, tracked)| match (v, tracked) {
-                (Some(v), true) => grads.remove(v.as_tensor()).map(|g| g.detach()),
+                (Some(v), true) => grads.remove(v.as_tensor()).map(|g| {
+                    let g = g.detach();
+                    // Back to the host, where this op's inputs are.
+                    if host {
+                        g.to_device(&Device::Cpu)
+                    } else {
+                        Ok(g)
+                    }
+                }),
                 _ => None,
             })
-            .collect())
+            .map(|g| g.transpose())
+            .collect()
     }
 
     fn cpu_out(&self) -> candle_core::Result<(CpuStorage, Shape)> {
@@ -156,6 +189,11 @@ impl SegmentOp {
             _ => candle_core::bail!("checkpointed segment: output is not on a CUDA device"),
         }
     }
+}
+
+/// `xs` on `device` (the same tensors when they are there already).
+fn on(xs: &[Tensor], device: &Device) -> candle_core::Result<Vec<Tensor>> {
+    xs.iter().map(|x| x.to_device(device)).collect()
 }
 
 fn nth(v: &[Option<Tensor>], i: usize) -> Option<Tensor> {

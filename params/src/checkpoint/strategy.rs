@@ -9,6 +9,7 @@
 //! | `none` | the whole graph, until the backward returns (candle's `backward()`) | nothing |
 //! | `blocks` | each segment's graph, dropped as soon as its backward ends | nothing |
 //! | `full` | each segment's inputs and output | every segment |
+//! | `full-host` | as `full`, with the inputs and outputs between segments in host memory | every segment |
 //! | `every:K` | the graphs of the segments not recomputed | segments 0, K, 2K, ... |
 //! | `budget:BYTES` | the graphs that fit in BYTES | those holding the most bytes per second of recompute |
 
@@ -25,6 +26,10 @@ pub enum Strategy {
     Blocks,
     /// Every segment recomputed in backward (what `--gradient-checkpointing` means).
     Full,
+    /// As `Full`, with the tensors passed between segments kept in host memory (kohya's
+    /// `--cpu_offload_checkpointing`, PyTorch's `save_on_cpu`): each segment's input is brought
+    /// to the device for its forward and again for its recompute.
+    FullHost,
     /// Segment `i` recomputed when `i % K == 0`, the others kept as in `Blocks`.
     Every(usize),
     /// Keep the segments' graphs within this many bytes; recompute the rest, choosing those
@@ -42,6 +47,8 @@ pub(crate) enum Treatment {
     Keep,
     /// Only its inputs kept; recomputed in backward.
     Recompute,
+    /// Recomputed, its inputs and output held in host memory.
+    RecomputeOnHost,
 }
 
 impl Strategy {
@@ -50,7 +57,7 @@ impl Strategy {
     pub fn recomputes(self) -> bool {
         matches!(
             self,
-            Strategy::Full | Strategy::Every(_) | Strategy::Budget(_)
+            Strategy::Full | Strategy::FullHost | Strategy::Every(_) | Strategy::Budget(_)
         )
     }
 
@@ -68,6 +75,7 @@ impl Strategy {
             Strategy::None => Treatment::Plain,
             Strategy::Blocks => Treatment::Keep,
             Strategy::Full => Treatment::Recompute,
+            Strategy::FullHost => Treatment::RecomputeOnHost,
             Strategy::Every(k) if index.is_multiple_of(k.max(1)) => Treatment::Recompute,
             Strategy::Every(_) => Treatment::Keep,
             // Before the plan (the first step) and for segments the plan has not seen (a longer
@@ -86,6 +94,7 @@ impl fmt::Display for Strategy {
             Strategy::None => write!(f, "none"),
             Strategy::Blocks => write!(f, "blocks"),
             Strategy::Full => write!(f, "full"),
+            Strategy::FullHost => write!(f, "full-host"),
             Strategy::Every(k) => write!(f, "every:{k}"),
             Strategy::Budget(b) => write!(f, "budget:{}", crate::bytes::format_bytes(*b as i64)),
         }
@@ -99,7 +108,7 @@ impl FromStr for Strategy {
         let t = s.trim();
         let bad = || {
             format!(
-                "checkpointing `{s}`: use none, blocks, full, every:K (K >= 1) or budget:SIZE \
+                "checkpointing `{s}`: use none, blocks, full, full-host, every:K (K >= 1) or budget:SIZE \
                  (e.g. budget:300MiB)"
             )
         };
@@ -107,6 +116,7 @@ impl FromStr for Strategy {
             "none" => Strategy::None,
             "blocks" => Strategy::Blocks,
             "full" => Strategy::Full,
+            "full-host" => Strategy::FullHost,
             _ => match t.split_once(':') {
                 Some(("every", k)) => match k.trim().parse::<usize>() {
                     Ok(k) if k >= 1 => Strategy::Every(k),

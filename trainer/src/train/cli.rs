@@ -109,7 +109,8 @@ pub struct CommonArgs {
     pub gradient_checkpointing: bool,
     /// How the model's blocks keep their activations for backward: `none` (one graph, freed
     /// when the backward returns), `blocks` (each block's graph freed as soon as its backward
-    /// has run; nothing recomputed), `full` (each block recomputed in backward), `every:K`
+    /// has run; nothing recomputed), `full` (each block recomputed in backward), `full-host`
+    /// (as full, the tensors between blocks kept in host memory), `every:K`
     /// (blocks 0, K, 2K, ... recomputed, the others kept) or `budget:SIZE` (keep the blocks
     /// that fit in SIZE, e.g. budget:2GiB, recomputing those with the most bytes per second of
     /// recompute). Every strategy gives the same gradients. Default: none, or full with

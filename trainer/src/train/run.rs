@@ -206,6 +206,16 @@ impl<T: Task> Loop<'_, T> {
             let loss = norm.scale(&summed)?;
             let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             loss_sum += value;
+            // `--checkpointing full-host`: the tensors between segments, in host memory.
+            let host = self.checkpointer.host_bytes();
+            if host > 0 {
+                self.ledger.set_on(
+                    Category::Activations,
+                    "checkpoint inputs",
+                    host,
+                    &candle_core::Device::Cpu,
+                );
+            }
             self.ledger.mark("forward", step)?;
             if !value.is_finite() {
                 // Nothing of this step reaches the weights: no backward, and the gradients of
@@ -256,6 +266,8 @@ impl<T: Task> Loop<'_, T> {
             self.opt.step(self.acc.take(), lr)?
         };
         self.ledger.remove(Category::Gradients, "model");
+        self.ledger
+            .remove(Category::Activations, "checkpoint inputs");
         self.opt.account(self.ledger, "model");
         self.step += 1;
         self.task
