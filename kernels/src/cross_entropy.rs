@@ -87,8 +87,12 @@ impl candle_core::CustomOp2 for LinearCrossEntropy {
                 "linear cross-entropy: backward ran twice, or on a loss built without gradients"
             )
         };
+        // The scale (a mean's 1 / tokens, say) in f32, rounded once into the input's dtype:
+        // scaling a bf16 gradient by a bf16 copy of it would round twice.
         let scale = |t: Tensor, like: &Tensor| -> Result<Tensor> {
-            t.broadcast_mul(&g.to_dtype(t.dtype())?)?
+            let acc = out_dtype(t.dtype());
+            t.to_dtype(acc)?
+                .broadcast_mul(&g.to_dtype(acc)?)?
                 .to_dtype(like.dtype())
         };
         Ok((Some(scale(gh, h)?), Some(scale(gw, w)?)))

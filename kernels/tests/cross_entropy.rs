@@ -112,3 +112,40 @@ fn bad_labels_and_shapes_are_errors() -> Result<()> {
     assert!(e.to_string().contains("hidden size 3"), "{e}");
     Ok(())
 }
+
+/// bf16 inputs (`--full-bf16`): the products run in bf16 and the loss, logits and `W`'s sum in
+/// f32, as the plain head computes; both agree within bf16 rounding, and the gradients come
+/// back in bf16.
+#[test]
+fn bf16_inputs_match_the_plain_head_within_bf16_rounding() -> Result<()> {
+    let h0 = (rand(&[6, 16], 7)? * 2.0)?.to_dtype(DType::BF16)?;
+    let w0 = (rand(&[11, 16], 8)? * 2.0)?.to_dtype(DType::BF16)?;
+    let labels = Tensor::new(&[3i64, -100, 0, 10, 2, 5], &Device::Cpu)?;
+    let (h, w) = (Var::from_tensor(&h0)?, Var::from_tensor(&w0)?);
+    let logits = h
+        .as_tensor()
+        .matmul(&w.as_tensor().t()?)?
+        .to_dtype(DType::F32)?;
+    let logp = log_softmax_last_dim(&logits)?;
+    let mut reference: Option<Tensor> = None;
+    for (i, l) in [3i64, -100, 0, 10, 2, 5].into_iter().enumerate() {
+        if l >= 0 {
+            let v = logp.get(i)?.get(l as usize)?.neg()?;
+            reference = Some(match reference {
+                Some(t) => (t + v)?,
+                None => v,
+            });
+        }
+    }
+    let reference = reference.expect("labels");
+    let rg = (&reference / 5.0)?.backward()?;
+    let loss = linear_cross_entropy_chunked(h.as_tensor(), w.as_tensor(), &labels, 2)?;
+    assert!(rel_diff(&loss, &reference)? < 1e-5);
+    let g = (&loss / 5.0)?.backward()?;
+    for v in [&h, &w] {
+        let (a, b) = (g.get(v).expect("grad"), rg.get(v).expect("grad"));
+        assert_eq!(a.dtype(), DType::BF16);
+        assert!(rel_diff(a, b)? < 2e-2, "{}", rel_diff(a, b)?);
+    }
+    Ok(())
+}

@@ -195,11 +195,56 @@ fn full_host_keeps_the_boundaries_in_buffers_of_their_own() -> anyhow::Result<()
         let (t, _) = host.storage_and_layout();
         assert!(!std::ptr::eq(&*s, &*t), "one buffer for both");
     }
-    drop(outputs);
     let loss = h.sqr()?.mean_all()?;
+    // The graph reaches the segments through their host outputs: none of the tensors handed
+    // to the model between segments is kept by it (under `full` every one of them is).
+    let kept: std::collections::HashSet<_> = loss.sorted_nodes().iter().map(|n| n.id()).collect();
+    let inner = &outputs[..outputs.len() - 1];
+    assert!(inner.iter().all(|o| !kept.contains(&o.id())));
+    drop(outputs);
     drop(h);
     let grads = ck.gradients(&loss, &params)?;
     assert!(grads.iter().all(|g| g.is_some()));
     assert_eq!(ck.host_bytes(), 0, "released by the backward");
+    Ok(())
+}
+
+/// A tensor every `full-host` segment reads (as T5's decoder blocks read the encoder output) is
+/// copied to the host once, and its gradient, summed over the segments, is `full`'s bit for bit.
+#[test]
+fn full_host_copies_a_shared_input_once() -> anyhow::Result<()> {
+    let (store, layers) = stack(4, 8)?;
+    let mut params: Vec<Var> = store.trainable()?.into_iter().map(|(_, v)| v).collect();
+    let shared = Var::from_tensor(&Tensor::randn(0f32, 1., (3, 8), &Device::Cpu)?)?;
+    params.push(shared.clone());
+    let x = Tensor::randn(0f32, 1., (3, 8), &Device::Cpu)?;
+    let run = |s: Strategy| -> anyhow::Result<(u64, Vec<Vec<u32>>)> {
+        let ck = Checkpointer::with_strategy(s);
+        ck.begin_forward();
+        let mut h = x.clone();
+        for l in &layers {
+            let layer = common::layer_fn(l);
+            let f: ft_params::checkpoint::SegmentFn =
+                std::sync::Arc::new(move |xs: &[Tensor]| layer(&xs[..1])? + (&xs[1] * 0.5)?);
+            h = ck.run(f, &[&h, shared.as_tensor()], &l.params)?;
+        }
+        let host = ck.host_bytes();
+        let loss = h.sqr()?.mean_all()?;
+        let grads = ck.gradients(&loss, &params)?;
+        let bits = grads
+            .iter()
+            .map(|g| bits(g.as_ref().expect("a gradient")))
+            .collect::<candle_core::Result<_>>()?;
+        Ok((host, bits))
+    };
+    let (host, on_host) = run(Strategy::FullHost)?;
+    let (_, full) = run(Strategy::Full)?;
+    let one = (3 * 8 * 4) as u64;
+    assert_eq!(
+        host,
+        (2 + layers.len() as u64) * one,
+        "x, shared, each output"
+    );
+    assert!(on_host == full, "full-host's gradients are not full's");
     Ok(())
 }

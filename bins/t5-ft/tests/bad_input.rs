@@ -20,6 +20,22 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+/// t5-ft on `model` with `train`, quiet, writing under `dir/out`, then `extra`.
+fn file_args(model: &Path, train: &Path, dir: &Path, extra: &[&str]) -> Args {
+    let mut v = vec![
+        "t5-ft".to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--train-file".into(),
+        train.display().to_string(),
+        "--quiet".into(),
+        "--output-dir".into(),
+        dir.join("out").display().to_string(),
+    ];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    Args::parse_from(v)
+}
+
 fn setup_err(args: &Args) -> String {
     match setup(args) {
         Ok(_) => panic!("setup should fail"),
@@ -37,20 +53,7 @@ fn bad_input_gets_one_clear_error() -> anyhow::Result<()> {
         &format!("{good}\n{good}\n{{\"input\": \"x\"\n{good}\n"),
     );
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/t5_tiny/flan");
-    let base = |train: &Path, extra: &[&str]| {
-        let mut v = vec![
-            "t5-ft".to_string(),
-            "--model".into(),
-            fixture.display().to_string(),
-            "--train-file".into(),
-            train.display().to_string(),
-            "--quiet".into(),
-            "--output-dir".into(),
-            dir.join("out").display().to_string(),
-        ];
-        v.extend(extra.iter().map(|s| s.to_string()));
-        Args::parse_from(v)
-    };
+    let base = |train: &Path, extra: &[&str]| file_args(&fixture, train, &dir, extra);
     let e = setup_err(&base(&bad, &[]));
     assert!(e.contains("bad.jsonl:3"), "{e}");
     let s = setup(&base(&bad, &["--skip-bad-lines"]))?;
@@ -134,20 +137,7 @@ fn a_model_without_safetensors_is_an_error_unless_from_scratch() -> anyhow::Resu
         "train.jsonl",
         r#"{"input": "reverse: 1 2", "target": "2 1"}"#,
     );
-    let args = |extra: &[&str]| {
-        let mut v = vec![
-            "t5-ft".to_string(),
-            "--model".into(),
-            model.display().to_string(),
-            "--train-file".into(),
-            train.display().to_string(),
-            "--quiet".into(),
-            "--output-dir".into(),
-            dir.join("out").display().to_string(),
-        ];
-        v.extend(extra.iter().map(|s| s.to_string()));
-        Args::parse_from(v)
-    };
+    let args = |extra: &[&str]| file_args(&model, &train, &dir, extra);
     let e = setup_err(&args(&[]));
     assert!(
         e.contains("model.safetensors") && e.contains("pytorch_model.bin"),
@@ -205,20 +195,9 @@ fn no_shuffle_reads_the_file_in_order() -> anyhow::Result<()> {
     let train = write(&dir, "train.jsonl", &lines);
     // Each epoch's records, in the order the task reads them.
     let order = |extra: &[&str]| -> anyhow::Result<Vec<Vec<usize>>> {
-        let mut v = vec![
-            "t5-ft".to_string(),
-            "--model".into(),
-            fixture.display().to_string(),
-            "--train-file".into(),
-            train.display().to_string(),
-            "--batch-size".into(),
-            "2".into(),
-            "--quiet".into(),
-            "--output-dir".into(),
-            dir.join("out").display().to_string(),
-        ];
-        v.extend(extra.iter().map(|s| s.to_string()));
-        let s = setup(&Args::parse_from(v))?;
+        let mut v = vec!["--batch-size", "2"];
+        v.extend(extra);
+        let s = setup(&file_args(&fixture, &train, &dir, &v))?;
         Ok((0..2).map(|e| s.task.order.batches(e).concat()).collect())
     };
     let in_order: Vec<usize> = (0..9).collect();

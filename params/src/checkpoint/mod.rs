@@ -44,7 +44,8 @@ struct Progress {
     /// Per segment, whether the budget plan recomputes it.
     recompute: Option<Vec<bool>>,
     /// `full-host`: the host tensor behind each segment output handed to the model on the
-    /// device, so that the next segment reads the host one (and the device one is not kept).
+    /// device, so that the next segment reads the host one (and the device one is not kept),
+    /// and the host copy of each other input, made once however many segments read it.
     host_twins: std::collections::HashMap<TensorId, Tensor>,
     /// `full-host`: bytes of the tensors between segments held in host memory this forward.
     host_bytes: u64,
@@ -118,7 +119,7 @@ impl Checkpointer {
     }
 
     /// `a` as the host-side input of a `full-host` segment: the host tensor behind a previous
-    /// segment's output, or a tracked copy in host memory (a distinct buffer on the CPU too,
+    /// segment's output or made for an earlier segment, or a tracked copy in host memory (a distinct buffer on the CPU too,
     /// so that the path is exercised there).
     fn to_host(&self, a: &Tensor) -> Result<Tensor> {
         let mut p = locked(&self.progress);
@@ -131,6 +132,9 @@ impl Checkpointer {
             (false, _) => a.to_device(&candle_core::Device::Cpu)?,
         };
         p.host_bytes += crate::bytes::tensor_bytes(&h);
+        // A tensor several segments read (T5's encoder output for every decoder block) is
+        // copied once: its gradient sums on the host copy and flows back through one copy.
+        p.host_twins.insert(a.id(), h.clone());
         Ok(h)
     }
 
