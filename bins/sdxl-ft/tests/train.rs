@@ -301,12 +301,16 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
         cfg["projection_dim"] = hidden.into();
         std::fs::write(&path, cfg.to_string())?;
     }
-    let preset = root.join("full_sdxl.toml").display().to_string();
     let model = demo.model.display().to_string();
-    let a: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
-        ["sdxl-ft", "--config", &preset, "--model", &model, "--plan"],
-        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
-    )?;
+    // `sdxl-ft --config configs/NAME --model <the folder above> --plan`.
+    let preset = |name: &str| -> anyhow::Result<sdxl_ft::cli::Args> {
+        let path = root.join(name).display().to_string();
+        Ok(ft_trainer::train::config::parse_from(
+            ["sdxl-ft", "--config", &path, "--model", &model, "--plan"],
+            |a: &sdxl_ft::cli::Args| a.common.config.clone(),
+        )?)
+    };
+    let a = preset("full_sdxl.toml")?;
     let plan = sdxl_ft::run::plan(&a)?;
     eprintln!("{}", plan.table());
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -358,11 +362,7 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     // outside the checkpoint segments (103 MiB) and of the largest segment (94 MiB: an up
     // block's ResNet with 2,560 input channels), not the UNet's 4.78 GiB; without the fused
     // backward the same recipe holds 10.47 GiB.
-    let low = root.join("sdxl_24gb.toml").display().to_string();
-    let pure: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
-        ["sdxl-ft", "--config", &low, "--model", &model, "--plan"],
-        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
-    )?;
+    let pure = preset("sdxl_24gb.toml")?;
     pure.validate()?;
     assert!(pure.common.full_bf16 && pure.common.accum == 1 && pure.common.fused_backward);
     let mut unfused = pure.clone();
@@ -385,11 +385,7 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     // the fused backward with accumulation: weights, fp32 sums, 8-bit moments and the
     // gradients alive at once, all on the GPU; plain accumulation adds a micro-batch's
     // gradients of the whole UNet.
-    let accum = root.join("sdxl_adamw_accum.toml").display().to_string();
-    let accum: sdxl_ft::cli::Args = ft_trainer::train::config::parse_from(
-        ["sdxl-ft", "--config", &accum, "--model", &model, "--plan"],
-        |a: &sdxl_ft::cli::Args| a.common.config.clone(),
-    )?;
+    let accum = preset("sdxl_adamw_accum.toml")?;
     accum.validate()?;
     assert!(accum.common.accum == 16 && accum.common.fused_backward && accum.common.full_bf16);
     let mut plain_accum = accum.clone();
