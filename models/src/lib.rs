@@ -1,6 +1,7 @@
 //! Trainable models with Hugging Face tensor names, built from this workspace's ops (whose
 //! backward is tested) rather than candle-transformers' inference code.
 
+pub mod activations;
 pub mod clip;
 pub mod diffusion;
 pub mod dropout;

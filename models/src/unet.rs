@@ -118,14 +118,14 @@ impl UNetConfig {
         Ok(())
     }
 
-    fn heads(&self, i: usize) -> usize {
+    pub(crate) fn heads(&self, i: usize) -> usize {
         self.num_attention_heads
             .as_ref()
             .unwrap_or(&self.attention_head_dim)
             .at(i)
     }
 
-    fn layers(&self, i: usize) -> usize {
+    pub(crate) fn layers(&self, i: usize) -> usize {
         self.transformer_layers_per_block
             .as_ref()
             .map(|p| p.at(i))

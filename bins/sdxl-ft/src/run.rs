@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device};
+use ft_models::activations::{Target, UNetShape};
 use ft_models::diffusion::Prediction;
 use ft_models::unet::UNet;
 use ft_params::bytes::format_bytes;
@@ -50,7 +51,12 @@ pub fn plan(args: &Args) -> Result<StatePlan> {
     unet_plan(&args, &store, &unet, precision)
 }
 
-/// The UNet's model states under these arguments, with the EMA when `--ema`.
+/// Tokens of the text states the UNet attends to: SDXL's tokenizers pad to 77.
+const CONTEXT_TOKENS: usize = 77;
+
+/// The UNet's model states under these arguments, with the EMA when `--ema`, and the
+/// activations of one micro-batch of `--res` images (square: aspect buckets keep about the same
+/// area) with the loss.
 fn unet_plan(
     args: &Args,
     store: &ParamStore,
@@ -58,6 +64,23 @@ fn unet_plan(
     precision: Precision,
 ) -> Result<StatePlan> {
     let plan = args.common.state_plan(store, &unet.segments(), precision)?;
+    let side = args.res / 8;
+    let shape = UNetShape {
+        batch: args.common.batch_size,
+        height: side,
+        width: side,
+        context_len: CONTEXT_TOKENS,
+    };
+    let dtype = precision.storage;
+    let mut profile =
+        unet.config()
+            .activations(&shape, dtype, Target::of_device(&args.common.device));
+    // The loss: the prediction in f32 (when it is not), its difference from the target and
+    // the square of that, per latent element.
+    let n = (shape.batch * unet.config().out_channels * side * side) as u64;
+    profile.outer += 4 * n * (2 + (dtype != DType::F32) as u64);
+    let what = format!("UNet and loss, batch {} at {} px", shape.batch, args.res);
+    let plan = args.common.with_activations(plan, &what, &profile)?;
     let (n, _) = store.count(true);
     Ok(if args.ema {
         plan.with("EMA (fp32)", 4 * n as u64, args.ema_device == "cpu")

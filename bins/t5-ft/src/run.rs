@@ -2,14 +2,17 @@
 
 use std::path::PathBuf;
 
+use ft_models::activations::{T5Shape, Target};
 use ft_models::t5::{T5Config, T5};
 use ft_params::bytes::format_bytes;
+use ft_params::ParamStore;
 use ft_trainer::optim::hf_trainer_no_decay;
 use ft_trainer::train::plan::StatePlan;
 use ft_trainer::train::{
     Binary, EpochOrder, Grouping, LoopPlan, RunSummary, SessionBuilder, Units,
 };
 use ft_trainer::train::{FolderLock, ModelRepo};
+use ft_trainer::update::Precision;
 
 use crate::cli::Args;
 use crate::data::{Fields, RecordFile};
@@ -51,9 +54,35 @@ pub fn plan(args: &Args) -> anyhow::Result<StatePlan> {
     let (_, cfg) = model_config(&args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     let model = T5::new(&pb, &cfg)?;
-    Ok(args
+    t5_plan(&args, &store, &model, precision)
+}
+
+/// The model states under these arguments and the activations of one micro-batch padded to
+/// `--max-source-length` and `--max-target-length` (the most a batch can hold), with dropout
+/// when the config has it.
+fn t5_plan(
+    args: &Args,
+    store: &ParamStore,
+    model: &T5,
+    precision: Precision,
+) -> anyhow::Result<StatePlan> {
+    let plan = args
         .common
-        .state_plan(&store, &model.segments(), precision)?)
+        .state_plan(store, &model.segments(), precision)?;
+    let shape = T5Shape {
+        batch: args.common.batch_size,
+        source_len: args.max_source_length,
+        target_len: args.max_target_length,
+    };
+    let target = Target::of_device(&args.common.device);
+    let profile = model
+        .config()
+        .activations(&shape, precision.storage, target, true);
+    let what = format!(
+        "batch {} x {} + {} tokens",
+        shape.batch, shape.source_len, shape.target_len
+    );
+    Ok(args.common.with_activations(plan, &what, &profile)?)
 }
 
 /// Resolves model, data and optimizer. With `--demo`, first writes the bundled task.
@@ -80,7 +109,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     };
     let model = T5::new(&s.params(weights), &cfg)?;
     s.loaded()?;
-    let segments = model.segments();
+    let plan = t5_plan(&args, s.store(), &model, s.precision())?;
 
     let (train_file, eval_file) = record_files(&args)?;
     let collator = Collator::from_file(
@@ -118,9 +147,6 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     task.max_new_tokens = args.max_new_tokens;
     task.eval_limit = args.eval_limit;
 
-    let plan = args
-        .common
-        .state_plan(s.store(), &segments, s.precision())?;
     let mut optimizer = s.optimizer(&plan)?;
     // As HF Trainer: no weight decay for biases (T5's relative attention bias) and layer norms.
     optimizer.exempt_from_weight_decay(hf_trainer_no_decay);

@@ -14,11 +14,13 @@
 //! A recomputed segment function must be deterministic: dropout inside it has to take its mask
 //! from state captured in the closure, or the recomputed forward differs from the first one.
 
+mod profile;
 mod segment;
 mod sink;
 mod strategy;
 
-pub use segment::graph_bytes;
+pub use profile::{ActivationProfile, Held};
+pub use segment::{graph_bytes, graphs_bytes};
 pub use sink::{EarlyStep, GradSink};
 pub use strategy::Strategy;
 
@@ -49,6 +51,26 @@ struct Progress {
     host_twins: std::collections::HashMap<TensorId, Tensor>,
     /// `full-host`: bytes of the tensors between segments held in host memory this forward.
     host_bytes: u64,
+    /// When measuring ([`Checkpointer::measuring`]): what each segment kept in this forward.
+    measured: Option<Vec<SegmentBytes>>,
+}
+
+/// What one segment kept from its forward (measured under `blocks`, or predicted by a model's
+/// activation formulas): its graph's bytes ([`graph_bytes`], its output included), its
+/// output's bytes, which the caller's graph holds as well, and what its ops keep outside the
+/// graph's tensors (dropout masks: formulas count them, the measurement cannot see them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SegmentBytes {
+    pub graph: u64,
+    pub output: u64,
+    pub off_graph: u64,
+}
+
+impl SegmentBytes {
+    /// Everything the segment keeps until its backward.
+    pub fn kept(&self) -> u64 {
+        self.graph + self.off_graph
+    }
 }
 
 /// Runs segments as the strategy says, and collects gradients from all of them.
@@ -78,6 +100,21 @@ impl Checkpointer {
 
     pub fn strategy(&self) -> Strategy {
         self.strategy
+    }
+
+    /// Records what every kept segment holds from each forward on ([`Self::measured`]): the
+    /// measurement that models' activation formulas are tested against, and that a probe step
+    /// reads.
+    pub fn measuring(self) -> Self {
+        locked(&self.progress).measured = Some(Vec::new());
+        self
+    }
+
+    /// Per segment kept in the current forward (in forward order), what it holds; empty unless
+    /// [`Self::measuring`], and only segments the strategy keeps are listed (all of them under
+    /// `blocks`).
+    pub fn measured(&self) -> Vec<SegmentBytes> {
+        locked(&self.progress).measured.clone().unwrap_or_default()
     }
 
     /// `true` when the model runs as segments (any strategy but `none`).
@@ -110,6 +147,9 @@ impl Checkpointer {
         p.next = 0;
         p.host_twins.clear();
         p.host_bytes = 0;
+        if let Some(m) = &mut p.measured {
+            m.clear();
+        }
     }
 
     /// Bytes of the tensors between segments that `full-host` holds in host memory in the
@@ -188,6 +228,13 @@ impl Checkpointer {
                     }
                 }
                 let y = f(&xs)?;
+                if let Some(m) = &mut locked(&self.progress).measured {
+                    m.push(SegmentBytes {
+                        graph: graph_bytes(&y),
+                        output: crate::bytes::tensor_bytes(&y),
+                        off_graph: 0,
+                    });
+                }
                 Body::Kept(Mutex::new(Some(KeptGraph { leaves, y })))
             }
             Treatment::RecomputeOnHost => {

@@ -46,21 +46,35 @@ pub(crate) struct SegmentOp {
     pub(crate) sink: GradSink,
 }
 
-/// Bytes held by the graph behind `y`: every tensor on a path from `y` to a variable (the
-/// variables themselves excluded), each storage counted once however many views share it.
-/// Tensors off those paths (masks, constants) are not counted: backward does not visit them,
-/// and they are small next to the activations in the models here.
+/// Bytes held by the graph behind `y`: every tensor on a path from `y` to a variable, each
+/// storage counted once however many views share it. Storage a variable owns is not counted,
+/// even through a view of it (a weight reshaped for a broadcast, a segment's input leaf): it is
+/// a parameter, or an input the caller's graph holds. Tensors off those paths (masks,
+/// constants) are not counted either: backward does not visit them, and they are small next to
+/// the activations in the models here.
 pub fn graph_bytes(y: &Tensor) -> u64 {
+    graphs_bytes(&[y])
+}
+
+/// [`graph_bytes`] over several graphs at once, storage they share counted once: what a
+/// forward under `blocks` holds in the caller's graph and the segments' kept graphs together.
+pub fn graphs_bytes(ys: &[&Tensor]) -> u64 {
+    let key = |t: &Tensor| &*t.storage_and_layout().0 as *const Storage as usize;
+    let nodes: Vec<&Tensor> = ys.iter().flat_map(|y| y.sorted_nodes()).collect();
+    let owned: std::collections::HashSet<usize> = nodes
+        .iter()
+        .filter(|n| n.is_variable())
+        .map(|n| key(n))
+        .collect();
     let mut seen: std::collections::HashMap<usize, u64> = std::collections::HashMap::new();
-    for node in y.sorted_nodes() {
-        if node.is_variable() || !node.is_contiguous() {
+    for node in &nodes {
+        let k = key(node);
+        if node.is_variable() || !node.is_contiguous() || owned.contains(&k) {
             continue;
         }
-        let (storage, layout) = node.storage_and_layout();
-        let key = &*storage as *const Storage as usize;
-        let end =
-            ((layout.start_offset() + node.elem_count()) * node.dtype().size_in_bytes()) as u64;
-        let e = seen.entry(key).or_default();
+        let end = ((node.layout().start_offset() + node.elem_count())
+            * node.dtype().size_in_bytes()) as u64;
+        let e = seen.entry(k).or_default();
         *e = (*e).max(end);
     }
     seen.values().sum()

@@ -347,6 +347,17 @@ impl CommonArgs {
         })
     }
 
+    /// `plan` with the activations of one micro-batch, as `profile` counts them at `what` (the
+    /// shapes planned for), under this run's `--checkpointing`.
+    pub fn with_activations(
+        &self,
+        plan: StatePlan,
+        what: &str,
+        profile: &ft_params::checkpoint::ActivationProfile,
+    ) -> Result<StatePlan> {
+        Ok(plan.with_activations(what, profile, self.checkpoint_strategy()?))
+    }
+
     /// For `--plan`: the precision the run will use and a builder that records the model's
     /// parameter shapes into the returned store without allocating them (on the CPU, nothing
     /// opened). Build the model with it, then pass the store to [`Self::state_plan`].

@@ -1,13 +1,16 @@
 //! The memory plan of a run before it allocates: the model-state bytes by component and where
 //! each lives (the training device or the host), from the trainable tensors' sizes and the
-//! run's precision, optimizer and state placement. Every binary prints it before training and
-//! with `--plan` instead of training (the model then built from shapes only, nothing
-//! allocated); the ledger measures what really happens. Activations are not in it: they depend
-//! on data shapes and checkpointing, and the ledger's `forward`/`backward` points show them.
+//! run's precision, optimizer and state placement, and the activations one micro-batch keeps
+//! for its backward under the `--checkpointing` strategy, from the model's activation formulas
+//! at the run's largest shapes (`ft_models::activations`, tested against real graphs). Every
+//! binary prints it before training and with `--plan` instead of training (the model then built
+//! from shapes only, nothing allocated); the ledger measures what really happens. Backward's
+//! own temporaries (the gradients of activations in flight) are not in it.
 
 use candle_core::DType;
 
 use ft_params::bytes::format_bytes;
+use ft_params::checkpoint::{ActivationProfile, Strategy};
 use ft_params::Segments;
 
 use crate::optim::OptimSpec;
@@ -20,6 +23,8 @@ pub struct PlanRow {
     pub bytes: u64,
     /// Held in host memory rather than on the training device.
     pub on_host: bool,
+    /// Activations rather than model states.
+    pub activation: bool,
 }
 
 /// The model-state bytes of a run.
@@ -33,6 +38,8 @@ pub struct StatePlan {
     /// host), and that dtype's size: what a fused backward pass bounds.
     grad_rows: Vec<usize>,
     grad_size: u64,
+    /// Whether activation rows have been added.
+    activations: bool,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -94,11 +101,13 @@ pub fn state_plan(
                 component,
                 bytes,
                 on_host,
+                activation: false,
             })
             .collect(),
         gpu,
         grad_rows,
         grad_size: w,
+        activations: false,
     }
 }
 
@@ -129,17 +138,76 @@ impl StatePlan {
             component: component.into(),
             bytes,
             on_host,
+            activation: false,
         });
         self
     }
 
-    /// Bytes on the training device at most (everything, when that is the CPU).
-    pub fn device_bytes(&self) -> u64 {
-        self.rows
-            .iter()
-            .filter(|r| !self.gpu || !r.on_host)
+    /// Adds the activations one micro-batch keeps under `strategy`, as `profile` (the model's
+    /// formulas at `what`, the shapes planned for) counts them: what stays from forward to
+    /// backward, the largest segment while backward recomputes it, and what `full-host` keeps
+    /// in host memory.
+    pub fn with_activations(
+        mut self,
+        what: &str,
+        profile: &ActivationProfile,
+        strategy: Strategy,
+    ) -> Self {
+        let held = profile.held(strategy);
+        let mut row = |component: String, bytes: u64, on_host: bool| {
+            self.rows.push(PlanRow {
+                component,
+                bytes,
+                on_host,
+                activation: true,
+            })
+        };
+        row(
+            format!("activations kept for backward ({what}, --checkpointing {strategy})"),
+            held.kept,
+            false,
+        );
+        if held.recompute > 0 {
+            row(
+                "activations of the largest segment while backward recomputes it".into(),
+                held.recompute,
+                false,
+            );
+        }
+        if held.host > 0 {
+            row(
+                "tensors between segments (full-host)".into(),
+                held.host,
+                true,
+            );
+        }
+        self.activations = true;
+        self
+    }
+
+    /// Model-state bytes on the training device (everything but the activations).
+    pub fn state_device_bytes(&self) -> u64 {
+        self.device_rows()
+            .filter(|r| !r.activation)
             .map(|r| r.bytes)
             .sum()
+    }
+
+    /// Activation bytes on the training device at most.
+    pub fn activation_device_bytes(&self) -> u64 {
+        self.device_rows()
+            .filter(|r| r.activation)
+            .map(|r| r.bytes)
+            .sum()
+    }
+
+    fn device_rows(&self) -> impl Iterator<Item = &PlanRow> {
+        self.rows.iter().filter(|r| !self.gpu || !r.on_host)
+    }
+
+    /// Bytes on the training device at most (everything, when that is the CPU).
+    pub fn device_bytes(&self) -> u64 {
+        self.device_rows().map(|r| r.bytes).sum()
     }
 
     /// Bytes in host memory kept apart from a GPU (0 when training on the CPU).
@@ -157,8 +225,13 @@ impl StatePlan {
     /// A markdown table: each component with its place, then the totals.
     pub fn table(&self) -> String {
         let device = if self.gpu { "GPU" } else { "CPU" };
+        let what = if self.activations {
+            "and the activations of one micro-batch (backward's temporaries come on top)"
+        } else {
+            "(activations come on top)"
+        };
         let mut s = format!(
-            "memory plan, model states of {} trainable parameters (activations come on top):\n\
+            "memory plan, model states of {} trainable parameters {what}:\n\
              | component | where | bytes |\n|---|---|---|\n",
             self.params
         );
@@ -169,6 +242,14 @@ impl StatePlan {
                 device
             };
             s += &format!("| {} | {at} | {} |\n", r.component, fmt(r.bytes));
+        }
+        if self.activations {
+            s += &format!(
+                "| model states on the {device} | {device} | {} |\n\
+                 | activations on the {device} | {device} | {} |\n",
+                fmt(self.state_device_bytes()),
+                fmt(self.activation_device_bytes())
+            );
         }
         s += &format!(
             "| total on the {device} | {device} | {} |\n",

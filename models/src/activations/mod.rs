@@ -1,0 +1,128 @@
+//! Activation bytes from formulas: what a forward keeps for its backward, layer by layer, so
+//! that `--plan` (and `--fit`) can count activations for any shape without building the model
+//! or running it. Each formula mirrors the ops its model's forward runs and what the kernels of
+//! `ft_kernels` keep; `tests/activations.rs` checks every one against [`graph_bytes`] of a real
+//! forward (per segment and whole, several shapes, f32 and bf16), so a change to a forward that
+//! the formula does not follow fails there.
+//!
+//! [`graph_bytes`]: ft_params::checkpoint::graph_bytes
+
+mod t5;
+mod unet;
+
+pub use t5::T5Shape;
+pub use unet::UNetShape;
+
+use candle_core::DType;
+use ft_kernels::attention::MAX_SCORES;
+
+/// Where a forward runs, which decides the attention kernel `ft_kernels::attention::attend`
+/// takes: on a CUDA device, heads of 64 dimensions go through the memory-efficient kernels,
+/// which keep the output and one f32 log-sum-exp per query row instead of the scores; on the
+/// CPU (and for other head sizes) the scores are formed. The CUDA figures follow the kernels'
+/// code and have not been measured on a GPU yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    Cpu,
+    Cuda,
+}
+
+impl Target {
+    /// The target of a `--device` value (`cpu`, `cuda`, `cuda:N`).
+    pub fn of_device(device: &str) -> Self {
+        if device == "cpu" {
+            Target::Cpu
+        } else {
+            Target::Cuda
+        }
+    }
+
+    fn fused_attention(self, head_dim: u64) -> bool {
+        self == Target::Cuda && head_dim == 64
+    }
+}
+
+/// One attention call: `b` x `heads` x `lq` queries against `lk` keys of `head_dim`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Attention {
+    pub b: u64,
+    pub heads: u64,
+    pub lq: u64,
+    pub lk: u64,
+    pub head_dim: u64,
+    /// Queries / values are head-split views (copied before the product) rather than
+    /// contiguous tensors.
+    pub q_view: bool,
+    pub v_view: bool,
+    /// The scores are multiplied by a scale other than 1.
+    pub scaled: bool,
+    /// Elements of an additive bias tensor (0: none).
+    pub bias: u64,
+}
+
+/// Bytes of the tensors a forward creates and its graph keeps, in the activation dtype
+/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Tally {
+    pub elems: u64,
+    pub f32_elems: u64,
+}
+
+impl Tally {
+    pub fn bytes(&self, dtype: DType) -> u64 {
+        self.elems * dtype.size_in_bytes() as u64 + 4 * self.f32_elems
+    }
+
+    /// An elementwise op's output (an activation, a sum, a product, a copy).
+    pub fn new_tensor(&mut self, n: u64) {
+        self.elems += n;
+    }
+
+    /// `ft_kernels::linear::linear` over `rows` rows: the product, the bias sum, and a copy of
+    /// an input that is a non-contiguous view (`din` wide).
+    pub fn linear(&mut self, rows: u64, din: u64, dout: u64, bias: bool, view_input: bool) {
+        self.elems += rows * dout * (1 + bias as u64) + if view_input { rows * din } else { 0 };
+    }
+
+    /// `ft_kernels::conv::conv2d` with `out` output elements: the convolution and the bias sum.
+    pub fn conv(&mut self, out: u64, bias: bool) {
+        self.elems += out * (1 + bias as u64);
+    }
+
+    /// Layer or group norm with affine weight and bias: normalized, scaled, shifted.
+    pub fn norm(&mut self, n: u64) {
+        self.elems += 3 * n;
+    }
+
+    /// RMS norm with a weight: normalized, scaled.
+    pub fn rms_norm(&mut self, n: u64) {
+        self.elems += 2 * n;
+    }
+
+    /// `ft_kernels::attention::attend`.
+    pub fn attention(&mut self, a: Attention, target: Target) {
+        let inner = a.heads * a.head_dim;
+        let (q, kv, out) = (a.b * a.lq * inner, a.b * a.lk * inner, a.b * a.lq * inner);
+        if a.q_view {
+            self.elems += q;
+        }
+        if target.fused_attention(a.head_dim) {
+            // Keys and values concatenated; the bias in f32 (counted even when it is f32
+            // already); the output; the log-sum-exp the op keeps.
+            self.elems += 2 * kv + out;
+            self.f32_elems += a.bias + a.b * a.heads * a.lq;
+            return;
+        }
+        let scores = a.b * a.heads * a.lq * a.lk;
+        // Transposed keys (always a copy), values when a view, the scores, their scaled and
+        // biased versions, the softmax, the output.
+        self.elems += kv + if a.v_view { kv } else { 0 };
+        self.elems += scores * (2 + a.scaled as u64 + (a.bias > 0) as u64) + out;
+        // Query rows in chunks of at most MAX_SCORES scores: the chunks' outputs and their
+        // concatenation.
+        let rows = (MAX_SCORES as u64 / (a.b * a.heads * a.lk).max(1)).max(1);
+        if rows < a.lq {
+            self.elems += out;
+        }
+    }
+}

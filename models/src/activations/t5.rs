@@ -1,0 +1,163 @@
+//! T5's activations, mirroring `T5::summed_loss`: encoder and decoder blocks, the shared
+//! relative position biases, and the fused head loss.
+
+use candle_core::DType;
+use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+
+use super::{Attention, Tally, Target};
+use crate::t5::T5Config;
+
+/// One T5 micro-batch: `batch` examples padded to `source_len` input and `target_len` label
+/// tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct T5Shape {
+    pub batch: usize,
+    pub source_len: usize,
+    pub target_len: usize,
+}
+
+struct Walk<'a> {
+    cfg: &'a T5Config,
+    b: u64,
+    dtype: DType,
+    target: Target,
+    /// Training with dropout: each site keeps its output and its mask.
+    dropout: bool,
+    outer: Tally,
+    /// Dropout mask elements outside the segments.
+    masks: u64,
+    segments: Vec<SegmentBytes>,
+}
+
+impl Walk<'_> {
+    /// A dropout site over `n` elements: its output in `t`, its mask in `masks`.
+    fn dropout(&self, t: &mut Tally, masks: &mut u64, n: u64) {
+        if self.dropout {
+            t.new_tensor(n);
+            *masks += n;
+        }
+    }
+
+    /// Attention of `lq` rows of `x` over `lk` rows, with a bias of `bias` elements.
+    fn attn(&self, t: &mut Tally, lq: u64, lk: u64, bias: u64) {
+        let (b, c) = (self.b, self.cfg);
+        let (d, inner) = (c.d_model as u64, (c.num_heads * c.d_kv) as u64);
+        t.linear(b * lq, d, inner, false, false);
+        t.linear(b * lk, d, inner, false, false);
+        t.linear(b * lk, d, inner, false, false);
+        let a = Attention {
+            b,
+            heads: c.num_heads as u64,
+            lq,
+            lk,
+            head_dim: c.d_kv as u64,
+            q_view: true,
+            v_view: true,
+            scaled: false,
+            bias,
+        };
+        t.attention(a, self.target);
+        t.new_tensor(b * lq * inner); // heads merged back
+        t.linear(b * lq, inner, d, false, false);
+    }
+
+    /// An encoder block over `l` tokens, or a decoder block over `l` tokens reading `cross`
+    /// encoder tokens; `bias` is the self-attention bias's element count.
+    fn block(&mut self, l: u64, bias: u64, cross: Option<u64>) {
+        let (b, d, f) = (self.b, self.cfg.d_model as u64, self.cfg.d_ff as u64);
+        let bld = b * l * d;
+        let (mut t, mut masks) = (Tally::default(), 0);
+        t.rms_norm(bld);
+        self.attn(&mut t, l, l, bias);
+        self.dropout(&mut t, &mut masks, bld);
+        t.new_tensor(bld); // residual
+        if let Some(ls) = cross {
+            t.rms_norm(bld);
+            self.attn(&mut t, l, ls, b * ls);
+            self.dropout(&mut t, &mut masks, bld);
+            t.new_tensor(bld);
+        }
+        t.rms_norm(bld);
+        let gated = self.cfg.activation().map(|(_, g)| g).unwrap_or(false);
+        t.linear(b * l, d, f, false, false);
+        t.new_tensor(b * l * f); // activation
+        if gated {
+            t.linear(b * l, d, f, false, false);
+            t.new_tensor(b * l * f); // gate product
+        }
+        self.dropout(&mut t, &mut masks, b * l * f);
+        t.linear(b * l, f, d, false, false);
+        self.dropout(&mut t, &mut masks, bld);
+        t.new_tensor(bld); // residual
+        let s = self.dtype.size_in_bytes() as u64;
+        self.segments.push(SegmentBytes {
+            graph: t.bytes(self.dtype),
+            output: bld * s,
+            off_graph: masks * s,
+        });
+        self.outer.new_tensor(bld);
+    }
+
+    /// Embedding, position bias and blocks of one stack over `l` tokens, then its final norm.
+    fn stack(&mut self, l: u64, layers: usize, cross: Option<u64>) {
+        let (b, d, h) = (self.b, self.cfg.d_model as u64, self.cfg.num_heads as u64);
+        let (mut outer, mut masks) = (self.outer, self.masks);
+        outer.new_tensor(b * l * d); // embedding lookup
+        self.dropout(&mut outer, &mut masks, b * l * d);
+        outer.new_tensor(l * l * h); // bucket embeddings
+                                     // Plus the key padding mask (encoder, per example) or the causal mask (decoder).
+        let bias = if cross.is_some() {
+            h * l * l
+        } else {
+            b * h * l * l
+        };
+        outer.new_tensor(bias);
+        (self.outer, self.masks) = (outer, masks);
+        for _ in 0..layers {
+            self.block(l, bias, cross);
+        }
+        let (mut outer, mut masks) = (self.outer, self.masks);
+        outer.rms_norm(b * l * d);
+        self.dropout(&mut outer, &mut masks, b * l * d);
+        (self.outer, self.masks) = (outer, masks);
+    }
+}
+
+impl T5Config {
+    /// What one forward of `summed_loss` at `shape` keeps for its backward, in `dtype`, with
+    /// attention as it runs on `target` and, when `dropout`, this config's dropout on: the caller's graph,
+    /// each block (a checkpoint segment) in forward order, and what the fused head loss keeps
+    /// (the gradients of the hidden states and of the head, in f32) and the dropout masks.
+    pub fn activations(
+        &self,
+        shape: &T5Shape,
+        dtype: DType,
+        target: Target,
+        dropout: bool,
+    ) -> ActivationProfile {
+        let (b, d) = (shape.batch as u64, self.d_model as u64);
+        let (ls, lt) = (shape.source_len as u64, shape.target_len as u64);
+        let mut w = Walk {
+            cfg: self,
+            b,
+            dtype,
+            target,
+            dropout: dropout && self.dropout_rate > 0.0,
+            outer: Tally::default(),
+            masks: 0,
+            segments: Vec::new(),
+        };
+        w.stack(ls, self.num_layers, None);
+        w.stack(lt, self.decoder_layers(), Some(ls));
+        if self.tie_word_embeddings {
+            w.outer.new_tensor(b * lt * d); // hidden states scaled by d_model^-0.5
+        }
+        w.outer.f32_elems += 1; // the loss
+        let s = dtype.size_in_bytes() as u64;
+        ActivationProfile {
+            outer: w.outer.bytes(dtype),
+            segments: w.segments,
+            op_held: w.masks * s + b * lt * d * s + 4 * self.vocab_size as u64 * d,
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The UNet's activations, mirroring `UNet::forward` block by block.
+
+use candle_core::DType;
+use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+
+use super::{Attention, Tally, Target};
+use crate::unet::UNetConfig;
+
+/// The input of one UNet forward: `batch` latents of `height` x `width` (the image size / 8)
+/// and text states of `context_len` tokens (77 for SDXL's CLIP encoders).
+#[derive(Clone, Copy, Debug)]
+pub struct UNetShape {
+    pub batch: usize,
+    pub height: usize,
+    pub width: usize,
+    pub context_len: usize,
+}
+
+/// Walks the forward, adding the caller's graph to `outer` and each segment to `segments`.
+struct Walk<'a> {
+    cfg: &'a UNetConfig,
+    b: u64,
+    temb: u64,
+    ctx: u64,
+    dtype: DType,
+    target: Target,
+    outer: Tally,
+    segments: Vec<SegmentBytes>,
+}
+
+impl Walk<'_> {
+    fn segment(&mut self, t: Tally, output: u64) {
+        let out = Tally {
+            elems: output,
+            f32_elems: 0,
+        };
+        self.segments.push(SegmentBytes {
+            graph: t.bytes(self.dtype),
+            output: out.bytes(self.dtype),
+            off_graph: 0,
+        });
+        // The op's output is a tensor of the caller's graph.
+        self.outer.new_tensor(output);
+    }
+
+    /// A ResNet block from `cin` to `cout` channels over `hw` pixels.
+    fn resnet(&mut self, cin: u64, cout: u64, hw: u64) {
+        let (b, mut t) = (self.b, Tally::default());
+        t.norm(b * cin * hw);
+        t.new_tensor(b * cin * hw); // silu
+        t.conv(b * cout * hw, true);
+        t.new_tensor(b * self.temb); // silu of the time embedding
+        t.linear(b, self.temb, cout, true, false);
+        t.new_tensor(b * cout * hw); // + time embedding
+        t.norm(b * cout * hw);
+        t.new_tensor(b * cout * hw); // silu
+        t.conv(b * cout * hw, true);
+        if cin != cout {
+            t.conv(b * cout * hw, true); // 1x1 shortcut
+        }
+        t.new_tensor(b * cout * hw); // residual sum
+        self.segment(t, b * cout * hw);
+    }
+
+    /// An attention sub-layer of a transformer block: projections, attention, output.
+    fn attn(&self, t: &mut Tally, d: u64, n: u64, lk: u64, ctx_dim: u64, heads: u64) {
+        let b = self.b;
+        t.linear(b * n, d, d, false, false); // q
+        t.linear(b * lk, ctx_dim, d, false, false); // k
+        t.linear(b * lk, ctx_dim, d, false, false); // v
+        let a = Attention {
+            b,
+            heads,
+            lq: n,
+            lk,
+            head_dim: d / heads,
+            q_view: true,
+            v_view: true,
+            scaled: true,
+            bias: 0,
+        };
+        t.attention(a, self.target);
+        t.new_tensor(b * n * d); // heads merged back
+        t.linear(b * n, d, d, true, false); // out
+    }
+
+    /// A transformer block of width `d` over `n` tokens.
+    fn transformer_block(&mut self, d: u64, n: u64, heads: u64) {
+        let (b, mut t) = (self.b, Tally::default());
+        let bnd = b * n * d;
+        t.norm(bnd);
+        self.attn(&mut t, d, n, n, d, heads);
+        t.new_tensor(bnd); // residual
+        t.norm(bnd);
+        self.attn(
+            &mut t,
+            d,
+            n,
+            self.ctx,
+            self.cfg.cross_attention_dim as u64,
+            heads,
+        );
+        t.new_tensor(bnd); // residual
+        t.norm(bnd);
+        t.linear(b * n, d, 8 * d, true, false); // GEGLU in
+        t.new_tensor(4 * bnd); // gelu of the gate
+        t.new_tensor(4 * bnd); // product
+        t.linear(b * n, 4 * d, d, true, false); // out
+        t.new_tensor(bnd); // residual
+        self.segment(t, bnd);
+    }
+
+    /// A Transformer2D: group norm and projection in, its blocks, projection out, residual.
+    fn transformer(&mut self, c: u64, hw: u64, level: usize) {
+        let n = self.b * c * hw;
+        self.outer.norm(n);
+        self.outer.linear(self.b * hw, c, c, true, true);
+        let heads = self.cfg.heads(level) as u64;
+        for _ in 0..self.cfg.layers(level) {
+            self.transformer_block(c, hw, heads);
+        }
+        self.outer.linear(self.b * hw, c, c, true, false);
+        self.outer.new_tensor(n); // back to [B, C, H, W]
+        self.outer.new_tensor(n); // residual
+    }
+}
+
+/// A 3x3 convolution's output side with stride 2 and padding 1.
+fn halved(x: usize) -> usize {
+    x.div_ceil(2)
+}
+
+impl UNetConfig {
+    /// What one forward at `shape` keeps for its backward, in `dtype`, with `kernel`'s
+    /// attention: the caller's graph up to the UNet's output (the loss comes on top) and each
+    /// checkpoint segment (every ResNet block and transformer layer), in forward order.
+    pub fn activations(
+        &self,
+        shape: &UNetShape,
+        dtype: DType,
+        target: Target,
+    ) -> ActivationProfile {
+        let ch: Vec<u64> = self.block_out_channels.iter().map(|&c| c as u64).collect();
+        let levels = ch.len();
+        let b = shape.batch as u64;
+        let temb = 4 * ch[0];
+        let mut w = Walk {
+            cfg: self,
+            b,
+            temb,
+            ctx: shape.context_len as u64,
+            dtype,
+            target,
+            outer: Tally::default(),
+            segments: Vec::new(),
+        };
+        // Time embedding (two linears around a silu), and SDXL's added embedding summed in.
+        w.outer.linear(b, ch[0], temb, true, false);
+        w.outer.new_tensor(b * temb);
+        w.outer.linear(b, temb, temb, true, false);
+        if self.addition_embed_type.is_some() {
+            let pin = self.projection_class_embeddings_input_dim.unwrap_or(0) as u64;
+            w.outer.linear(b, pin, temb, true, false);
+            w.outer.new_tensor(b * temb);
+            w.outer.linear(b, temb, temb, true, false);
+            w.outer.new_tensor(b * temb);
+        }
+        let (mut h, mut wd) = (shape.height, shape.width);
+        let px = |h: usize, w: usize| (h * w) as u64;
+        w.outer.conv(b * ch[0] * px(h, wd), true);
+        let mut skips = vec![ch[0]];
+        let mut cin = ch[0];
+        for (i, &c) in ch.iter().enumerate() {
+            let cross = self.down_block_types[i].starts_with("CrossAttn");
+            for _ in 0..self.layers_per_block {
+                w.resnet(cin, c, px(h, wd));
+                if cross {
+                    w.transformer(c, px(h, wd), i);
+                }
+                skips.push(c);
+                cin = c;
+            }
+            if i + 1 < levels {
+                (h, wd) = (halved(h), halved(wd));
+                w.outer.conv(b * c * px(h, wd), true);
+                skips.push(c);
+            }
+        }
+        let top = ch[levels - 1];
+        w.resnet(top, top, px(h, wd));
+        w.transformer(top, px(h, wd), levels - 1);
+        w.resnet(top, top, px(h, wd));
+        let mut prev = top;
+        for i in 0..levels {
+            let c = ch[levels - 1 - i];
+            let cross = self.up_block_types[i].starts_with("CrossAttn");
+            for _ in 0..=self.layers_per_block {
+                let s = skips.pop().unwrap_or(0);
+                w.outer.new_tensor(b * (prev + s) * px(h, wd)); // concatenated skip
+                w.resnet(prev + s, c, px(h, wd));
+                if cross {
+                    w.transformer(c, px(h, wd), levels - 1 - i);
+                }
+                prev = c;
+            }
+            if i + 1 < levels {
+                w.outer.new_tensor(4 * b * c * px(h, wd)); // nearest 2x upsample
+                (h, wd) = (2 * h, 2 * wd);
+                w.outer.conv(b * c * px(h, wd), true);
+            }
+        }
+        let n = b * ch[0] * px(h, wd);
+        w.outer.norm(n);
+        w.outer.new_tensor(n);
+        w.outer.conv(b * self.out_channels as u64 * px(h, wd), true);
+        ActivationProfile {
+            outer: w.outer.bytes(dtype),
+            segments: w.segments,
+            op_held: 0,
+        }
+    }
+}
