@@ -420,16 +420,10 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
             // (The fused backward needs segments.)
             a.common.fused_backward = strategy != "none";
             let p = sdxl_ft::run::plan(&a)?;
-            let act = |f: &dyn Fn(&ft_trainer::train::plan::PlanRow) -> bool| -> u64 {
-                p.rows
-                    .iter()
-                    .filter(|r| r.activation && f(r))
-                    .map(|r| r.bytes)
-                    .sum()
-            };
-            let kept = act(&|r| r.component.starts_with("activations kept"));
-            let rec = act(&|r| r.component.contains("recomputes"));
-            let host = act(&|r| r.on_host);
+            let held = p
+                .activations()
+                .ok_or_else(|| anyhow::anyhow!("no activations in the plan"))?;
+            let (kept, rec, host) = (held.kept, held.recompute, held.host);
             table += &format!(
                 "| {res} | {strategy} | {} | {} | {} |\n",
                 fmt(kept),

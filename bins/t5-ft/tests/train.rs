@@ -552,18 +552,10 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
             "--checkpointing",
             strategy,
         ])?;
-        let act = |f: &dyn Fn(&ft_trainer::train::plan::PlanRow) -> bool| -> u64 {
-            p.rows
-                .iter()
-                .filter(|r| r.activation && f(r))
-                .map(|r| r.bytes)
-                .sum()
-        };
-        let kept = act(&|r| r.component.starts_with("activations kept"));
-        let (rec, host) = (
-            act(&|r| r.component.contains("recomputes")),
-            act(&|r| r.on_host),
-        );
+        let held = p
+            .activations()
+            .ok_or_else(|| anyhow::anyhow!("no activations in the plan"))?;
+        let (kept, rec, host) = (held.kept, held.recompute, held.host);
         table += &format!(
             "| {strategy} | {} | {} | {} |\n",
             fmt(kept),

@@ -10,7 +10,7 @@
 use candle_core::DType;
 
 use ft_params::bytes::format_bytes;
-use ft_params::checkpoint::{ActivationProfile, Strategy};
+use ft_params::checkpoint::{ActivationProfile, Held, Strategy};
 use ft_params::Segments;
 
 use crate::optim::OptimSpec;
@@ -38,8 +38,8 @@ pub struct StatePlan {
     /// host), and that dtype's size: what a fused backward pass bounds.
     grad_rows: Vec<usize>,
     grad_size: u64,
-    /// Whether activation rows have been added.
-    activations: bool,
+    /// What the activation rows count, once added.
+    activations: Option<Held>,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -107,7 +107,7 @@ pub fn state_plan(
         gpu,
         grad_rows,
         grad_size: w,
-        activations: false,
+        activations: None,
     }
 }
 
@@ -181,8 +181,14 @@ impl StatePlan {
                 true,
             );
         }
-        self.activations = true;
+        self.activations = Some(held);
         self
+    }
+
+    /// The activations the plan counts (kept from forward to backward, rebuilt during it, in
+    /// host memory), when they have been added.
+    pub fn activations(&self) -> Option<Held> {
+        self.activations
     }
 
     /// Model-state bytes on the training device (everything but the activations).
@@ -225,7 +231,7 @@ impl StatePlan {
     /// A markdown table: each component with its place, then the totals.
     pub fn table(&self) -> String {
         let device = if self.gpu { "GPU" } else { "CPU" };
-        let what = if self.activations {
+        let what = if self.activations.is_some() {
             "and the activations of one micro-batch (backward's temporaries come on top)"
         } else {
             "(activations come on top)"
@@ -243,7 +249,7 @@ impl StatePlan {
             };
             s += &format!("| {} | {at} | {} |\n", r.component, fmt(r.bytes));
         }
-        if self.activations {
+        if self.activations.is_some() {
             s += &format!(
                 "| model states on the {device} | {device} | {} |\n\
                  | activations on the {device} | {device} | {} |\n",
