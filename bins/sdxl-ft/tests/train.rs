@@ -439,6 +439,11 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
             anyhow::bail!("five strategies")
         };
         assert!(full_host < full && full < every2 && every2 < none && none < blocks);
+        // The README's figures at 1024 px.
+        if res == 1024 {
+            assert!((gib(none) - 12.88).abs() < 0.01, "{table}");
+            assert!((gib(full) * 1024.0 - 967.28).abs() < 0.01, "{table}");
+        }
     }
     eprintln!("{table}");
     std::fs::remove_dir_all(&out)?;

@@ -569,5 +569,8 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
         anyhow::bail!("five strategies")
     };
     assert!(full_host < full && full < every2 && every2 < none && none < blocks);
+    // The README's figures.
+    assert!((gib(none) - 25.44).abs() < 0.01, "{table}");
+    assert!((gib(full) * 1024.0 - 1021.0).abs() < 0.01, "{table}");
     Ok(())
 }

@@ -61,16 +61,27 @@ pub(crate) struct Attention {
 }
 
 /// Bytes of the tensors a forward creates and its graph keeps, in the activation dtype
-/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32).
+/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32), and elements in the
+/// activation dtype that ops keep outside the graph's tensors (`off_graph`: dropout masks).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Tally {
     pub elems: u64,
     pub f32_elems: u64,
+    pub off_graph: u64,
 }
 
 impl Tally {
     pub fn bytes(&self, dtype: DType) -> u64 {
         self.elems * dtype.size_in_bytes() as u64 + 4 * self.f32_elems
+    }
+
+    /// A dropout site over `n` elements when dropout is `on`: its output, and its mask, which
+    /// the product holds but the graph's tensors do not include.
+    pub fn dropout(&mut self, on: bool, n: u64) {
+        if on {
+            self.elems += n;
+            self.off_graph += n;
+        }
     }
 
     /// An elementwise op's output (an activation, a sum, a product, a copy).
@@ -101,6 +112,12 @@ impl Tally {
 
     /// `ft_kernels::attention::attend`.
     pub fn attention(&mut self, a: Attention, target: Target) {
+        self.attention_in_chunks(a, target, MAX_SCORES as u64)
+    }
+
+    /// [`Self::attention`] with the score-forming version taking query rows in chunks of at
+    /// most `max_scores` scores (`attend` uses `MAX_SCORES`).
+    fn attention_in_chunks(&mut self, a: Attention, target: Target, max_scores: u64) {
         let inner = a.heads * a.head_dim;
         let (q, kv, out) = (a.b * a.lq * inner, a.b * a.lk * inner, a.b * a.lq * inner);
         if a.q_view {
@@ -120,9 +137,57 @@ impl Tally {
         self.elems += scores * (2 + a.scaled as u64 + (a.bias > 0) as u64) + out;
         // Query rows in chunks of at most MAX_SCORES scores: the chunks' outputs and their
         // concatenation.
-        let rows = (MAX_SCORES as u64 / (a.b * a.heads * a.lk).max(1)).max(1);
+        let rows = (max_scores / (a.b * a.heads * a.lk).max(1)).max(1);
         if rows < a.lq {
             self.elems += out;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor, Var};
+    use ft_kernels::attention::sdpa_query_chunks;
+    use ft_params::checkpoint::graph_bytes;
+
+    /// The attention formula against the graph of `sdpa_query_chunks` on head-split views, whole
+    /// and in query chunks (the models' tests never form enough scores to chunk), with and
+    /// without scale and bias.
+    #[test]
+    fn attention_formula_equals_the_graph_whole_and_chunked() -> candle_core::Result<()> {
+        let (b, h, lq, lk, d) = (2usize, 3usize, 7usize, 5usize, 4usize);
+        let dev = Device::Cpu;
+        let split = |l: usize| -> candle_core::Result<Tensor> {
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1., (b, l, h * d), &dev)?)?;
+            x.as_tensor().reshape((b, l, h, d))?.transpose(1, 2)
+        };
+        let (q, k, v) = (split(lq)?, split(lk)?, split(lk)?);
+        let bias = Var::from_tensor(&Tensor::randn(0f32, 1., (1, h, lq, lk), &dev)?)?;
+        for max_scores in [1 << 20, b * h * lk * 2, 1] {
+            for (scale, with_bias) in [(1.0, true), (0.5, false), (0.5, true)] {
+                let bias = with_bias.then(|| bias.as_tensor());
+                let y = sdpa_query_chunks(&q, &k, &v, bias, scale, max_scores)?;
+                let mut t = Tally::default();
+                let a = Attention {
+                    b: b as u64,
+                    heads: h as u64,
+                    lq: lq as u64,
+                    lk: lk as u64,
+                    head_dim: d as u64,
+                    q_view: true,
+                    v_view: true,
+                    scaled: scale != 1.0,
+                    bias: if with_bias { (h * lq * lk) as u64 } else { 0 },
+                };
+                t.attention_in_chunks(a, Target::Cpu, max_scores as u64);
+                assert_eq!(
+                    t.bytes(DType::F32),
+                    graph_bytes(&y),
+                    "max_scores {max_scores}, scale {scale}, bias {with_bias}"
+                );
+            }
+        }
+        Ok(())
     }
 }

@@ -24,20 +24,10 @@ struct Walk<'a> {
     /// Training with dropout: each site keeps its output and its mask.
     dropout: bool,
     outer: Tally,
-    /// Dropout mask elements outside the segments.
-    masks: u64,
     segments: Vec<SegmentBytes>,
 }
 
 impl Walk<'_> {
-    /// A dropout site over `n` elements: its output in `t`, its mask in `masks`.
-    fn dropout(&self, t: &mut Tally, masks: &mut u64, n: u64) {
-        if self.dropout {
-            t.new_tensor(n);
-            *masks += n;
-        }
-    }
-
     /// Attention of `lq` rows of `x` over `lk` rows, with a bias of `bias` elements.
     fn attn(&self, t: &mut Tally, lq: u64, lk: u64, bias: u64) {
         let (b, c) = (self.b, self.cfg);
@@ -66,15 +56,15 @@ impl Walk<'_> {
     fn block(&mut self, l: u64, bias: u64, cross: Option<u64>) {
         let (b, d, f) = (self.b, self.cfg.d_model as u64, self.cfg.d_ff as u64);
         let bld = b * l * d;
-        let (mut t, mut masks) = (Tally::default(), 0);
+        let mut t = Tally::default();
         t.rms_norm(bld);
         self.attn(&mut t, l, l, bias);
-        self.dropout(&mut t, &mut masks, bld);
+        t.dropout(self.dropout, bld);
         t.new_tensor(bld); // residual
         if let Some(ls) = cross {
             t.rms_norm(bld);
             self.attn(&mut t, l, ls, b * ls);
-            self.dropout(&mut t, &mut masks, bld);
+            t.dropout(self.dropout, bld);
             t.new_tensor(bld);
         }
         t.rms_norm(bld);
@@ -85,15 +75,15 @@ impl Walk<'_> {
             t.linear(b * l, d, f, false, false);
             t.new_tensor(b * l * f); // gate product
         }
-        self.dropout(&mut t, &mut masks, b * l * f);
+        t.dropout(self.dropout, b * l * f);
         t.linear(b * l, f, d, false, false);
-        self.dropout(&mut t, &mut masks, bld);
+        t.dropout(self.dropout, bld);
         t.new_tensor(bld); // residual
         let s = self.dtype.size_in_bytes() as u64;
         self.segments.push(SegmentBytes {
             graph: t.bytes(self.dtype),
             output: bld * s,
-            off_graph: masks * s,
+            off_graph: t.off_graph * s,
         });
         self.outer.new_tensor(bld);
     }
@@ -101,9 +91,9 @@ impl Walk<'_> {
     /// Embedding, position bias and blocks of one stack over `l` tokens, then its final norm.
     fn stack(&mut self, l: u64, layers: usize, cross: Option<u64>) {
         let (b, d, h) = (self.b, self.cfg.d_model as u64, self.cfg.num_heads as u64);
-        let (mut outer, mut masks) = (self.outer, self.masks);
+        let outer = &mut self.outer;
         outer.new_tensor(b * l * d); // embedding lookup
-        self.dropout(&mut outer, &mut masks, b * l * d);
+        outer.dropout(self.dropout, b * l * d);
         outer.new_tensor(l * l * h); // bucket embeddings
                                      // Plus the key padding mask (encoder, per example) or the causal mask (decoder).
         let bias = if cross.is_some() {
@@ -112,22 +102,20 @@ impl Walk<'_> {
             b * h * l * l
         };
         outer.new_tensor(bias);
-        (self.outer, self.masks) = (outer, masks);
         for _ in 0..layers {
             self.block(l, bias, cross);
         }
-        let (mut outer, mut masks) = (self.outer, self.masks);
-        outer.rms_norm(b * l * d);
-        self.dropout(&mut outer, &mut masks, b * l * d);
-        (self.outer, self.masks) = (outer, masks);
+        self.outer.rms_norm(b * l * d);
+        self.outer.dropout(self.dropout, b * l * d);
     }
 }
 
 impl T5Config {
     /// What one forward of `summed_loss` at `shape` keeps for its backward, in `dtype`, with
-    /// attention as it runs on `target` and, when `dropout`, this config's dropout on: the caller's graph,
-    /// each block (a checkpoint segment) in forward order, and what the fused head loss keeps
-    /// (the gradients of the hidden states and of the head, in f32) and the dropout masks.
+    /// attention as it runs on `target` and, when `dropout`, this config's dropout on: the
+    /// caller's graph, each block (a checkpoint segment) in forward order, and what ops keep
+    /// outside the graph: the fused head loss's gradients (of the hidden states, and of the
+    /// head in f32) and the dropout masks.
     pub fn activations(
         &self,
         shape: &T5Shape,
@@ -144,7 +132,6 @@ impl T5Config {
             target,
             dropout: dropout && self.dropout_rate > 0.0,
             outer: Tally::default(),
-            masks: 0,
             segments: Vec::new(),
         };
         w.stack(ls, self.num_layers, None);
@@ -157,7 +144,7 @@ impl T5Config {
         ActivationProfile {
             outer: w.outer.bytes(dtype),
             segments: w.segments,
-            op_held: w.masks * s + b * lt * d * s + 4 * self.vocab_size as u64 * d,
+            op_held: w.outer.off_graph * s + b * lt * d * s + 4 * self.vocab_size as u64 * d,
         }
     }
 }

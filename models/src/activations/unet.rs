@@ -32,7 +32,7 @@ impl Walk<'_> {
     fn segment(&mut self, t: Tally, output: u64) {
         let out = Tally {
             elems: output,
-            f32_elems: 0,
+            ..Tally::default()
         };
         self.segments.push(SegmentBytes {
             graph: t.bytes(self.dtype),
@@ -131,8 +131,8 @@ fn halved(x: usize) -> usize {
 }
 
 impl UNetConfig {
-    /// What one forward at `shape` keeps for its backward, in `dtype`, with `kernel`'s
-    /// attention: the caller's graph up to the UNet's output (the loss comes on top) and each
+    /// What one forward at `shape` keeps for its backward, in `dtype`, with attention as it
+    /// runs on `target`: the caller's graph up to the UNet's output (the loss comes on top) and each
     /// checkpoint segment (every ResNet block and transformer layer), in forward order.
     pub fn activations(
         &self,
