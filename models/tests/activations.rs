@@ -118,3 +118,43 @@ fn t5_formulas_equal_the_graph() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn fewshot_formulas_equal_the_graph() -> anyhow::Result<()> {
+    use ft_models::activations::EpisodeShape;
+    use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+    for (kind, size, flatten) in [
+        (BackboneKind::Conv4, 20, true),
+        (BackboneKind::Conv6, 17, false),
+        (BackboneKind::ResNet10, 24, true),
+        (BackboneKind::ResNet18, 19, false),
+    ] {
+        for method in [Method::FsctCosine, Method::FsctSoftmax, Method::ProtoNet] {
+            for dtype in [DType::F32, DType::BF16] {
+                let (n_way, k_shot, n_query) = (3, 2, 2);
+                let pb = ParamBuilder::new(ParamStore::new(), dtype, &Device::Cpu, 3);
+                let bb = Backbone::new(&pb, kind, size, flatten)?;
+                let m = FewShotModel::new(&pb, bb, method, n_way, k_shot)?;
+                let shape = EpisodeShape {
+                    n_way,
+                    k_shot,
+                    n_query,
+                    image_size: size,
+                };
+                let n = n_way * (k_shot + n_query);
+                let ep = Episode {
+                    images: Tensor::randn(0f32, 1., (n, 3, size, size), &Device::Cpu)?
+                        .to_dtype(dtype)?,
+                    n_way,
+                    k_shot,
+                    n_query,
+                };
+                let want = m.activations(&shape, dtype, Target::Cpu);
+                check(&format!("{kind:?} {method:?} {dtype:?}"), &want, |ck| {
+                    Ok(m.summed_loss(&ep, true, ck)?.0)
+                })?;
+            }
+        }
+    }
+    Ok(())
+}

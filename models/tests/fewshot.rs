@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+use ft_params::checkpoint::Checkpointer;
 use ft_params::{ParamBuilder, ParamStore};
 
 /// A built model, its trainable parameters and its store.
@@ -39,7 +40,8 @@ fn every_parameter_gets_a_gradient_for_each_method_and_backbone() -> anyhow::Res
     ] {
         for method in [Method::FsctCosine, Method::FsctSoftmax, Method::ProtoNet] {
             let (m, params, _) = build(kind, method, size, flatten)?;
-            let (loss, correct) = m.summed_loss(&episode(size, 1)?, true)?;
+            let (loss, correct) =
+                m.summed_loss(&episode(size, 1)?, true, &Checkpointer::default())?;
             assert!(correct <= 6);
             let g = loss.backward()?;
             for (name, v) in &params {
@@ -58,6 +60,58 @@ fn every_parameter_gets_a_gradient_for_each_method_and_backbone() -> anyhow::Res
                     .transpose()?
                     .unwrap_or(0.0);
                 assert!(s > 0.0, "{kind:?} {method:?}: `{name}` has no gradient");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The backbone's blocks as checkpoint segments: under every strategy each parameter's
+/// gradient is plain backprop's bit for bit (CPU f32), and the running statistics move once per
+/// training forward, as in plain backprop, however often backward recomputes a block.
+#[test]
+fn every_checkpointing_strategy_gives_plain_backprops_gradients() -> anyhow::Result<()> {
+    use ft_params::checkpoint::Strategy;
+    for kind in [BackboneKind::Conv4, BackboneKind::ResNet10] {
+        let mut plain: Option<(Vec<Option<Tensor>>, Vec<f32>)> = None;
+        for strategy in [
+            Strategy::None,
+            Strategy::Blocks,
+            Strategy::Full,
+            Strategy::FullHost,
+            Strategy::Every(2),
+        ] {
+            let (m, params, store) = build(kind, Method::FsctCosine, 32, true)?;
+            let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
+            let ck = Checkpointer::with_strategy(strategy);
+            let (loss, _) = m.summed_loss(&episode(32, 1)?, true, &ck)?;
+            let grads = ck.gradients(&loss, &vars)?;
+            let stats: Vec<f32> = store
+                .frozen()
+                .iter()
+                .map(|(_, t)| t.flatten_all()?.to_vec1::<f32>())
+                .collect::<candle_core::Result<Vec<_>>>()?
+                .concat();
+            let Some((g0, s0)) = &plain else {
+                plain = Some((grads, stats));
+                continue;
+            };
+            assert!(
+                &stats == s0,
+                "{kind:?} {strategy}: running statistics differ"
+            );
+            for ((name, _), (a, b)) in params.iter().zip(g0.iter().zip(&grads)) {
+                let (Some(a), Some(b)) = (a, b) else {
+                    anyhow::bail!("{kind:?} {strategy}: `{name}` has no gradient");
+                };
+                let (a, b) = (
+                    a.flatten_all()?.to_vec1::<f32>()?,
+                    b.flatten_all()?.to_vec1::<f32>()?,
+                );
+                assert!(
+                    a == b,
+                    "{kind:?} {strategy}: `{name}` differs from plain backprop"
+                );
             }
         }
     }
@@ -93,7 +147,9 @@ fn names_and_feature_sizes_follow_the_reference() -> anyhow::Result<()> {
     let x = ft_kernels::gradcheck::random_tensor(&[1, 3, 72, 72], 1, &Device::Cpu)?
         .to_dtype(DType::F32)?;
     assert_eq!(
-        r.backbone.forward(&x, false)?.dims(),
+        r.backbone
+            .forward(&x, false, &Checkpointer::default())?
+            .dims(),
         &[1, r.backbone.feat_dim]
     );
     assert_eq!(r.backbone.feat_dim, 512 * 3 * 3);
@@ -113,14 +169,14 @@ fn batch_norm_running_statistics_move_in_training_only() -> anyhow::Result<()> {
             .to_scalar::<f32>()
     };
     let before = rm()?;
-    m.scores(&episode(32, 2)?, false)?;
+    m.scores(&episode(32, 2)?, false, &Checkpointer::default())?;
     assert_eq!(rm()?, before, "evaluation leaves running stats alone");
-    m.scores(&episode(32, 2)?, true)?;
+    m.scores(&episode(32, 2)?, true, &Checkpointer::default())?;
     assert_ne!(rm()?, before, "training updates them");
     // Eval output is deterministic and per-sample (no batch statistics).
     let ep = episode(32, 3)?;
-    let a = m.scores(&ep, false)?;
-    let b = m.scores(&ep, false)?;
+    let a = m.scores(&ep, false, &Checkpointer::default())?;
+    let b = m.scores(&ep, false, &Checkpointer::default())?;
     assert_eq!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
     Ok(())
 }
@@ -129,7 +185,7 @@ fn batch_norm_running_statistics_move_in_training_only() -> anyhow::Result<()> {
 fn protonet_scores_are_negative_squared_distances() -> anyhow::Result<()> {
     let (m, _, _) = build(BackboneKind::Conv4, Method::ProtoNet, 32, true)?;
     let ep = episode(32, 4)?;
-    let s = m.scores(&ep, false)?;
+    let s = m.scores(&ep, false, &Checkpointer::default())?;
     assert_eq!(s.dims(), &[6, 3]);
     assert!(s.max_all()?.to_scalar::<f32>()? <= 0.0);
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+use ft_params::checkpoint::Checkpointer;
 use ft_params::weights::SafetensorsFiles;
 use ft_params::{ParamBuilder, ParamStore};
 
@@ -32,10 +33,10 @@ fn check(variant: &str, method: Method) -> anyhow::Result<()> {
         k_shot: 1,
         n_query: 2,
     };
-    let scores = model.scores(&ep, true)?;
+    let scores = model.scores(&ep, true, &Checkpointer::default())?;
     let e = common::rel(&scores, &load("scores")?)?;
     assert!(e < 1e-4, "{variant}: scores differ by {e} relative");
-    let (loss, _) = model.summed_loss(&ep, true)?;
+    let (loss, _) = model.summed_loss(&ep, true, &Checkpointer::default())?;
     let want = load("loss")?.squeeze(0)?;
     let e = common::rel(&loss, &want)?;
     assert!(e < 1e-4, "{variant}: loss differs by {e} relative");

@@ -55,7 +55,7 @@ fn measure(
         let norm = LossNorm::samples(&vec![5 * n_query; accum]);
         let mut acc = GradAccumulator::new();
         for e in &eps {
-            let (l, _) = model.summed_loss(e, true)?;
+            let (l, _) = model.summed_loss(e, true, &ck)?;
             acc.add(ck.gradients(&norm.scale(&l)?, &params)?)?;
         }
         opt.step(acc.take(), 1e-3)?;

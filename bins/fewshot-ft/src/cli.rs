@@ -62,16 +62,6 @@ pub struct Args {
 impl Args {
     /// Rejects impossible settings with a message naming the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
-        // Before the shared checks, which would ask for --gradient-checkpointing.
-        if self.common.gradient_checkpointing
-            || self.common.checkpointing.is_some()
-            || self.common.fused_backward
-        {
-            anyhow::bail!(
-                "fewshot-ft's models have no checkpoint segments: --gradient-checkpointing, \
-                 --checkpointing and --fused-backward do not apply"
-            );
-        }
         self.common.validate()?;
         if self.n_way < 2 || self.k_shot == 0 || self.n_query == 0 || self.n_episode == 0 {
             anyhow::bail!(

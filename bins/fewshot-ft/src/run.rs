@@ -1,9 +1,12 @@
 //! From arguments to a trained and tested model.
 
+use ft_models::activations::{EpisodeShape as ActivationShape, Target};
 use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 use ft_params::bytes::format_bytes;
+use ft_params::ParamStore;
 use ft_trainer::train::plan::StatePlan;
 use ft_trainer::train::{BestConfig, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
+use ft_trainer::update::Precision;
 
 use crate::cli::Args;
 use crate::data::{EpisodeShape, ImageConfig, SplitPlan, Splits};
@@ -31,9 +34,34 @@ pub fn plan(args: &Args) -> anyhow::Result<StatePlan> {
     let (kind, method, size) = model_spec(args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     let backbone = Backbone::new(&pb, kind, size, !args.pooled)?;
-    FewShotModel::new(&pb, backbone, method, args.n_way, args.k_shot)?;
-    // No checkpoint segments (this model trains without checkpointing).
-    Ok(args.common.state_plan(&store, &[], precision)?)
+    let model = FewShotModel::new(&pb, backbone, method, args.n_way, args.k_shot)?;
+    fewshot_plan(args, &store, &model, size, precision)
+}
+
+/// The model states under these arguments and the activations of one training episode.
+fn fewshot_plan(
+    args: &Args,
+    store: &ParamStore,
+    model: &FewShotModel,
+    image_size: usize,
+    precision: Precision,
+) -> anyhow::Result<StatePlan> {
+    let plan = args
+        .common
+        .state_plan(store, &model.segments(), precision)?;
+    let shape = ActivationShape {
+        n_way: args.n_way,
+        k_shot: args.k_shot,
+        n_query: args.n_query,
+        image_size,
+    };
+    let target = Target::of_device(&args.common.device);
+    let profile = model.activations(&shape, precision.storage, target);
+    let what = format!(
+        "episode {}-way {}-shot + {} queries, {image_size} px",
+        shape.n_way, shape.k_shot, shape.n_query
+    );
+    Ok(args.common.with_activations(plan, &what, &profile)?)
 }
 
 /// Data, model and optimizer from the arguments; `--demo` uses generated images.
@@ -97,8 +125,8 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
         args.val_episodes,
         config_json,
     );
-    // No checkpoint segments: this model trains without checkpointing.
-    let optimizer = s.optimizer(&args.common.state_plan(s.store(), &[], s.precision())?)?;
+    let plan = fewshot_plan(args, s.store(), &task.model, size, s.precision())?;
+    let optimizer = s.optimizer(&plan)?;
     // Validation and a checkpoint after every epoch, the best one kept.
     let steps_per_epoch = args.n_episode.div_ceil(args.common.accum) as u64;
     let plan = LoopPlan {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use ft_models::fewshot::{Episode, FewShotModel};
+use ft_params::checkpoint::Checkpointer;
 use ft_params::ParamStore;
 use ft_trainer::ledger::Ledger;
 use ft_trainer::train::{Epochs, StepCtx, Task, TaskResult};
@@ -84,7 +85,9 @@ impl FewShotTask {
                 self.eval_images,
                 &self.device,
             )?;
-            let (l, correct) = self.model.summed_loss(&ep, false)?;
+            let (l, correct) = self
+                .model
+                .summed_loss(&ep, false, &Checkpointer::default())?;
             loss += l.to_scalar::<f32>()? as f64 / queries;
             accs.push(100.0 * correct as f64 / queries);
         }
@@ -148,8 +151,8 @@ impl Task for FewShotTask {
         (ep.n_way * ep.n_query, ep.n_way * (ep.k_shot + ep.n_query))
     }
 
-    fn summed_loss(&mut self, ep: &Episode, _ctx: &StepCtx) -> TaskResult<Tensor> {
-        Ok(self.model.summed_loss(ep, true)?.0)
+    fn summed_loss(&mut self, ep: &Episode, ctx: &StepCtx) -> TaskResult<Tensor> {
+        Ok(self.model.summed_loss(ep, true, ctx.checkpointer)?.0)
     }
 
     fn evaluate(&mut self, _step: u64, _ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>> {

@@ -8,6 +8,7 @@ use clap::Parser;
 use fewshot_ft::cli::Args;
 use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, SplitPlan, Splits};
 use fewshot_ft::run::{run, setup};
+use ft_params::checkpoint::Checkpointer;
 use ft_trainer::update::{GradAccumulator, LossNorm};
 
 fn tmp(tag: &str) -> PathBuf {
@@ -118,20 +119,66 @@ fn demo_learns_far_above_chance_and_an_untrained_model_does_not() -> anyhow::Res
     Ok(())
 }
 
-/// What fewshot-ft's models cannot do is refused by name before anything runs, and a `--model`
-/// folder without weights names the file it looked for.
+type Weights = Vec<(String, Vec<f32>)>;
+
+/// The weights (batch-norm running statistics included) before and after a short run.
+fn trained_weights(extra: &[&str]) -> anyhow::Result<(Weights, Weights)> {
+    let mut args = vec!["--n-episode", "4", "--epochs", "1", "--val-episodes", "0"];
+    args.extend_from_slice(extra);
+    let out = tmp(&format!("ck{}", extra.join("").replace(['-', ':'], "")));
+    let mut s = setup(&demo(&out, &args))?;
+    let read = |s: &fewshot_ft::run::Setup| -> anyhow::Result<Weights> {
+        let mut w = Vec::new();
+        for (name, t) in s.task.store.all() {
+            w.push((name, t.flatten_all()?.to_vec1::<f32>()?));
+        }
+        Ok(w)
+    };
+    let before = read(&s)?;
+    s.train()?;
+    let after = read(&s)?;
+    std::fs::remove_dir_all(&out).ok();
+    Ok((before, after))
+}
+
+/// The backbone's blocks run as checkpoint segments: every strategy, and the fused backward
+/// with episode accumulation, trains to the same weights and running statistics as plain
+/// backprop, bit for bit (a recomputed block reads the batch's statistics again without moving
+/// the running ones a second time).
 #[test]
-fn checkpointing_flags_and_a_model_without_weights_are_refused() {
-    for flag in ["--gradient-checkpointing", "--fused-backward"] {
-        let e = setup(&demo(&tmp("ck"), &[flag]))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(
-            e.contains("--gradient-checkpointing") && e.contains("no checkpoint segments"),
-            "{e}"
-        );
+fn every_checkpointing_strategy_trains_to_plain_backprops_weights() -> anyhow::Result<()> {
+    for backbone in ["conv4", "resnet10"] {
+        let base = ["--backbone", backbone, "--accum", "2"];
+        let (init, plain) = trained_weights(&base)?;
+        // Training moved every tensor, the running statistics included.
+        for ((name, a), (_, b)) in init.iter().zip(&plain) {
+            assert!(a != b, "{backbone}: `{name}` did not move in training");
+        }
+        for extra in [
+            &["--checkpointing", "blocks"][..],
+            &["--checkpointing", "full"],
+            &["--checkpointing", "every:2"],
+            &["--checkpointing", "full-host"],
+            &["--checkpointing", "full", "--fused-backward"],
+        ] {
+            let mut args = base.to_vec();
+            args.extend_from_slice(extra);
+            let (_, got) = trained_weights(&args)?;
+            assert_eq!(got.len(), plain.len());
+            for ((name, a), (_, b)) in plain.iter().zip(&got) {
+                assert!(
+                    a == b,
+                    "{backbone} {extra:?}: `{name}` differs from plain backprop's"
+                );
+            }
+        }
     }
+    Ok(())
+}
+
+/// A `--model` folder without weights names the file it looked for.
+#[test]
+fn a_model_without_weights_is_refused() {
     let empty = tmp("empty-model");
     std::fs::create_dir_all(&empty).ok();
     let e = setup(&demo(
@@ -165,7 +212,10 @@ fn accumulating_episodes_equals_one_big_step() -> anyhow::Result<()> {
     let norm = LossNorm::samples(&queries);
     let mut acc = GradAccumulator::new();
     for e in &eps {
-        let (l, _) = s.task.model.summed_loss(e, false)?;
+        let (l, _) = s
+            .task
+            .model
+            .summed_loss(e, false, &Checkpointer::default())?;
         let g = norm.scale(&l)?.backward()?;
         acc.add(
             params
@@ -176,7 +226,10 @@ fn accumulating_episodes_equals_one_big_step() -> anyhow::Result<()> {
     }
     let mut total = None;
     for e in &eps {
-        let (l, _) = s.task.model.summed_loss(e, false)?;
+        let (l, _) = s
+            .task
+            .model
+            .summed_loss(e, false, &Checkpointer::default())?;
         total = Some(match total {
             Some(t) => (t + l)?,
             None => l,
@@ -366,9 +419,29 @@ fn plan_counts_what_the_run_builds() -> anyhow::Result<()> {
     // The demo trains in f32 on the CPU, one episode a step: weights, gradients and moments,
     // no masters, no separate sums.
     assert_eq!(args.common.accum, 1);
-    assert_eq!(plan.device_bytes(), (4 + 4 + 8) * n as u64);
+    assert_eq!(plan.state_device_bytes(), (4 + 4 + 8) * n as u64);
     let accumulated = fewshot_ft::run::plan(&demo(&out, &["--plan", "--accum", "4"]))?;
-    assert_eq!(accumulated.device_bytes(), (4 + 4 + 4 + 8) * n as u64);
+    assert_eq!(accumulated.state_device_bytes(), (4 + 4 + 4 + 8) * n as u64);
     assert_eq!(plan.host_bytes(), 0);
+    // One episode's activations (the formulas are checked against the graph in ft-models'
+    // tests): recomputing keeps less from forward to backward, and full-host less still on
+    // the device.
+    let held = |strategy: &str| -> anyhow::Result<_> {
+        let p = fewshot_ft::run::plan(&demo(&out, &["--plan", "--checkpointing", strategy]))?;
+        p.activations()
+            .ok_or_else(|| anyhow::anyhow!("no activation rows"))
+    };
+    let (none, blocks, full, host) = (
+        held("none")?,
+        held("blocks")?,
+        held("full")?,
+        held("full-host")?,
+    );
+    assert!(
+        full.kept < none.kept && none.kept < blocks.kept,
+        "{full:?} {none:?} {blocks:?}"
+    );
+    assert!(host.kept < full.kept && host.host > 0 && full.recompute > 0);
+    assert_eq!(plan.activation_device_bytes(), none.peak());
     Ok(())
 }

@@ -7,9 +7,11 @@
 //!
 //! [`graph_bytes`]: ft_params::checkpoint::graph_bytes
 
+mod fewshot;
 mod t5;
 mod unet;
 
+pub use fewshot::EpisodeShape;
 pub use t5::T5Shape;
 pub use unet::UNetShape;
 

@@ -2,12 +2,20 @@
 //! Conv6 (3x3 conv, batch norm, ReLU, 2x2 max pool per block, 64 channels), and ResNet10/18/34
 //! (basic blocks). Features are flattened (the paper's choice: 64x5x5 for Conv4 at 84 px,
 //! 512x7x7 for ResNet at 224 px) or globally average-pooled.
+//!
+//! Each block (and the ResNet stem) is one checkpoint segment. A segment that backward
+//! recomputes runs its batch norms in [`BnMode::Recompute`], so the running statistics move
+//! once per training forward whatever the strategy.
 
-use candle_core::{Tensor, D};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use candle_core::{Tensor, Var, D};
 use ft_kernels::pool;
+use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::{Init, ParamBuilder};
 
-use super::batch_norm::BatchNorm2d;
+use super::batch_norm::{BatchNorm2d, BnMode};
 use crate::error::{ModelError, Result};
 use crate::layers::Conv2d as Conv;
 
@@ -63,48 +71,117 @@ fn conv(
 }
 
 #[derive(Clone)]
-struct ConvBlock {
-    conv: Conv,
+pub(crate) struct ConvBlock {
+    pub(crate) conv: Conv,
     bn: BatchNorm2d,
-    pool: bool,
+    pub(crate) pool: bool,
 }
 
 #[derive(Clone)]
-struct BasicBlock {
-    c1: Conv,
+pub(crate) struct BasicBlock {
+    pub(crate) c1: Conv,
     bn1: BatchNorm2d,
-    c2: Conv,
+    pub(crate) c2: Conv,
     bn2: BatchNorm2d,
-    shortcut: Option<(Conv, BatchNorm2d)>,
+    pub(crate) shortcut: Option<(Conv, BatchNorm2d)>,
 }
 
-impl BasicBlock {
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let h = self.bn1.forward(&self.c1.forward(x)?, train)?.relu()?;
-        let h = self.bn2.forward(&self.c2.forward(&h)?, train)?;
-        let s = match &self.shortcut {
-            Some((c, bn)) => bn.forward(&c.forward(x)?, train)?,
-            None => x.clone(),
-        };
-        Ok((h + s)?.relu()?)
+impl ConvBlock {
+    fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
+        let h = self.bn.forward(&self.conv.forward(x)?, mode)?.relu()?;
+        if self.pool {
+            pool::max_pool2d(&h, (2, 2), (2, 2))
+        } else {
+            Ok(h)
+        }
+    }
+
+    fn tensors(&self) -> Vec<Tensor> {
+        let mut ts = self.conv.tensors();
+        ts.extend(self.bn.tensors());
+        ts
     }
 }
 
+impl BasicBlock {
+    fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
+        let h = self.bn1.forward(&self.c1.forward(x)?, mode)?.relu()?;
+        let h = self.bn2.forward(&self.c2.forward(&h)?, mode)?;
+        let s = match &self.shortcut {
+            Some((c, bn)) => bn.forward(&c.forward(x)?, mode)?,
+            None => x.clone(),
+        };
+        (h + s)?.relu()
+    }
+
+    fn tensors(&self) -> Vec<Tensor> {
+        let mut ts = self.c1.tensors();
+        ts.extend(self.bn1.tensors());
+        ts.extend(self.c2.tensors());
+        ts.extend(self.bn2.tensors());
+        if let Some((c, bn)) = &self.shortcut {
+            ts.extend(c.tensors());
+            ts.extend(bn.tensors());
+        }
+        ts
+    }
+}
+
+/// The ResNet stem: 7x7 stride-2 conv, batch norm, ReLU, 3x3 stride-2 max pool.
 #[derive(Clone)]
-enum Body {
-    Conv(Vec<ConvBlock>),
-    ResNet {
-        stem: Conv,
-        stem_bn: BatchNorm2d,
-        blocks: Vec<BasicBlock>,
-    },
+pub(crate) struct Stem {
+    pub(crate) conv: Conv,
+    bn: BatchNorm2d,
+}
+
+impl Stem {
+    fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
+        let h = self.bn.forward(&self.conv.forward(x)?, mode)?.relu()?;
+        // 3x3 stride-2 max pool with padding 1: after ReLU every value is >= 0, so zero
+        // padding gives the result of PyTorch's -inf padding.
+        let h = h.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;
+        pool::max_pool2d(&h, (3, 3), (2, 2))
+    }
+
+    fn tensors(&self) -> Vec<Tensor> {
+        let mut ts = self.conv.tensors();
+        ts.extend(self.bn.tensors());
+        ts
+    }
+}
+
+/// One checkpoint segment of the backbone.
+#[derive(Clone)]
+pub(crate) enum Block {
+    Conv(ConvBlock),
+    Stem(Stem),
+    Basic(BasicBlock),
+}
+
+impl Block {
+    fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
+        match self {
+            Block::Conv(b) => b.forward(x, mode),
+            Block::Stem(b) => b.forward(x, mode),
+            Block::Basic(b) => b.forward(x, mode),
+        }
+    }
+
+    fn tensors(&self) -> Vec<Tensor> {
+        match self {
+            Block::Conv(b) => b.tensors(),
+            Block::Stem(b) => b.tensors(),
+            Block::Basic(b) => b.tensors(),
+        }
+    }
 }
 
 /// A backbone and its output size.
 #[derive(Clone)]
 pub struct Backbone {
-    body: Body,
-    flatten: bool,
+    /// The blocks in order, each with its trainable parameters.
+    pub(crate) blocks: Vec<(Block, Vec<Var>)>,
+    pub(crate) flatten: bool,
     /// Length of the feature vector for the configured image size.
     pub feat_dim: usize,
 }
@@ -127,11 +204,11 @@ impl Backbone {
                 for i in 0..depth {
                     let b = pb.pp(format!("trunk.{i}"));
                     let pool = i < 4;
-                    blocks.push(ConvBlock {
+                    blocks.push(Block::Conv(ConvBlock {
                         conv: conv(&b.pp("C"), if i == 0 { 3 } else { 64 }, 64, 3, 1, 1, true)?,
                         bn: BatchNorm2d::new(&b.pp("BN"), 64)?,
                         pool,
-                    });
+                    }));
                     if pool {
                         size /= 2;
                     }
@@ -142,11 +219,7 @@ impl Backbone {
                     )));
                 }
                 let feat_dim = if flatten { 64 * size * size } else { 64 };
-                Ok(Backbone {
-                    body: Body::Conv(blocks),
-                    flatten,
-                    feat_dim,
-                })
+                Backbone::of(blocks, flatten, feat_dim)
             }
             BackboneKind::ResNet10 | BackboneKind::ResNet18 | BackboneKind::ResNet34 => {
                 let layers: [usize; 4] = match kind {
@@ -154,9 +227,10 @@ impl Backbone {
                     BackboneKind::ResNet18 => [2, 2, 2, 2],
                     _ => [3, 4, 6, 3],
                 };
-                let stem = conv(&pb.pp("trunk.0"), 3, 64, 7, 2, 3, false)?;
-                let stem_bn = BatchNorm2d::new(&pb.pp("trunk.1"), 64)?;
-                let mut blocks = Vec::new();
+                let mut blocks = vec![Block::Stem(Stem {
+                    conv: conv(&pb.pp("trunk.0"), 3, 64, 7, 2, 3, false)?,
+                    bn: BatchNorm2d::new(&pb.pp("trunk.1"), 64)?,
+                })];
                 let (mut cin, mut idx) = (64, 4);
                 for (stage, n) in layers.iter().enumerate() {
                     let cout = 64 << stage;
@@ -172,13 +246,13 @@ impl Backbone {
                         } else {
                             None
                         };
-                        blocks.push(BasicBlock {
+                        blocks.push(Block::Basic(BasicBlock {
                             c1: conv(&b.pp("C1"), cin, cout, 3, stride, 1, false)?,
                             bn1: BatchNorm2d::new(&b.pp("BN1"), cout)?,
                             c2: conv(&b.pp("C2"), cout, cout, 3, 1, 1, false)?,
                             bn2: BatchNorm2d::new(&b.pp("BN2"), cout)?,
                             shortcut,
-                        });
+                        }));
                         cin = cout;
                     }
                 }
@@ -191,48 +265,55 @@ impl Backbone {
                     )));
                 }
                 let feat_dim = if flatten { 512 * size * size } else { 512 };
-                Ok(Backbone {
-                    body: Body::ResNet {
-                        stem,
-                        stem_bn,
-                        blocks,
-                    },
-                    flatten,
-                    feat_dim,
-                })
+                Backbone::of(blocks, flatten, feat_dim)
             }
         }
     }
 
-    /// Features [N, feat_dim] of images [N, 3, S, S].
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let h = match &self.body {
-            Body::Conv(blocks) => {
-                let mut h = x.clone();
-                for b in blocks {
-                    h = b.bn.forward(&b.conv.forward(&h)?, train)?.relu()?;
-                    if b.pool {
-                        h = pool::max_pool2d(&h, (2, 2), (2, 2))?;
-                    }
-                }
-                h
-            }
-            Body::ResNet {
-                stem,
-                stem_bn,
-                blocks,
-            } => {
-                let h = stem_bn.forward(&stem.forward(x)?, train)?.relu()?;
-                // 3x3 stride-2 max pool with padding 1: after ReLU every value is >= 0, so zero
-                // padding gives the result of PyTorch's -inf padding.
-                let h = h.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;
-                let mut h = pool::max_pool2d(&h, (3, 3), (2, 2))?;
-                for b in blocks {
-                    h = b.forward(&h, train)?;
-                }
-                h
-            }
-        };
+    fn of(blocks: Vec<Block>, flatten: bool, feat_dim: usize) -> Result<Self> {
+        let blocks = blocks
+            .into_iter()
+            .map(|b| {
+                let vars = b
+                    .tensors()
+                    .iter()
+                    .filter(|t| t.is_variable())
+                    .map(Var::from_tensor)
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok((b, vars))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Backbone {
+            blocks,
+            flatten,
+            feat_dim,
+        })
+    }
+
+    /// The trainable tensors of each checkpoint segment, in forward order (what the fused
+    /// backward's plan counts per segment).
+    pub fn segments(&self) -> Vec<Vec<Tensor>> {
+        self.blocks.iter().map(|(b, _)| b.tensors()).collect()
+    }
+
+    /// Features [N, feat_dim] of images [N, 3, S, S]; each block a segment of `ck`.
+    pub fn forward(&self, x: &Tensor, train: bool, ck: &Checkpointer) -> Result<Tensor> {
+        let mut h = x.clone();
+        for (block, vars) in &self.blocks {
+            let b = block.clone();
+            // The first run of a training segment moves the running statistics; a
+            // recomputation in backward reads the same batch and leaves them.
+            let first = Arc::new(AtomicBool::new(true));
+            let f: SegmentFn = Arc::new(move |xs: &[Tensor]| {
+                let mode = match (train, first.swap(false, Ordering::Relaxed)) {
+                    (false, _) => BnMode::Eval,
+                    (true, true) => BnMode::Train,
+                    (true, false) => BnMode::Recompute,
+                };
+                b.forward(&xs[0], mode)
+            });
+            h = ck.run(f, &[&h], vars)?;
+        }
         Ok(if self.flatten {
             h.flatten_from(1)?
         } else {

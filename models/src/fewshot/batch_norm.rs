@@ -1,6 +1,32 @@
 //! BatchNorm2d with running statistics, as `torch.nn.BatchNorm2d` (momentum 0.1, eps 1e-5):
 //! batch statistics in training (biased variance to normalise, unbiased for the running
 //! estimate), running statistics in evaluation. A composition of ops with correct backwards.
+//!
+//! A checkpoint segment recomputed in backward runs its batch norms a second time on the same
+//! input: [`BnMode::Recompute`] gives the same batch statistics without moving the running ones
+//! again, so that a recomputed step leaves them where plain backprop does.
+
+/// Which statistics normalise, and whether the running ones move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BnMode {
+    /// Running statistics (evaluation).
+    Eval,
+    /// Batch statistics, and the running ones updated (a training forward).
+    Train,
+    /// Batch statistics, running ones left alone (a segment's recomputation in backward).
+    Recompute,
+}
+
+impl BnMode {
+    /// `Train` or `Eval`.
+    pub fn of(train: bool) -> Self {
+        if train {
+            BnMode::Train
+        } else {
+            BnMode::Eval
+        }
+    }
+}
 
 use candle_core::{Tensor, Var};
 use ft_params::{Init, ParamBuilder};
@@ -29,11 +55,16 @@ impl BatchNorm2d {
         })
     }
 
-    /// Normalises [N, C, H, W]; in training also updates the running statistics.
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    /// The trainable tensors (not the running statistics), for checkpoint segments.
+    pub fn tensors(&self) -> Vec<Tensor> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+
+    /// Normalises [N, C, H, W]; under [`BnMode::Train`] also updates the running statistics.
+    pub fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
         let (n, c, h, w) = x.dims4()?;
         let shape = (1, c, 1, 1);
-        let (mean, var) = if train {
+        let (mean, var) = if mode != BnMode::Eval {
             let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
             let var = x
                 .broadcast_sub(&mean)?
@@ -41,15 +72,9 @@ impl BatchNorm2d {
                 .mean_keepdim(0)?
                 .mean_keepdim(2)?
                 .mean_keepdim(3)?;
-            let count = (n * h * w) as f64;
-            let unbiased = (var.detach() * (count / (count - 1.0).max(1.0)))?.flatten_all()?;
-            let m = self.momentum;
-            self.running_mean.set(
-                &((self.running_mean.as_tensor() * (1.0 - m))?
-                    + (mean.detach().flatten_all()? * m)?)?,
-            )?;
-            self.running_var
-                .set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)?;
+            if mode == BnMode::Train {
+                self.update_running(&mean, &var, (n * h * w) as f64)?;
+            }
             (mean, var)
         } else {
             (
@@ -60,7 +85,18 @@ impl BatchNorm2d {
         let y = x
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        Ok(y.broadcast_mul(&self.weight.reshape(shape)?)?
-            .broadcast_add(&self.bias.reshape(shape)?)?)
+        y.broadcast_mul(&self.weight.reshape(shape)?)?
+            .broadcast_add(&self.bias.reshape(shape)?)
+    }
+
+    /// Moves the running statistics towards this batch's (momentum 0.1, unbiased variance).
+    fn update_running(&self, mean: &Tensor, var: &Tensor, count: f64) -> candle_core::Result<()> {
+        let unbiased = (var.detach() * (count / (count - 1.0).max(1.0)))?.flatten_all()?;
+        let m = self.momentum;
+        self.running_mean.set(
+            &((self.running_mean.as_tensor() * (1.0 - m))? + (mean.detach().flatten_all()? * m)?)?,
+        )?;
+        self.running_var
+            .set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)
     }
 }

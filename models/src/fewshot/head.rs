@@ -14,6 +14,7 @@
 
 use candle_core::{DType, Tensor, D};
 use ft_kernels::{linear, softmax};
+use ft_params::checkpoint::Checkpointer;
 use ft_params::{Init, ParamBuilder};
 
 use super::backbone::Backbone;
@@ -55,16 +56,16 @@ pub struct Episode {
 }
 
 #[derive(Clone)]
-struct Fsct {
-    cosine: bool,
-    heads: usize,
-    dim_head: usize,
+pub(crate) struct Fsct {
+    pub(crate) cosine: bool,
+    pub(crate) heads: usize,
+    pub(crate) dim_head: usize,
     proto_weight: Tensor,
     attn_ln: Norm,
     attn_in: Lin,
     attn_out: Lin,
     ffn_ln: Norm,
-    ffn1: Lin,
+    pub(crate) ffn1: Lin,
     ffn2: Lin,
     out_ln: Norm,
     out_lin: Lin,
@@ -78,7 +79,7 @@ struct Fsct {
 pub struct FewShotModel {
     pub backbone: Backbone,
     method: Method,
-    fsct: Option<Fsct>,
+    pub(crate) fsct: Option<Fsct>,
 }
 
 impl FewShotModel {
@@ -149,9 +150,15 @@ impl FewShotModel {
         self.method
     }
 
-    /// Class scores [n_way * n_query, n_way] of the episode's queries.
-    pub fn scores(&self, ep: &Episode, train: bool) -> Result<Tensor> {
-        let z = self.backbone.forward(&ep.images, train)?;
+    /// The trainable tensors of each checkpoint segment (the backbone's blocks).
+    pub fn segments(&self) -> Vec<Vec<Tensor>> {
+        self.backbone.segments()
+    }
+
+    /// Class scores [n_way * n_query, n_way] of the episode's queries; the backbone's blocks
+    /// run as segments of `ck` (the head is small and runs plain).
+    pub fn scores(&self, ep: &Episode, train: bool, ck: &Checkpointer) -> Result<Tensor> {
+        let z = self.backbone.forward(&ep.images, train, ck)?;
         let d = z.dim(1)?;
         let z = z.reshape((ep.n_way, ep.k_shot + ep.n_query, d))?;
         let support = z.narrow(1, 0, ep.k_shot)?;
@@ -169,8 +176,13 @@ impl FewShotModel {
     }
 
     /// Cross-entropy summed over the episode's queries, and how many were classified right.
-    pub fn summed_loss(&self, ep: &Episode, train: bool) -> Result<(Tensor, usize)> {
-        let scores = self.scores(ep, train)?.to_dtype(DType::F32)?;
+    pub fn summed_loss(
+        &self,
+        ep: &Episode,
+        train: bool,
+        ck: &Checkpointer,
+    ) -> Result<(Tensor, usize)> {
+        let scores = self.scores(ep, train, ck)?.to_dtype(DType::F32)?;
         let targets: Vec<u32> = (0..ep.n_way)
             .flat_map(|c| std::iter::repeat_n(c as u32, ep.n_query))
             .collect();

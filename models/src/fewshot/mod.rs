@@ -2,9 +2,9 @@
 //! Cosine Transformer (FSCT, cosine and softmax attention) and ProtoNet, with the parameter names
 //! of the reference PyTorch code (vinuni-vishc/Few-Shot-Cosine-Transformer).
 
-mod backbone;
+pub(crate) mod backbone;
 mod batch_norm;
-mod head;
+pub(crate) mod head;
 
 pub use backbone::{Backbone, BackboneKind};
 pub use batch_norm::BatchNorm2d;

@@ -1,0 +1,250 @@
+//! A few-shot model's activations over one episode, mirroring `Backbone::forward` block by
+//! block (each block a checkpoint segment) and the FSCT or ProtoNet head after it.
+
+use candle_core::DType;
+use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+
+use super::{Tally, Target};
+use crate::fewshot::backbone::{BasicBlock, Block, ConvBlock, Stem};
+use crate::fewshot::head::Fsct;
+use crate::fewshot::FewShotModel;
+use crate::layers::Conv2d;
+
+/// One training episode: `n_way` classes of `k_shot` support and `n_query` query images, each
+/// `image_size` pixels square.
+#[derive(Clone, Copy, Debug)]
+pub struct EpisodeShape {
+    pub n_way: usize,
+    pub k_shot: usize,
+    pub n_query: usize,
+    pub image_size: usize,
+}
+
+/// A feature map: `c` channels of `h` x `w` for each of the episode's images.
+#[derive(Clone, Copy)]
+struct Map {
+    c: u64,
+    h: u64,
+    w: u64,
+}
+
+/// `conv`'s output map from `x`.
+fn conv_out(conv: &Conv2d, x: Map) -> Map {
+    let (cout, k) = (conv.weight.dims()[0] as u64, conv.weight.dims()[2] as u64);
+    let (s, p) = (conv.stride as u64, conv.padding as u64);
+    Map {
+        c: cout,
+        h: (x.h + 2 * p - k) / s + 1,
+        w: (x.w + 2 * p - k) / s + 1,
+    }
+}
+
+/// Walks the backbone's blocks over `n` images.
+struct Walk {
+    n: u64,
+    dtype: DType,
+    segments: Vec<SegmentBytes>,
+}
+
+impl Walk {
+    fn elems(&self, m: Map) -> u64 {
+        self.n * m.c * m.h * m.w
+    }
+
+    /// `BatchNorm2d` in training over map `m`: the batch mean and variance (each a sum and a
+    /// division per reduced dimension), the centred input and its square, the normalised,
+    /// scaled and shifted output.
+    fn batch_norm(&self, t: &mut Tally, m: Map) {
+        let stats = m.c * m.h * m.w + m.c * m.w + m.c;
+        t.new_tensor(4 * stats + 2 * m.c); // means, variance, + eps, sqrt
+        t.new_tensor(6 * self.elems(m));
+    }
+
+    /// conv, batch norm, ReLU.
+    fn conv_bn_relu(&self, t: &mut Tally, conv: &Conv2d, x: Map) -> Map {
+        let y = conv_out(conv, x);
+        t.conv(self.elems(y), conv.bias.is_some());
+        self.batch_norm(t, y);
+        t.new_tensor(self.elems(y));
+        y
+    }
+
+    fn conv_block(&mut self, b: &ConvBlock, x: Map) -> Map {
+        let mut t = Tally::default();
+        let mut y = self.conv_bn_relu(&mut t, &b.conv, x);
+        if b.pool {
+            y = Map {
+                h: y.h / 2,
+                w: y.w / 2,
+                ..y
+            };
+            t.new_tensor(self.elems(y));
+        }
+        self.segment(t, y)
+    }
+
+    fn stem(&mut self, b: &Stem, x: Map) -> Map {
+        let mut t = Tally::default();
+        let y = self.conv_bn_relu(&mut t, &b.conv, x);
+        // Zero padding by one on each side, one dimension and then the other, and the 3x3
+        // stride-2 max pool.
+        let padded = Map { h: y.h + 2, ..y };
+        t.new_tensor(self.elems(padded));
+        let padded = Map {
+            w: y.w + 2,
+            ..padded
+        };
+        t.new_tensor(self.elems(padded));
+        let y = Map {
+            h: (padded.h - 3) / 2 + 1,
+            w: (padded.w - 3) / 2 + 1,
+            ..y
+        };
+        t.new_tensor(self.elems(y));
+        self.segment(t, y)
+    }
+
+    fn basic_block(&mut self, b: &BasicBlock, x: Map) -> Map {
+        let mut t = Tally::default();
+        let h = self.conv_bn_relu(&mut t, &b.c1, x);
+        let y = conv_out(&b.c2, h);
+        t.conv(self.elems(y), b.c2.bias.is_some());
+        self.batch_norm(&mut t, y);
+        if let Some((c, _)) = &b.shortcut {
+            let s = conv_out(c, x);
+            t.conv(self.elems(s), c.bias.is_some());
+            self.batch_norm(&mut t, s);
+        }
+        t.new_tensor(2 * self.elems(y)); // residual sum, ReLU
+        self.segment(t, y)
+    }
+
+    fn segment(&mut self, t: Tally, y: Map) -> Map {
+        let out = Tally {
+            elems: self.elems(y),
+            ..Tally::default()
+        };
+        self.segments.push(SegmentBytes {
+            graph: t.bytes(self.dtype),
+            output: out.bytes(self.dtype),
+            off_graph: 0,
+        });
+        y
+    }
+}
+
+impl FewShotModel {
+    /// What one training forward over an episode of `shape` keeps for its backward, in
+    /// `dtype`: each backbone block (a checkpoint segment) and the caller's graph (the blocks'
+    /// outputs, the head and the loss). The head's attention has one key per query and never
+    /// runs the attention kernel, so `target` does not change it.
+    pub fn activations(
+        &self,
+        shape: &EpisodeShape,
+        dtype: DType,
+        _target: Target,
+    ) -> ActivationProfile {
+        let n = (shape.n_way * (shape.k_shot + shape.n_query)) as u64;
+        let mut w = Walk {
+            n,
+            dtype,
+            segments: Vec::new(),
+        };
+        let side = shape.image_size as u64;
+        let mut x = Map {
+            c: 3,
+            h: side,
+            w: side,
+        };
+        for (block, _) in &self.backbone.blocks {
+            x = match block {
+                Block::Conv(b) => w.conv_block(b, x),
+                Block::Stem(b) => w.stem(b, x),
+                Block::Basic(b) => w.basic_block(b, x),
+            };
+        }
+        // The caller's graph: every block's output, then the features.
+        let mut outer = Tally::default();
+        for s in &w.segments {
+            outer.new_tensor(s.output / dtype.size_in_bytes() as u64);
+        }
+        let d = if self.backbone.flatten {
+            x.c * x.h * x.w
+        } else {
+            outer.new_tensor(2 * n * x.c); // sum and mean over the map
+            x.c
+        };
+        let (ways, k, q) = (
+            shape.n_way as u64,
+            shape.k_shot as u64,
+            shape.n_query as u64,
+        );
+        let queries = ways * q;
+        outer.new_tensor(queries * d); // the queries' features gathered
+        match &self.fsct {
+            None => {
+                outer.new_tensor(2 * ways * d); // prototypes: sum and mean
+                outer.new_tensor(2 * queries * ways * d); // differences, squared
+                outer.new_tensor(2 * queries * ways); // summed, negated
+            }
+            Some(f) => fsct(&mut outer, f, ways, k, queries, d),
+        }
+        // The loss in f32: the scores converted (when they are not f32), log-softmax, the
+        // targets' entries, their sum and its negation.
+        if dtype != DType::F32 {
+            outer.f32_elems += queries * ways;
+        }
+        outer.f32_elems += queries * ways + queries + 2;
+        ActivationProfile {
+            outer: outer.bytes(dtype),
+            segments: w.segments,
+            op_held: 0,
+        }
+    }
+}
+
+/// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.
+fn fsct(t: &mut Tally, f: &Fsct, ways: u64, k: u64, queries: u64, d: u64) {
+    let (heads, dh) = (f.heads as u64, f.dim_head as u64);
+    let inner = heads * dh;
+    let mlp = f.ffn1.weight.dims()[0] as u64;
+    let (qn, hqn) = (queries * ways, heads * queries * ways);
+    // Prototypes: the softmax over shots (the transposed [ways, 1, k] weights are
+    // contiguous), the weighted support features, their sum.
+    t.new_tensor(ways * k + ways * k * d + ways * d);
+    // Layer norm and input projection of the prototypes and of the queries.
+    for rows in [ways, queries] {
+        t.norm(rows * d);
+        t.linear(rows, d, inner, false, false);
+    }
+    // q.k: the prototypes broadcast over queries and the keys, each made contiguous; the dots.
+    t.new_tensor(hqn * dh + heads * queries * dh + hqn);
+    if f.cosine {
+        // |q| and |k| (square, sum, sqrt each), their product, the division.
+        t.new_tensor(heads * ways * (dh + 2) + heads * queries * (dh + 2) + 2 * hqn);
+    } else {
+        t.new_tensor(2 * hqn); // scaled, softmax (over one key)
+    }
+    // Weights times values (the values made contiguous), heads merged back, the output
+    // projection, the residual from the prototypes.
+    t.new_tensor(heads * queries * dh + hqn * dh + qn * inner);
+    t.linear(qn, inner, d, true, false);
+    t.new_tensor(qn * d);
+    // Feed-forward with its residual.
+    t.norm(qn * d);
+    t.linear(qn, d, mlp, true, false);
+    t.new_tensor(qn * mlp); // GELU
+    t.linear(qn, mlp, d, true, false);
+    t.new_tensor(qn * d);
+    // Output norm and projection to dim_head.
+    t.norm(qn * d);
+    t.linear(qn, d, dh, true, false);
+    if f.cosine {
+        // The input normalised over classes (square; sum, sqrt and + eps per query; divide),
+        // the weight-normed vector (square, sum, sqrt, g / norm, v * that), the product,
+        // times 2.
+        t.new_tensor(2 * qn * dh + 3 * queries * dh + dh + 3 + dh + 2 * qn);
+    } else {
+        t.linear(qn, dh, 1, true, false);
+    }
+}
