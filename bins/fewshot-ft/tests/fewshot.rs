@@ -150,9 +150,13 @@ fn every_checkpointing_strategy_trains_to_plain_backprops_weights() -> anyhow::R
     for backbone in ["conv4", "resnet10"] {
         let base = ["--backbone", backbone, "--accum", "2"];
         let (init, plain) = trained_weights(&base)?;
-        // Training moved every tensor, the running statistics included.
+        // Training moved every tensor, the running statistics included (but the prototype
+        // weights: a softmax over one shot is 1 whatever its logit, so its gradient is 0).
         for ((name, a), (_, b)) in init.iter().zip(&plain) {
-            assert!(a != b, "{backbone}: `{name}` did not move in training");
+            assert!(
+                a != b || name == "proto_weight",
+                "{backbone}: `{name}` did not move in training"
+            );
         }
         for extra in [
             &["--checkpointing", "blocks"][..],
