@@ -243,6 +243,9 @@ fn a_binary_gets_its_default_model_and_its_presets() -> anyhow::Result<()> {
         fn common(&self) -> &CommonArgs {
             &self.common
         }
+        fn common_mut(&mut self) -> &mut CommonArgs {
+            &mut self.common
+        }
     }
     let plain: Bin = parse_args_from(["bin"])?;
     assert_eq!(plain.model(), Some("org/default-model"));
@@ -252,6 +255,9 @@ fn a_binary_gets_its_default_model_and_its_presets() -> anyhow::Result<()> {
         "the defaults preset"
     );
     let demo: Bin = parse_args_from(["bin", "--demo", "--own", "9"])?;
+    // What the user typed is recorded as given (--fit keeps it); the preset's settings are not.
+    let given: Vec<&str> = demo.common.given.iter().map(|s| s.as_str()).collect();
+    assert_eq!(given, ["demo", "own"]);
     assert_eq!(
         (demo.own, demo.common.batch_size),
         (9, 16),

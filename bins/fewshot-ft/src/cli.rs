@@ -93,4 +93,8 @@ impl Binary for Args {
     fn common(&self) -> &CommonArgs {
         &self.common
     }
+
+    fn common_mut(&mut self) -> &mut CommonArgs {
+        &mut self.common
+    }
 }

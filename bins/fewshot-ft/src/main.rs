@@ -7,6 +7,8 @@ static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::all
 
 fn main() -> anyhow::Result<()> {
     let args: Args = ft_trainer::train::parse_args()?;
+    // --fit: the settings the plan predicts fit, chosen before anything is built.
+    let args = ft_trainer::train::fit::apply(args, fewshot_ft::run::plan)?;
     if args.common.plan {
         print!("{}", fewshot_ft::run::plan(&args)?.report());
         return Ok(());

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use ft_trainer::train::fit::Knob;
 use ft_trainer::train::{Binary, CommonArgs};
 use serde::{Deserialize, Serialize};
 
@@ -164,5 +165,20 @@ impl Binary for Args {
 
     fn common(&self) -> &CommonArgs {
         &self.common
+    }
+
+    fn common_mut(&mut self) -> &mut CommonArgs {
+        &mut self.common
+    }
+
+    /// The EMA's fp32 copy moves to the host when the budget asks (after the checkpointing).
+    fn fit_knobs(&self) -> Vec<Knob<Self>> {
+        if !self.ema || self.ema_device == "cpu" || self.common.device == "cpu" {
+            return Vec::new();
+        }
+        vec![Knob::new("EMA placement", &["ema_device"])
+            .level("--ema-device cpu", |a: &mut Args| {
+                a.ema_device = "cpu".into()
+            })]
     }
 }

@@ -574,3 +574,89 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     assert!((gib(full) * 1024.0 - 1021.0).abs() < 0.01, "{table}");
     Ok(())
 }
+
+/// `--fit SIZE`: the cheapest settings whose plan fits, keeping the effective batch and every
+/// setting the user gave (flags and `--config` keys); one clear error when nothing fits.
+#[test]
+fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::Result<()> {
+    let out = tmp("fit");
+    let parse = |extra: &[&str]| -> anyhow::Result<Args> {
+        let mut v = vec!["t5-ft", "--demo", "--plan", "--output-dir"];
+        let dir = out.display().to_string();
+        v.push(&dir);
+        v.extend_from_slice(extra);
+        Ok(train::parse_args_from::<Args, _, _>(v)?)
+    };
+    let fitted = |a: &Args| -> anyhow::Result<train::fit::Fitted<Args>> {
+        train::fit::fit(a, t5_ft::run::plan)?.ok_or_else(|| anyhow::anyhow!("no --fit"))
+    };
+    let mib = 1u64 << 20;
+    // Room to spare: nothing changes.
+    let base = parse(&[])?;
+    let whole = t5_ft::run::plan(&base)?.device_bytes();
+    let f = fitted(&parse(&["--fit", &format!("{}", whole + mib)])?)?;
+    assert!(f.chosen.is_empty(), "{:?}", f.chosen);
+    assert_eq!(f.args.common.checkpointing, base.common.checkpointing);
+    // Tighter: the checkpointing first, then smaller micro-batches with the same effective
+    // batch; every choice's plan within the budget.
+    let effective = base.common.batch_size * base.common.accum;
+    for budget in [700 * mib, 300 * mib, 50 * mib] {
+        let f = fitted(&parse(&["--fit", &budget.to_string()])?)?;
+        assert!(f.plan.device_bytes() <= budget, "{}", f.report());
+        assert_eq!(f.plan, t5_ft::run::plan(&f.args)?);
+        assert!(f.args.common.checkpointing.is_some(), "{}", f.report());
+        assert_eq!(f.args.common.batch_size * f.args.common.accum, effective);
+        assert!(
+            f.report().contains("chose --checkpointing"),
+            "{}",
+            f.report()
+        );
+    }
+    let small = fitted(&parse(&["--fit", "50MiB"])?)?;
+    assert!(small.args.common.batch_size < base.common.batch_size);
+    // A flag given is kept: the error names it and what would fit without it.
+    let e = fitted(&parse(&["--fit", "50MiB", "--batch-size", "16"])?)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("--batch-size") && e.contains("as given") && e.contains("it fits with"),
+        "{e}"
+    );
+    // So is a key of the --config file.
+    let cfg = out.with_extension("toml");
+    std::fs::write(&cfg, "checkpointing = \"none\"\n")?;
+    let e = fitted(&parse(&[
+        "--fit",
+        "50MiB",
+        "--config",
+        &cfg.display().to_string(),
+    ])?)
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(
+        e.contains("--checkpointing") && e.contains("as given"),
+        "{e}"
+    );
+    // Nothing fits: the smallest plan is named.
+    let e = fitted(&parse(&["--fit", "1MiB"])?)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("no setting fits") && e.contains("smallest plan needs"),
+        "{e}"
+    );
+    let e = fitted(&parse(&["--fit", "lots"])?)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("--fit") && e.contains("`lots` is not a size"),
+        "{e}"
+    );
+    std::fs::remove_file(&cfg).ok();
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}

@@ -22,6 +22,15 @@ pub trait Binary: Parser + Serialize + DeserializeOwned {
     /// The shared flags.
     fn common(&self) -> &CommonArgs;
 
+    /// The shared flags, to change (`--fit` turns some of them).
+    fn common_mut(&mut self) -> &mut CommonArgs;
+
+    /// What `--fit` may turn in the binary's own flags, beside the shared ones (sdxl-ft: where
+    /// the EMA lives). None by default.
+    fn fit_knobs(&self) -> Vec<super::fit::Knob<Self>> {
+        Vec::new()
+    }
+
     /// `--model`, or the binary's default.
     fn model(&self) -> Option<&str> {
         self.common().model.as_deref().or(Self::DEFAULT_MODEL)
@@ -45,7 +54,7 @@ where
     if let Some(m) = B::DEFAULT_MODEL {
         command = command.mut_arg("model", |a| a.default_value(m));
     }
-    parse_command(
+    let (mut parsed, given) = parse_command(
         command,
         args,
         |a: &B| a.common().config.clone(),
@@ -56,5 +65,7 @@ where
                 B::DEFAULTS
             }
         },
-    )
+    )?;
+    parsed.common_mut().given = given;
+    Ok(parsed)
 }

@@ -134,6 +134,17 @@ pub struct CommonArgs {
     /// shapes; no weights loaded) and exit without training.
     #[arg(long)]
     pub plan: bool,
+    /// Fit the run in this much memory on the training device (e.g. 24GiB, 300MiB): before
+    /// training, choose the checkpointing, the optimizer state's form and place, the fused
+    /// backward and the micro-batch (keeping batch size x accumulation) that the plan predicts
+    /// fit, cheapest first; settings given on the command line or in --config are kept. With
+    /// --plan, print the choice and its plan and stop.
+    #[arg(long)]
+    pub fit: Option<String>,
+    /// The settings the user gave (command-line flags and --config keys), which --fit keeps.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub given: std::collections::BTreeSet<String>,
 }
 
 impl CommonArgs {
@@ -167,6 +178,7 @@ impl CommonArgs {
         }
         self.schedule.parse::<ScheduleKind>()?;
         self.checkpoint_strategy()?;
+        self.fit_budget()?;
         let cuda_n = |s: &str| {
             s.strip_prefix("cuda:")
                 .is_some_and(|n| n.parse::<usize>().is_ok())
@@ -211,6 +223,21 @@ impl CommonArgs {
             checkpointing: self.checkpoint_strategy()?.segmented(),
             loss_scaling: self.planned_precision()?.loss_scaling,
         })
+    }
+
+    /// `--fit`'s budget in bytes, when given.
+    pub fn fit_budget(&self) -> Result<Option<u64>> {
+        self.fit
+            .as_deref()
+            .map(|s| {
+                ft_params::bytes::parse_bytes(s)
+                    .map_err(|e| Error::Invalid(format!("--fit {e}")))
+                    .and_then(|b| match b {
+                        0 => Err(Error::Invalid("--fit must be more than 0 bytes".into())),
+                        b => Ok(b),
+                    })
+            })
+            .transpose()
     }
 
     /// The checkpointing strategy: `--checkpointing`, or `full` for `--gradient-checkpointing`.

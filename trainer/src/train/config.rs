@@ -6,6 +6,7 @@
 //! names are the TOML keys and the `--long-flags`). [`parse`] merges the three layers and reports a
 //! config file's unknown key or wrong type with the file's name.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use clap::parser::ValueSource;
@@ -36,17 +37,19 @@ where
     I: IntoIterator<Item = A>,
     A: Into<std::ffi::OsString> + Clone,
 {
-    parse_command(T::command(), args, config_path, preset)
+    Ok(parse_command(T::command(), args, config_path, preset)?.0)
 }
 
 /// [`parse_with_preset`] over `command`: `T`'s own, changed by its binary (a default that the
-/// shared flags cannot declare, such as `--model`'s).
+/// shared flags cannot declare, such as `--model`'s). Also returns the settings the user gave:
+/// the flags typed on the command line and the keys of the `--config` file (not the preset's,
+/// which are the binary's choices), which `--fit` leaves as they are.
 pub fn parse_command<T, I, A>(
     command: clap::Command,
     args: I,
     config_path: impl Fn(&T) -> Option<PathBuf>,
     preset: impl Fn(&T) -> Option<(&'static str, &'static str)>,
-) -> Result<T>
+) -> Result<(T, BTreeSet<String>)>
 where
     T: Parser + Serialize + DeserializeOwned,
     I: IntoIterator<Item = A>,
@@ -68,10 +71,25 @@ where
         Some((label, text)) => merge_text(&parsed, text, label, &known, &explicit)?,
         None => parsed,
     };
-    match config_path(&with_preset) {
-        Some(path) => merge_file(&with_preset, &path, &known, &explicit),
-        None => Ok(with_preset),
-    }
+    // Arguments only: clap also reports the group of a flattened struct as typed.
+    let mut given: BTreeSet<String> = explicit
+        .iter()
+        .filter(|id| known.contains(id))
+        .cloned()
+        .collect();
+    let merged = match config_path(&with_preset) {
+        Some(path) => {
+            let merged = merge_file(&with_preset, &path, &known, &explicit)?;
+            // The file parsed in the merge: its keys are the user's settings too.
+            let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+            if let Ok(table) = toml::from_str::<toml::Table>(&text) {
+                given.extend(table.keys().map(|k| k.replace('-', "_")));
+            }
+            merged
+        }
+        None => with_preset,
+    };
+    Ok((merged, given))
 }
 
 /// Refuses a flag typed with a value JSON cannot hold (`--weight-decay NaN`, `--lr inf`): the

@@ -17,6 +17,7 @@ pub mod cli;
 pub mod config;
 pub mod ema;
 pub mod eval;
+pub mod fit;
 pub mod lock;
 pub mod metrics;
 pub mod order;

@@ -1,0 +1,378 @@
+//! `--fit SIZE`: the settings that make the memory plan fit a budget on the training device,
+//! chosen cheapest first, keeping every setting the user gave.
+//!
+//! The knobs, in the order they are turned (each one only when the user set none of its flags,
+//! on the command line or in `--config`):
+//!
+//! 1. `--checkpointing`: `none`, then `budget:B` with the largest `B` that fits (the blocks with
+//!    the most bytes per second of recompute recomputed, the rest kept), then `full`, then
+//!    `full-host`. (`blocks` and `every:K` are not tried: `budget` keeps as much within the same
+//!    bytes, and chooses which blocks by what they cost.)
+//! 2. The binary's own (sdxl-ft: the EMA on the host, `--ema-device cpu`).
+//! 3. The optimizer state: 8-bit AdamW moments (`--optim adamw8bit`, when the run uses AdamW),
+//!    then on the host (`--offload-optimizer`, GPU runs only). Adafactor is not chosen: it is
+//!    another optimizer (no first moment, factored second), not a smaller form of the user's.
+//! 4. `--fused-backward` (with a checkpointing strategy: the model's gradients never exist at
+//!    once).
+//! 5. The micro-batch: `--batch-size` divided, `--accum` multiplied by the same factor, so the
+//!    effective batch is the one asked for.
+//!
+//! The precision is not turned: bf16 with fp32 masters is already the GPU default, and
+//! `--full-bf16` changes how updates round, which is the user's call.
+//!
+//! The search: knob by knob, the earlier ones at their most saving, each level of the current
+//! knob is tried, cheapest first; at the first plan that fits, the earlier knobs are walked back,
+//! in order, to the cheapest level that still fits. The predicted peak is the plan's total on
+//! the training device (model states and activations; backward's own temporaries are not in
+//! the plan yet).
+
+use std::collections::BTreeSet;
+
+use ft_params::bytes::format_bytes;
+
+use super::binary::Binary;
+use super::plan::StatePlan;
+use crate::error::{Error, Result};
+
+/// One setting of a knob: how it reads as flags, and how it changes the arguments.
+pub struct Level<A> {
+    pub flags: String,
+    pub apply: Box<dyn Fn(&mut A)>,
+}
+
+/// A setting `--fit` may choose, with the flags (TOML keys) that, when the user gave any of
+/// them, leave it alone; its levels go from the cheapest (the arguments as they are) to the
+/// most memory-saving.
+pub struct Knob<A> {
+    pub name: &'static str,
+    pub keys: &'static [&'static str],
+    pub levels: Vec<Level<A>>,
+}
+
+impl<A> Knob<A> {
+    pub fn new(name: &'static str, keys: &'static [&'static str]) -> Self {
+        Knob {
+            name,
+            keys,
+            levels: Vec::new(),
+        }
+    }
+
+    /// Adds a level: `flags` as the user would type them.
+    pub fn level(mut self, flags: impl Into<String>, apply: impl Fn(&mut A) + 'static) -> Self {
+        self.levels.push(Level {
+            flags: flags.into(),
+            apply: Box::new(apply),
+        });
+        self
+    }
+}
+
+/// The arguments `--fit` chose, their plan, and what it changed.
+pub struct Fitted<A> {
+    pub args: A,
+    pub plan: StatePlan,
+    pub budget: u64,
+    /// The flags chosen, as the user would type them (empty: the run fits as it is).
+    pub chosen: Vec<String>,
+}
+
+impl<A> Fitted<A> {
+    /// What `--fit` prints before the run (and with `--plan`, before the plan).
+    pub fn report(&self) -> String {
+        let peak = self.plan.device_bytes();
+        let choice = if self.chosen.is_empty() {
+            "the run fits as it is".to_string()
+        } else {
+            format!("chose {}", self.chosen.join(" "))
+        };
+        format!(
+            "--fit {}: {choice}; predicted peak {} on the {} ({:.0}% of the budget; backward's \
+             temporaries not counted)\n",
+            fmt(self.budget),
+            fmt(peak),
+            if self.plan.gpu { "GPU" } else { "CPU" },
+            100.0 * peak as f64 / self.budget as f64
+        )
+    }
+}
+
+fn fmt(b: u64) -> String {
+    format_bytes(b as i64)
+}
+
+/// The knobs every binary shares, for arguments `args` (levels only where they change
+/// something), then `extra` (the binary's own) after the checkpointing.
+fn knobs<B: Binary>(args: &B) -> Vec<Knob<B>> {
+    let c = args.common();
+    let mut out = Vec::new();
+    out.push(
+        Knob::new(
+            "checkpointing",
+            &["checkpointing", "gradient_checkpointing"],
+        )
+        // The budget level is filled in by the search, which knows the bytes left.
+        .level("--checkpointing budget", |_: &mut B| {})
+        .level("--checkpointing full", |a: &mut B| {
+            a.common_mut().checkpointing = Some("full".into())
+        })
+        .level("--checkpointing full-host", |a: &mut B| {
+            a.common_mut().checkpointing = Some("full-host".into())
+        }),
+    );
+    out.extend(args.fit_knobs());
+    let mut optim = Knob::new("optimizer state", &["optim", "offload_optimizer"]);
+    if c.optim == "adamw" {
+        optim = optim.level("--optim adamw8bit", |a: &mut B| {
+            a.common_mut().optim = "adamw8bit".into()
+        });
+    }
+    if c.device != "cpu" && !c.full_bf16 {
+        let eight_bit = c.optim == "adamw";
+        let flags = if eight_bit {
+            "--optim adamw8bit --offload-optimizer"
+        } else {
+            "--offload-optimizer"
+        };
+        optim = optim.level(flags, move |a: &mut B| {
+            if eight_bit {
+                a.common_mut().optim = "adamw8bit".into();
+            }
+            a.common_mut().offload_optimizer = true;
+        });
+    }
+    out.push(optim);
+    out.push(
+        Knob::new("fused backward", &["fused_backward"]).level("--fused-backward", |a: &mut B| {
+            a.common_mut().fused_backward = true
+        }),
+    );
+    let (batch, accum) = (c.batch_size, c.accum);
+    let mut micro = Knob::new("micro-batch", &["batch_size", "accum"]);
+    for d in (1..batch).rev().filter(|d| batch % d == 0) {
+        let k = batch / d;
+        micro = micro.level(
+            format!("--batch-size {d} --accum {}", accum * k),
+            move |a: &mut B| {
+                a.common_mut().batch_size = d;
+                a.common_mut().accum = accum * k;
+            },
+        );
+    }
+    out.push(micro);
+    out
+}
+
+/// The arguments with the knobs at `levels` (0: as given; `i`: the knob's level `i - 1`), and
+/// the `budget:B` level's bytes.
+fn with_levels<B: Binary + Clone>(
+    args: &B,
+    knobs: &[Knob<B>],
+    levels: &[usize],
+    budget_bytes: u64,
+) -> B {
+    let mut a = args.clone();
+    for (k, &l) in knobs.iter().zip(levels) {
+        if l == 0 {
+            continue;
+        }
+        if k.name == "checkpointing" && l == 1 {
+            a.common_mut().checkpointing = Some(budget_flag(budget_bytes));
+        } else {
+            (k.levels[l - 1].apply)(&mut a);
+        }
+    }
+    a
+}
+
+/// `budget:B` with `bytes` rounded down to whole MiB (KiB below one MiB), as a user would
+/// type it.
+fn budget_flag(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("budget:{}MiB", bytes >> 20)
+    } else {
+        format!("budget:{}KiB", (bytes >> 10).max(1))
+    }
+}
+
+/// Runs `plan` over the arguments `--fit` may choose and returns the cheapest that fits, or
+/// `None` without `--fit`. An error when nothing fits: naming the given settings that stand in
+/// the way and what the plan would be without them, or the smallest plan there is.
+pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
+    args: &B,
+    plan: impl Fn(&B) -> std::result::Result<StatePlan, E>,
+) -> Result<Option<Fitted<B>>> {
+    let Some(budget) = args.common().fit_budget()? else {
+        return Ok(None);
+    };
+    let given = args.common().given.clone();
+    match search(args, &plan, budget, &given)? {
+        Ok(f) => Ok(Some(f)),
+        Err(smallest) => {
+            // Would it fit if the given settings could change?
+            let frozen: Vec<&'static str> = knobs(args)
+                .iter()
+                .flat_map(|k| k.keys.iter().copied())
+                .filter(|key| given.contains(*key))
+                .collect();
+            let free = search(args, &plan, budget, &BTreeSet::new())?;
+            let flags = |keys: &[&str]| {
+                keys.iter()
+                    .map(|k| format!("--{}", k.replace('_', "-")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            Err(Error::Invalid(match (frozen.is_empty(), free) {
+                (false, Ok(f)) => format!(
+                    "--fit {}: not with {} as given (the smallest plan with them needs {}); \
+                     it fits with {} (predicted {})",
+                    fmt(budget),
+                    flags(&frozen),
+                    fmt(smallest),
+                    f.chosen.join(" "),
+                    fmt(f.plan.device_bytes())
+                ),
+                _ => format!(
+                    "--fit {}: no setting fits; the smallest plan needs {} (a smaller \
+                     --res, sequence length or batch, or a device with more memory)",
+                    fmt(budget),
+                    fmt(smallest)
+                ),
+            }))
+        }
+    }
+}
+
+/// `args` as `--fit` chooses them (the report printed to stderr), or as they are without
+/// `--fit`: what each binary's `main` runs (or plans, with `--plan`).
+pub fn apply<B: Binary + Clone, E: std::fmt::Display>(
+    args: B,
+    plan: impl Fn(&B) -> std::result::Result<StatePlan, E>,
+) -> Result<B> {
+    Ok(match fit(&args, plan)? {
+        Some(f) => {
+            eprint!("{}", f.report());
+            f.args
+        }
+        None => args,
+    })
+}
+
+/// The cheapest arguments that fit, or the smallest predicted peak when none does.
+fn search<B: Binary + Clone, E: std::fmt::Display>(
+    args: &B,
+    plan: &impl Fn(&B) -> std::result::Result<StatePlan, E>,
+    budget: u64,
+    given: &BTreeSet<String>,
+) -> Result<std::result::Result<Fitted<B>, u64>> {
+    let knobs: Vec<Knob<B>> = knobs(args)
+        .into_iter()
+        .filter(|k| !k.levels.is_empty() && !k.keys.iter().any(|key| given.contains(*key)))
+        .collect();
+    let mut smallest = u64::MAX;
+    // The peak of the arguments at `levels`, None when the combination is not a valid run
+    // (the fused backward without segments, say).
+    let mut peak = |levels: &[usize]| -> Result<Option<(B, StatePlan)>> {
+        let mut a = with_levels(args, &knobs, levels, 0);
+        if knobs.first().is_some_and(|k| k.name == "checkpointing") && levels[0] == 1 {
+            // budget:B, B the bytes left over `full`'s plan (the kept segments come on top of
+            // what `full` keeps; the recomputed largest segment is the same).
+            let mut full = levels.to_vec();
+            full[0] = 2;
+            let Some(p) = try_plan(plan, &with_levels(args, &knobs, &full, 0))? else {
+                return Ok(None);
+            };
+            let left = budget.saturating_sub(p.device_bytes());
+            if left == 0 {
+                return Ok(None);
+            }
+            a = with_levels(args, &knobs, levels, left);
+        }
+        let p = try_plan(plan, &a)?;
+        if let Some(p) = &p {
+            smallest = smallest.min(p.device_bytes());
+        }
+        Ok(p.map(|p| (a, p)))
+    };
+    let fits = |p: &StatePlan| p.device_bytes() <= budget;
+    let mut levels = vec![0; knobs.len()];
+    if let Some((a, p)) = peak(&levels)? {
+        if fits(&p) {
+            return Ok(Ok(fitted(a, p, budget, &knobs, &levels)));
+        }
+    }
+    for k in 0..knobs.len() {
+        for l in 1..=knobs[k].levels.len() {
+            levels[k] = l;
+            let Some((_, p)) = peak(&levels)? else {
+                continue;
+            };
+            if !fits(&p) {
+                continue;
+            }
+            // Walk the earlier knobs back to the cheapest level that still fits.
+            for j in 0..k {
+                for cheaper in 0..levels[j] {
+                    let mut trial = levels.clone();
+                    trial[j] = cheaper;
+                    if let Some((_, p)) = peak(&trial)? {
+                        if fits(&p) {
+                            levels = trial;
+                            break;
+                        }
+                    }
+                }
+            }
+            let Some((a, p)) = peak(&levels)? else {
+                continue;
+            };
+            return Ok(Ok(fitted(a, p, budget, &knobs, &levels)));
+        }
+    }
+    Ok(Err(smallest))
+}
+
+/// The plan of `a`, or None when the shared checks refuse the combination the knobs made (the
+/// fused backward without segments, say). Any other error (a missing file) is the same for
+/// every combination, and ends the search.
+fn try_plan<B: Binary, E: std::fmt::Display>(
+    plan: &impl Fn(&B) -> std::result::Result<StatePlan, E>,
+    a: &B,
+) -> Result<Option<StatePlan>> {
+    if a.common().validate().is_err() {
+        return Ok(None);
+    }
+    plan(a)
+        .map(Some)
+        .map_err(|e| Error::Invalid(format!("{e:#}")))
+}
+
+fn fitted<B: Binary>(
+    args: B,
+    plan: StatePlan,
+    budget: u64,
+    knobs: &[Knob<B>],
+    levels: &[usize],
+) -> Fitted<B> {
+    let chosen = knobs
+        .iter()
+        .zip(levels)
+        .filter(|(_, l)| **l > 0)
+        .map(|(k, l)| {
+            if k.name == "checkpointing" && *l == 1 {
+                format!(
+                    "--checkpointing {}",
+                    args.common().checkpointing.clone().unwrap_or_default()
+                )
+            } else {
+                k.levels[l - 1].flags.clone()
+            }
+        })
+        .collect();
+    Fitted {
+        args,
+        plan,
+        budget,
+        chosen,
+    }
+}
