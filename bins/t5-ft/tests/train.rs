@@ -617,8 +617,20 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
             f.report()
         );
     }
+    // Cheapest first: where the checkpointing suffices, nothing else changes.
+    let roomy = fitted(&parse(&["--fit", "700MiB"])?)?;
+    assert_eq!(roomy.chosen.len(), 1, "{}", roomy.report());
+    assert_eq!(roomy.args.common.batch_size, base.common.batch_size);
+    assert_eq!(roomy.args.common.optim, base.common.optim);
+    // Once the micro-batch had to shrink, the checkpointing is walked back from full-host to
+    // the cheapest strategy that still fits (a budget).
     let small = fitted(&parse(&["--fit", "50MiB"])?)?;
     assert!(small.args.common.batch_size < base.common.batch_size);
+    let strategy = small.args.common.checkpointing.clone().unwrap_or_default();
+    assert!(strategy.starts_with("budget:"), "{}", small.report());
+    // Arguments that make no run get their own error, not a search.
+    let e = refusal(&fitted(&parse(&["--fit", "50MiB", "--lr=0"])?));
+    assert!(e.contains("--lr"), "{e}");
     // A flag given is kept: the error names it and what would fit without it.
     let e = refusal(&fitted(&parse(&["--fit", "50MiB", "--batch-size", "16"])?));
     assert!(

@@ -124,7 +124,8 @@ pub struct CommonArgs {
     pub offload_optimizer: bool,
     /// Update each checkpointed segment's parameters as soon as the backward has produced their
     /// gradients, then drop them (kohya's --fused_backward_pass): the model's gradients never
-    /// exist all at once. Needs --gradient-checkpointing and --accum 1; clipping is per tensor.
+    /// exist all at once. Needs a --checkpointing strategy other than none (e.g.
+    /// --gradient-checkpointing); works with --accum; clipping is per tensor.
     #[arg(long)]
     pub fused_backward: bool,
     /// Seed of initialisation, shuffling and dropout.

@@ -34,10 +34,20 @@ use super::binary::Binary;
 use super::plan::StatePlan;
 use crate::error::{Error, Result};
 
+/// How a level changes the arguments.
+pub enum Setting<A> {
+    /// Flags set as written.
+    Flags(Box<dyn Fn(&mut A)>),
+    /// `--checkpointing budget:B`, B the bytes the budget leaves over the plan of the knob's
+    /// next level (`full`: the segments kept under the budget come on top of what `full`
+    /// keeps, and the largest one recomputed is the same), known only during the search.
+    CheckpointBudget,
+}
+
 /// One setting of a knob: how it reads as flags, and how it changes the arguments.
 pub struct Level<A> {
     pub flags: String,
-    pub apply: Box<dyn Fn(&mut A)>,
+    pub setting: Setting<A>,
 }
 
 /// A setting `--fit` may choose, with the flags (TOML keys) that, when the user gave any of
@@ -62,7 +72,7 @@ impl<A> Knob<A> {
     pub fn level(mut self, flags: impl Into<String>, apply: impl Fn(&mut A) + 'static) -> Self {
         self.levels.push(Level {
             flags: flags.into(),
-            apply: Box::new(apply),
+            setting: Setting::Flags(Box::new(apply)),
         });
         self
     }
@@ -106,19 +116,22 @@ fn fmt(b: u64) -> String {
 fn knobs<B: Binary>(args: &B) -> Vec<Knob<B>> {
     let c = args.common();
     let mut out = Vec::new();
+    let mut checkpointing = Knob::new(
+        "checkpointing",
+        &["checkpointing", "gradient_checkpointing"],
+    );
+    checkpointing.levels.push(Level {
+        flags: "--checkpointing budget".into(),
+        setting: Setting::CheckpointBudget,
+    });
     out.push(
-        Knob::new(
-            "checkpointing",
-            &["checkpointing", "gradient_checkpointing"],
-        )
-        // The budget level is filled in by the search, which knows the bytes left.
-        .level("--checkpointing budget", |_: &mut B| {})
-        .level("--checkpointing full", |a: &mut B| {
-            a.common_mut().checkpointing = Some("full".into())
-        })
-        .level("--checkpointing full-host", |a: &mut B| {
-            a.common_mut().checkpointing = Some("full-host".into())
-        }),
+        checkpointing
+            .level("--checkpointing full", |a: &mut B| {
+                a.common_mut().checkpointing = Some("full".into())
+            })
+            .level("--checkpointing full-host", |a: &mut B| {
+                a.common_mut().checkpointing = Some("full-host".into())
+            }),
     );
     out.extend(args.fit_knobs());
     let mut optim = Knob::new("optimizer state", &["optim", "offload_optimizer"]);
@@ -163,8 +176,12 @@ fn knobs<B: Binary>(args: &B) -> Vec<Knob<B>> {
     out
 }
 
-/// The arguments with the knobs at `levels` (0: as given; `i`: the knob's level `i - 1`), and
-/// the `budget:B` level's bytes.
+/// The level `l` of knob `k` (0: as given; `i`: the knob's level `i - 1`).
+fn level<B>(k: &Knob<B>, l: usize) -> Option<&Level<B>> {
+    l.checked_sub(1).and_then(|i| k.levels.get(i))
+}
+
+/// The arguments with the knobs at `levels`, a `budget:B` level at `budget_bytes`.
 fn with_levels<B: Binary + Clone>(
     args: &B,
     knobs: &[Knob<B>],
@@ -173,13 +190,12 @@ fn with_levels<B: Binary + Clone>(
 ) -> B {
     let mut a = args.clone();
     for (k, &l) in knobs.iter().zip(levels) {
-        if l == 0 {
-            continue;
-        }
-        if k.name == "checkpointing" && l == 1 {
-            a.common_mut().checkpointing = Some(budget_flag(budget_bytes));
-        } else {
-            (k.levels[l - 1].apply)(&mut a);
+        match level(k, l).map(|l| &l.setting) {
+            None => {}
+            Some(Setting::Flags(f)) => f(&mut a),
+            Some(Setting::CheckpointBudget) => {
+                a.common_mut().checkpointing = Some(budget_flag(budget_bytes))
+            }
         }
     }
     a
@@ -205,6 +221,9 @@ pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
     let Some(budget) = args.common().fit_budget()? else {
         return Ok(None);
     };
+    // The arguments as given must make a run: their own error otherwise, not a search.
+    args.common().validate()?;
+    plan(args).map_err(|e| Error::Invalid(format!("{e:#}")))?;
     let given = args.common().given.clone();
     match search(args, &plan, budget, &given)? {
         Ok(f) => Ok(Some(f)),
@@ -233,8 +252,8 @@ pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
                     fmt(f.plan.device_bytes())
                 ),
                 _ => format!(
-                    "--fit {}: no setting fits; the smallest plan needs {} (a smaller \
-                     --res, sequence length or batch, or a device with more memory)",
+                    "--fit {}: no setting fits; the smallest plan needs {} (smaller images, \
+                     sequences or batches, or a device with more memory)",
                     fmt(budget),
                     fmt(smallest)
                 ),
@@ -274,12 +293,17 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
     // (the fused backward without segments, say).
     let mut peak = |levels: &[usize]| -> Result<Option<(B, StatePlan)>> {
         let mut a = with_levels(args, &knobs, levels, 0);
-        if knobs.first().is_some_and(|k| k.name == "checkpointing") && levels[0] == 1 {
-            // budget:B, B the bytes left over `full`'s plan (the kept segments come on top of
-            // what `full` keeps; the recomputed largest segment is the same).
-            let mut full = levels.to_vec();
-            full[0] = 2;
-            let Some(p) = try_plan(plan, &with_levels(args, &knobs, &full, 0))? else {
+        let budget_at = knobs.iter().zip(levels).position(|(k, &l)| {
+            matches!(
+                level(k, l).map(|l| &l.setting),
+                Some(Setting::CheckpointBudget)
+            )
+        });
+        if let Some(i) = budget_at {
+            // B: what the budget leaves over the plan of the knob's next level.
+            let mut next = levels.to_vec();
+            next[i] += 1;
+            let Some(p) = try_plan(plan, &with_levels(args, &knobs, &next, 0))? else {
                 return Ok(None);
             };
             let left = budget.saturating_sub(p.device_bytes());
@@ -357,16 +381,13 @@ fn fitted<B: Binary>(
     let chosen = knobs
         .iter()
         .zip(levels)
-        .filter(|(_, l)| **l > 0)
-        .map(|(k, l)| {
-            if k.name == "checkpointing" && *l == 1 {
-                format!(
-                    "--checkpointing {}",
-                    args.common().checkpointing.clone().unwrap_or_default()
-                )
-            } else {
-                k.levels[l - 1].flags.clone()
-            }
+        .filter_map(|(k, &l)| level(k, l))
+        .map(|l| match l.setting {
+            Setting::CheckpointBudget => format!(
+                "--checkpointing {}",
+                args.common().checkpointing.clone().unwrap_or_default()
+            ),
+            Setting::Flags(_) => l.flags.clone(),
         })
         .collect();
     Fitted {
