@@ -34,8 +34,10 @@ fn resolved(args: &Args) -> anyhow::Result<Args> {
         args.common.model = Some(dir.join("model").display().to_string());
         // The demo's tiny model has a config and a tokenizer, no weights.
         args.from_scratch = true;
-        args.train_file = Some(dir.join("train.jsonl"));
-        args.eval_file = Some(dir.join("eval.jsonl"));
+        // The demo's data unless files are given (the demo model on one's own data).
+        args.train_file
+            .get_or_insert_with(|| dir.join("train.jsonl"));
+        args.eval_file.get_or_insert_with(|| dir.join("eval.jsonl"));
     }
     Ok(args)
 }
@@ -51,13 +53,55 @@ fn model_config(args: &Args) -> anyhow::Result<(ModelRepo, T5Config)> {
 /// no weights read, nothing allocated, no device opened).
 pub fn plan(args: &Args) -> anyhow::Result<StatePlan> {
     let args = resolved(args)?;
-    let (_, cfg) = model_config(&args)?;
+    let (repo, cfg) = model_config(&args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     let model = T5::new(&pb, &cfg)?;
-    t5_plan(&args, &store, &model, precision)
+    let lengths = match &args.train_file {
+        Some(path) => {
+            let collator = collator(&args, &repo.get("tokenizer.json")?, &cfg)?;
+            let train = RecordFile::open(path, fields(&args))?;
+            Some(longest(&train, &collator)?)
+        }
+        None => None,
+    };
+    t5_plan(&args, &store, &model, precision, lengths)
 }
 
-/// The model states under these arguments and the activations of one micro-batch padded to
+/// Records read by [`longest`] at most: a larger file is read on its longest records by bytes.
+const LENGTH_SCAN: usize = 20_000;
+
+/// The longest source and target among `train`'s records, in tokens after truncation: a batch
+/// pads to its longest, so no batch of the run holds more. A file of more than [`LENGTH_SCAN`]
+/// records is read on that many of its longest by bytes, which hold the longest in tokens but
+/// for an odd record.
+fn longest(train: &RecordFile, collator: &Collator) -> anyhow::Result<(usize, usize)> {
+    let mut idx: Vec<usize> = (0..train.len()).collect();
+    if idx.len() > LENGTH_SCAN {
+        idx.sort_by_key(|&i| std::cmp::Reverse(train.byte_len(i)));
+        idx.truncate(LENGTH_SCAN);
+    }
+    let (mut source, mut target) = (1, 1);
+    for chunk in idx.chunks(1024) {
+        for e in train.read(chunk)? {
+            source = source.max(collator.encode_source(&e.input)?.len());
+            target = target.max(collator.encode_target(&e.target)?.len());
+        }
+    }
+    Ok((source, target))
+}
+
+fn collator(args: &Args, tokenizer: &std::path::Path, cfg: &T5Config) -> anyhow::Result<Collator> {
+    Collator::from_file(
+        tokenizer,
+        args.max_source_length,
+        args.max_target_length,
+        cfg.pad_token_id,
+        cfg.vocab_size,
+    )
+}
+
+/// The model states under these arguments and the activations of one micro-batch of the
+/// training data's longest source and target (`lengths`, from [`longest`]), else padded to
 /// `--max-source-length` and `--max-target-length` (the most a batch can hold), with dropout
 /// when the config has it.
 fn t5_plan(
@@ -65,22 +109,32 @@ fn t5_plan(
     store: &ParamStore,
     model: &T5,
     precision: Precision,
+    lengths: Option<(usize, usize)>,
 ) -> anyhow::Result<StatePlan> {
     let plan = args
         .common
         .state_plan(store, &model.segments(), precision)?;
+    let (source_len, target_len) =
+        lengths.unwrap_or((args.max_source_length, args.max_target_length));
     let shape = T5Shape {
         batch: args.common.batch_size,
-        source_len: args.max_source_length,
-        target_len: args.max_target_length,
+        source_len,
+        target_len,
     };
     let target = Target::of_device(&args.common.device);
     let profile = model
         .config()
         .activations(&shape, precision.storage, target, true);
     let what = format!(
-        "batch {} x {} + {} tokens",
-        shape.batch, shape.source_len, shape.target_len
+        "batch {} x {} + {} tokens, {}",
+        shape.batch,
+        shape.source_len,
+        shape.target_len,
+        if lengths.is_some() {
+            "the training data's longest"
+        } else {
+            "the maximum lengths"
+        }
     );
     Ok(args.common.with_activations(plan, &what, &profile)?)
 }
@@ -109,16 +163,10 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     };
     let model = T5::new(&s.params(weights), &cfg)?;
     s.loaded()?;
-    let plan = t5_plan(&args, s.store(), &model, s.precision())?;
-
     let (train_file, eval_file) = record_files(&args)?;
-    let collator = Collator::from_file(
-        &tokenizer_path,
-        args.max_source_length,
-        args.max_target_length,
-        cfg.pad_token_id,
-        cfg.vocab_size,
-    )?;
+    let collator = collator(&args, &tokenizer_path, &cfg)?;
+    let lengths = longest(&train_file, &collator)?;
+    let plan = t5_plan(&args, s.store(), &model, s.precision(), Some(lengths))?;
     let order = EpochOrder {
         items: train_file.len(),
         batch_size: args.common.batch_size,
@@ -156,11 +204,7 @@ pub fn setup(args: &Args) -> anyhow::Result<Setup> {
 
 /// The training file (its malformed records reported when skipped) and the evaluation file.
 fn record_files(args: &Args) -> anyhow::Result<(RecordFile, Option<RecordFile>)> {
-    let fields = Fields {
-        input: args.input_field.clone(),
-        target: args.target_field.clone(),
-        skip_bad: args.skip_bad_lines,
-    };
+    let fields = fields(args);
     let train_path: PathBuf = args
         .train_file
         .clone()
@@ -179,6 +223,14 @@ fn record_files(args: &Args) -> anyhow::Result<(RecordFile, Option<RecordFile>)>
         None => None,
     };
     Ok((train_file, eval_file))
+}
+
+fn fields(args: &Args) -> Fields {
+    Fields {
+        input: args.input_field.clone(),
+        target: args.target_field.clone(),
+        skip_bad: args.skip_bad_lines,
+    }
 }
 
 /// Trains as the arguments say and prints the memory table.

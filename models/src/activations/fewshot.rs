@@ -2,7 +2,7 @@
 //! block (each block a checkpoint segment) and the FSCT or ProtoNet head after it.
 
 use candle_core::DType;
-use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Temporaries};
 
 use super::{Tally, Target};
 use crate::fewshot::backbone::{BasicBlock, Block, ConvBlock, Stem};
@@ -199,9 +199,36 @@ impl FewShotModel {
             outer: outer.bytes(dtype),
             segments: w.segments,
             op_held: 0,
+            temporaries: if self
+                .backbone
+                .blocks
+                .iter()
+                .any(|(b, _)| matches!(b, Block::Basic(_)))
+            {
+                RESNET_TEMPORARIES
+            } else {
+                CONV_TEMPORARIES
+            },
         }
     }
 }
+
+/// Backward's temporaries through a Conv4/Conv6 block, in thousandths of its graph: its batch
+/// norm, built of elementwise ops, has many gradients in flight (measured:
+/// `trainer/tests/backward_temporaries.rs`).
+const CONV_TEMPORARIES: Temporaries = Temporaries {
+    whole: 1290,
+    kept: 1570,
+    recomputed: 1460,
+};
+
+/// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
+/// [`CONV_TEMPORARIES`]).
+const RESNET_TEMPORARIES: Temporaries = Temporaries {
+    whole: 1320,
+    kept: 1700,
+    recomputed: 1490,
+};
 
 /// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.
 fn fsct(t: &mut Tally, f: &Fsct, ways: u64, k: u64, queries: u64, d: u64) {

@@ -2,7 +2,7 @@
 //! relative position biases, and the fused head loss.
 
 use candle_core::DType;
-use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Temporaries};
 
 use super::{Attention, Tally, Target};
 use crate::t5::T5Config;
@@ -110,6 +110,14 @@ impl Walk<'_> {
     }
 }
 
+/// Backward's temporaries through a T5 block, in thousandths of its graph (measured:
+/// `trainer/tests/backward_temporaries.rs`).
+const T5_TEMPORARIES: Temporaries = Temporaries {
+    whole: 2000,
+    kept: 2400,
+    recomputed: 2100,
+};
+
 impl T5Config {
     /// What one forward of `summed_loss` at `shape` keeps for its backward, in `dtype`, with
     /// attention as it runs on `target` and, when `dropout`, this config's dropout on: the
@@ -145,6 +153,7 @@ impl T5Config {
             outer: w.outer.bytes(dtype),
             segments: w.segments,
             op_held: w.outer.off_graph * s + b * lt * d * s + 4 * self.vocab_size as u64 * d,
+            temporaries: T5_TEMPORARIES,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The UNet's activations, mirroring `UNet::forward` block by block.
 
 use candle_core::DType;
-use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Temporaries};
 
 use super::{Attention, Tally, Target};
 use crate::unet::UNetConfig;
@@ -130,6 +130,14 @@ fn halved(x: usize) -> usize {
     x.div_ceil(2)
 }
 
+/// Backward's temporaries through a UNet block, in thousandths of its graph (measured:
+/// `trainer/tests/backward_temporaries.rs`).
+const UNET_TEMPORARIES: Temporaries = Temporaries {
+    whole: 2100,
+    kept: 2400,
+    recomputed: 2100,
+};
+
 impl UNetConfig {
     /// What one forward at `shape` keeps for its backward, in `dtype`, with attention as it
     /// runs on `target`: the caller's graph up to the UNet's output (the loss comes on top) and each
@@ -217,6 +225,7 @@ impl UNetConfig {
             outer: w.outer.bytes(dtype),
             segments: w.segments,
             op_held: 0,
+            temporaries: UNET_TEMPORARIES,
         }
     }
 }

@@ -17,6 +17,12 @@
 //!
 //! `full-host`'s split is an estimate: a segment's output that the model also reads outside the
 //! segments (the UNet's skip connections) stays on the device as well.
+//!
+//! Backward's own temporaries (the gradients of activations in flight, the zeros candle's
+//! backprop sums into, kernels' buffers) come on top. They are not tensors of the forward's
+//! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
+//! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
+//! on the CPU by `trainer/tests/backward_temporaries.rs`), and the largest segment sets it.
 
 use super::{SegmentBytes, Strategy};
 
@@ -29,6 +35,29 @@ pub struct ActivationProfile {
     /// Buffers ops keep for their backward that are not tensors of the graph (a fused loss's
     /// gradients, dropout masks), held under every strategy.
     pub op_held: u64,
+    /// Backward's temporaries as multiples of a segment's graph.
+    pub temporaries: Temporaries,
+}
+
+/// Backward's temporaries while it runs through a segment, in thousandths of that segment's
+/// graph ([`SegmentBytes::kept`]), by how the segment was treated. They depend on the ops (a
+/// batch norm built of elementwise ops has many gradients in flight, a matmul few), so each
+/// model's formulas set them from a measurement of its blocks, and the test that measured them
+/// keeps them honest at other shapes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Temporaries {
+    /// No segments (`none`): one backward over the whole graph.
+    pub whole: u32,
+    /// A segment whose graph was kept until its backward (`blocks`).
+    pub kept: u32,
+    /// A segment rebuilt in backward, on top of its rebuilt graph.
+    pub recomputed: u32,
+}
+
+impl Temporaries {
+    fn of(permille: u32, graph: u64) -> u64 {
+        (graph as u128 * permille as u128 / 1000) as u64
+    }
 }
 
 /// What a strategy keeps (see the module's table), in bytes.
@@ -36,16 +65,19 @@ pub struct ActivationProfile {
 pub struct Held {
     /// On the training device from the end of forward until backward frees it.
     pub kept: u64,
-    /// On top of `kept` while backward rebuilds the largest recomputed segment.
+    /// The largest segment backward rebuilds (0 when it rebuilds none).
     pub recompute: u64,
+    /// On top of `kept`, at most, while backward runs: the segment it is rebuilding and its
+    /// temporaries (estimated: [`Temporaries`]), less the segment graphs it has freed by then.
+    pub backward: u64,
     /// In host memory (`full-host`).
     pub host: u64,
 }
 
 impl Held {
-    /// The most the activations hold on the device at once.
+    /// The most the activations and backward's temporaries hold on the device at once.
     pub fn peak(&self) -> u64 {
-        self.kept + self.recompute
+        self.kept + self.backward
     }
 }
 
@@ -63,43 +95,74 @@ impl ActivationProfile {
             .unwrap_or(0)
     }
 
-    /// What `strategy` keeps.
+    /// What `strategy` keeps, and the most backward adds to it.
     pub fn held(&self, strategy: Strategy) -> Held {
         let o = self.outer + self.op_held;
         let outputs: u64 = self.segments.iter().map(|s| s.output).sum();
-        match strategy {
-            Strategy::None => Held {
-                kept: o + self.graphs() - outputs,
-                ..Held::default()
-            },
-            Strategy::Blocks => Held {
-                kept: o + self.graphs(),
-                ..Held::default()
-            },
-            Strategy::Full => Held {
-                kept: o,
-                recompute: self.largest(|_| true),
-                host: 0,
-            },
+        let all = self.largest(|_| true);
+        // The caller's graph kept, the segment graphs kept, the largest rebuilt, host bytes.
+        let (outer, graphs, recompute, host) = match strategy {
+            Strategy::None => (o, self.graphs() - outputs, 0, 0),
+            Strategy::Blocks => (o, self.graphs(), 0, 0),
+            Strategy::Full => (o, 0, all, 0),
             Strategy::Every(k) => {
                 let k = k.max(1);
-                Held {
-                    kept: o + self.graphs_where(|i| !i.is_multiple_of(k)),
-                    recompute: self.largest(|i| i.is_multiple_of(k)),
-                    host: 0,
-                }
+                (
+                    o,
+                    self.graphs_where(|i| !i.is_multiple_of(k)),
+                    self.largest(|i| i.is_multiple_of(k)),
+                    0,
+                )
             }
-            Strategy::Budget(b) => Held {
-                kept: o + b.min(self.graphs()),
-                recompute: self.largest(|_| true),
-                host: 0,
-            },
-            Strategy::FullHost => Held {
-                kept: o.saturating_sub(outputs),
-                recompute: self.largest(|_| true),
-                host: outputs,
-            },
+            Strategy::Budget(b) => (o, b.min(self.graphs()), all, 0),
+            Strategy::FullHost => (o.saturating_sub(outputs), 0, all, outputs),
+        };
+        Held {
+            kept: outer + graphs,
+            recompute,
+            backward: self.backward_walk(strategy).saturating_sub(graphs),
+            host,
         }
+    }
+
+    /// The most segment graphs and temporaries hold at once while backward walks the segments
+    /// from the last to the first: segment `i`'s graph (kept, or rebuilt) and temporaries, with
+    /// the kept graphs of the segments before it. Under `none` candle's backward holds the whole
+    /// graph until it returns; `budget:B` is counted as if any segment could be the rebuilt one.
+    fn backward_walk(&self, strategy: Strategy) -> u64 {
+        let t = self.temporaries;
+        let of = Temporaries::of;
+        let mut before: u64 = 0; // kept graphs of the segments before `i`
+        let mut kept_before = Vec::with_capacity(self.segments.len());
+        for (i, s) in self.segments.iter().enumerate() {
+            kept_before.push(before);
+            before += match strategy {
+                Strategy::None | Strategy::Blocks | Strategy::Budget(_) => s.kept(),
+                Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => s.kept(),
+                _ => 0,
+            };
+        }
+        let outputs: u64 = self.segments.iter().map(|s| s.output).sum();
+        let mut peak = 0;
+        for (i, s) in self.segments.iter().enumerate() {
+            let g = s.kept();
+            let live = match strategy {
+                Strategy::None => self.graphs() - outputs + of(t.whole, g),
+                Strategy::Blocks => kept_before[i] + g + of(t.kept, g),
+                Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => {
+                    kept_before[i] + g + of(t.kept, g)
+                }
+                Strategy::Every(_) | Strategy::Full | Strategy::FullHost => {
+                    kept_before[i] + g + of(t.recomputed, g)
+                }
+                Strategy::Budget(b) => {
+                    let earlier = b.min(kept_before[i]);
+                    earlier + g + of(t.recomputed, g).max(of(t.kept, g))
+                }
+            };
+            peak = peak.max(live);
+        }
+        peak
     }
 
     fn graphs_where(&self, pick: impl Fn(usize) -> bool) -> u64 {
@@ -123,6 +186,7 @@ mod tests {
             outer: 1000,
             segments: vec![s(100, 10), s(300, 10), s(200, 10)],
             op_held: 5,
+            temporaries: Temporaries::default(),
         };
         let h = |st: &str| p.held(st.parse().expect("strategy"));
         assert_eq!(h("none").peak(), 1005 + 600 - 30);
@@ -136,8 +200,44 @@ mod tests {
             Held {
                 kept: 975,
                 recompute: 300,
-                host: 30
+                backward: 300,
+                host: 30,
             }
         );
+    }
+
+    #[test]
+    fn backward_walks_the_segments_from_the_last() {
+        let s = |graph| SegmentBytes {
+            graph,
+            output: 0,
+            off_graph: 0,
+        };
+        let p = ActivationProfile {
+            outer: 0,
+            segments: vec![s(1000), s(3000), s(2000)],
+            op_held: 0,
+            temporaries: Temporaries {
+                whole: 1500,
+                kept: 500,
+                recomputed: 2000,
+            },
+        };
+        let b = |st: &str| p.held(st.parse().expect("strategy")).backward;
+        // The whole graph held, and the largest segment's temporaries.
+        assert_eq!(b("none"), 4500);
+        // The last segment (2000, with 1000 of temporaries) while the two before are kept.
+        assert_eq!(b("blocks"), 1000);
+        // The largest segment rebuilt (3000) with 6000 of temporaries.
+        assert_eq!(b("full"), 9000);
+        assert_eq!(b("full-host"), 9000);
+        // Segments 0 and 2 rebuilt, 1 kept: segment 2 rebuilt (2000 + 4000) while segment 1's
+        // 3000 are held, which are counted in `kept` already.
+        assert_eq!(b("every:2"), 6000);
+        // 1 KiB of the graphs kept; segment 1 treated as rebuilt: 1000 of the kept before it
+        // (less than the budget), 3000 rebuilt, 6000 of temporaries; the kept 1024 counted in
+        // `kept`.
+        assert_eq!(b("budget:1KiB"), 10000 - 1024);
+        assert_eq!(p.held("full".parse().expect("strategy")).peak(), 9000);
     }
 }

@@ -54,6 +54,8 @@ pub struct Ledger {
     baseline: Option<u64>,
     pub(super) points: Vec<ProfilePoint>,
     timeline: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
+    /// The plan's bytes on the device (`--plan`), to compare with what is measured.
+    predicted: Option<u64>,
 }
 
 impl Ledger {
@@ -67,6 +69,7 @@ impl Ledger {
             baseline: None,
             points: Vec::new(),
             timeline: None,
+            predicted: None,
         }
     }
 
@@ -176,6 +179,25 @@ impl Ledger {
     /// Every profile point so far.
     pub fn points(&self) -> &[ProfilePoint] {
         &self.points
+    }
+
+    /// The peak the run's plan predicts on the device (model states, activations and backward's
+    /// temporaries), reported beside the measured one.
+    pub fn set_predicted_peak(&mut self, bytes: u64) {
+        self.predicted = Some(bytes);
+    }
+
+    /// The predicted peak and the measured one it predicts: the peak above the baseline less
+    /// what the run held at its first point besides the bytes it told (its data, tokenizer and
+    /// the like, which the plan does not count), once both exist.
+    pub fn peak_against_plan(&self) -> Option<(u64, u64)> {
+        let predicted = self.predicted?;
+        let (_, peak) = self.peak()?;
+        let first = self.points.first()?;
+        let told: u64 = first.told.values().sum();
+        let other = (first.delta.max(0) as u64).saturating_sub(told);
+        let above = peak.saturating_sub(self.baseline.unwrap_or(0));
+        Some((predicted, above.saturating_sub(other)))
     }
 
     /// Highest measured peak over all points, with the phase it happened in.

@@ -71,6 +71,16 @@ impl Ledger {
         if let Some((phase, peak)) = self.peak() {
             let _ = writeln!(s, "peak {} during `{}`", format_bytes(peak as i64), phase);
         }
+        if let Some((predicted, measured)) = self.peak_against_plan() {
+            let _ = writeln!(
+                s,
+                "peak of the planned bytes (above the baseline and the data held before the \
+                 first step) {}, the plan predicted {} ({:+.1}%)",
+                format_bytes(measured as i64),
+                format_bytes(predicted as i64),
+                100.0 * (measured as f64 / predicted.max(1) as f64 - 1.0)
+            );
+        }
         for l in self.leak_suspects(3, 1 << 20) {
             let _ = writeln!(
                 s,

@@ -23,8 +23,8 @@
 //! The search: knob by knob, the earlier ones at their most saving, each level of the current
 //! knob is tried, cheapest first; at the first plan that fits, the earlier knobs are walked back,
 //! in order, to the cheapest level that still fits. The predicted peak is the plan's total on
-//! the training device (model states and activations; backward's own temporaries are not in
-//! the plan yet).
+//! the training device: model states, activations, and backward's temporaries as each model's
+//! measured factors estimate them (`ft_params::checkpoint::Temporaries`).
 
 use std::collections::BTreeSet;
 
@@ -98,7 +98,7 @@ impl<A> Fitted<A> {
         };
         format!(
             "--fit {}: {choice}; predicted peak {} on the {} ({:.0}% of the budget; backward's \
-             temporaries not counted)\n",
+             temporaries estimated)\n",
             fmt(self.budget),
             fmt(peak),
             if self.plan.gpu { "GPU" } else { "CPU" },

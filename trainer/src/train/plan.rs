@@ -5,7 +5,8 @@
 //! at the run's largest shapes (`ft_models::activations`, tested against real graphs). Every
 //! binary prints it before training and with `--plan` instead of training (the model then built
 //! from shapes only, nothing allocated); the ledger measures what really happens. Backward's
-//! own temporaries (the gradients of activations in flight) are not in it.
+//! own temporaries (the gradients of activations in flight, kernels' buffers) are an estimate
+//! ([`ft_params::checkpoint::Temporaries`]).
 
 use candle_core::DType;
 
@@ -145,8 +146,8 @@ impl StatePlan {
 
     /// Adds the activations one micro-batch keeps under `strategy`, as `profile` (the model's
     /// formulas at `what`, the shapes planned for) counts them: what stays from forward to
-    /// backward, the largest segment while backward recomputes it, and what `full-host` keeps
-    /// in host memory.
+    /// backward, what backward adds at most (the segment it rebuilds, its temporaries), and
+    /// what `full-host` keeps in host memory.
     pub fn with_activations(
         mut self,
         what: &str,
@@ -167,10 +168,21 @@ impl StatePlan {
             held.kept,
             false,
         );
-        if held.recompute > 0 {
+        if held.backward > 0 {
+            let rebuilt = if held.recompute > 0 {
+                format!(
+                    "the segment it rebuilds (the largest {}), ",
+                    fmt(held.recompute)
+                )
+            } else {
+                String::new()
+            };
             row(
-                "activations of the largest segment while backward recomputes it".into(),
-                held.recompute,
+                format!(
+                    "during backward, on top at most: {rebuilt}its temporaries (gradients in \
+                     flight, kernels' buffers; estimated), less the graphs it has freed"
+                ),
+                held.backward,
                 false,
             );
         }
@@ -232,7 +244,7 @@ impl StatePlan {
     pub fn table(&self) -> String {
         let device = if self.gpu { "GPU" } else { "CPU" };
         let what = if self.activations.is_some() {
-            "and the activations of one micro-batch (backward's temporaries come on top)"
+            "and the activations of one micro-batch with backward's temporaries"
         } else {
             "(activations come on top)"
         };

@@ -100,12 +100,14 @@ pub fn run<T: Task>(
         summary.losses.push(r.loss);
         let live = measure::read_live(l.opt.params().first().map(|p| p.device()));
         let per_s = r.samples as f64 / secs.max(1e-9);
+        let (predicted, measured) = l.ledger.peak_against_plan().unzip();
         metrics.write(serde_json::json!({
             "step": l.step, "epoch": l.epoch, "loss": r.loss, "lr": r.lr,
             "grad_norm": r.outcome.grad_norm, "skipped": !r.outcome.applied,
             "non_finite": r.outcome.non_finite,
             "samples_per_s": per_s, "step_time_s": secs, "memory_bytes": live,
             "updated_in_backward": cfg.mode.fused_backward().then_some(r.updated_in_backward),
+            "peak_bytes": measured, "predicted_peak_bytes": predicted,
         }))?;
         bar.set_message(format!(
             "loss {:.4} {per_s:.1} samples/s mem {}",

@@ -182,8 +182,9 @@ impl SessionBuilder {
 
     /// Shows `plan` (the model states this run will hold), then builds the `--optim`
     /// optimizer over the store's trainable parameters.
-    pub fn optimizer(&self, plan: &StatePlan) -> Result<MixedOptimizer> {
+    pub fn optimizer(&mut self, plan: &StatePlan) -> Result<MixedOptimizer> {
         eprint!("{}", plan.report());
+        self.ledger.set_predicted_peak(plan.device_bytes());
         self.common
             .optimizer(self.store.trainable()?, self.precision)
     }
