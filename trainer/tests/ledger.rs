@@ -46,6 +46,39 @@ fn marks_measure_live_bytes_and_deltas() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The measured peak set beside the plan counts the run's own bytes: the peak above the
+/// baseline, less what was held before the first point and not told (the data).
+#[test]
+fn the_peak_against_the_plan_leaves_out_the_data() -> anyhow::Result<()> {
+    let _g = SERIAL.lock();
+    let dev = Device::Cpu;
+    let mut l = Ledger::new(&dev);
+    l.set_baseline();
+    let mib = 1usize << 20;
+    let data = vec![1u8; 16 * mib];
+    let weights = Tensor::zeros(mib, DType::F32, &dev)?; // 4 MiB, told
+    l.set_tensors(Category::Parameters, "model", [&weights]);
+    l.mark("load", 0)?;
+    assert_eq!(l.peak_against_plan(), None, "no prediction yet");
+    l.set_predicted_peak(40 * mib as u64);
+    let transient = std::hint::black_box(vec![2u8; 32 * mib]);
+    drop(transient);
+    l.mark("step", 1)?;
+    let (predicted, measured) = l.peak_against_plan().expect("measured on the CPU");
+    assert_eq!(predicted, 40 * mib as u64);
+    // 4 MiB of weights and 32 of the step; the 16 MiB of data are left out (other test
+    // threads allocate a little too).
+    let m = measured as f64 / mib as f64;
+    assert!((35.5..40.0).contains(&m), "{m} MiB");
+    assert!(
+        l.table().contains("the plan predicted 40.00 MiB"),
+        "{}",
+        l.table()
+    );
+    drop(data);
+    Ok(())
+}
+
 #[test]
 fn growing_phase_is_a_leak_suspect_and_stable_is_not() -> anyhow::Result<()> {
     let _g = SERIAL.lock();

@@ -575,15 +575,11 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--fit SIZE`: the cheapest settings whose plan fits, keeping the effective batch and every
-/// setting the user gave (flags and `--config` keys); one clear error when nothing fits.
-#[test]
-fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::Result<()> {
-    let out = tmp("fit");
-    // The demo's model on examples as long as its maximum lengths (512 + 128 tokens after
-    // truncation): the plan counts the data's longest.
-    std::fs::create_dir_all(&out)?;
-    let long = out.join("long.jsonl");
+/// 40 examples of 600 + 200 digits in `dir/long.jsonl`: 512 + 128 tokens after the demo
+/// tokenizer's truncation, the most a batch can hold.
+fn long_examples(dir: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let long = dir.join("long.jsonl");
     let digits = |n: usize| {
         (0..n)
             .map(|i| (i % 10).to_string())
@@ -592,6 +588,51 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
     };
     let line = serde_json::json!({"input": digits(600), "target": digits(200)}).to_string();
     std::fs::write(&long, format!("{line}\n").repeat(40))?;
+    Ok(long)
+}
+
+/// The plan's activations are those of the training data's longest source and target after
+/// truncation (a batch pads to its longest): the demo's short examples plan far less than
+/// examples at the maximum lengths, which plan exactly 512 + 128 tokens.
+#[test]
+fn the_plan_takes_the_training_datas_longest_examples() -> anyhow::Result<()> {
+    let out = tmp("plan-lengths");
+    let long = long_examples(&out.join("data"))?;
+    let short = t5_ft::run::plan(&demo_args(&out, &[]))?;
+    let long_path = long.display().to_string();
+    let at_max = t5_ft::run::plan(&demo_args(&out, &["--train-file", &long_path]))?;
+    let row = |p: &ft_trainer::train::plan::StatePlan| -> String {
+        let r = p.rows.iter().find(|r| r.activation);
+        r.map(|r| r.component.clone()).unwrap_or_default()
+    };
+    assert!(
+        row(&at_max).contains("batch 16 x 512 + 128 tokens, the training data's longest"),
+        "{}",
+        row(&at_max)
+    );
+    assert!(
+        row(&short).contains("the training data's longest"),
+        "{}",
+        row(&short)
+    );
+    assert!(!row(&short).contains("512 + 128"), "{}", row(&short));
+    assert!(
+        10 * short.activation_device_bytes() < at_max.activation_device_bytes(),
+        "{} against {}",
+        short.activation_device_bytes(),
+        at_max.activation_device_bytes()
+    );
+    Ok(())
+}
+
+/// `--fit SIZE`: the cheapest settings whose plan fits, keeping the effective batch and every
+/// setting the user gave (flags and `--config` keys); one clear error when nothing fits.
+#[test]
+fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::Result<()> {
+    let out = tmp("fit");
+    // The demo's model on examples as long as its maximum lengths: the plan counts the data's
+    // longest.
+    let long = long_examples(&out)?;
     let parse = |extra: &[&str]| -> anyhow::Result<Args> {
         let mut v = vec!["t5-ft", "--demo", "--plan", "--output-dir"];
         let dir = out.display().to_string();

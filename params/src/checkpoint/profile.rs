@@ -22,7 +22,9 @@
 //! backprop sums into, kernels' buffers) come on top. They are not tensors of the forward's
 //! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
 //! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
-//! on the CPU by `trainer/tests/backward_temporaries.rs`), and the largest segment sets it.
+//! on the CPU by `trainer/tests/backward_temporaries.rs`). [`ActivationProfile::held`] walks
+//! backward from the last segment to the first, each with the kept graphs of the segments
+//! before it (those after it are freed by then), and takes the most.
 
 use super::{SegmentBytes, Strategy};
 

@@ -190,7 +190,11 @@ impl Ledger {
     /// The predicted peak and the measured one it predicts: the peak above the baseline less
     /// what the run held at its first point besides the bytes it told (its data, tokenizer and
     /// the like, which the plan does not count), once both exist.
+    /// `None` where the device's memory is not measured (no counting allocator, no pool).
     pub fn peak_against_plan(&self) -> Option<(u64, u64)> {
+        if !self.is_measured() {
+            return None;
+        }
         let predicted = self.predicted?;
         let (_, peak) = self.peak()?;
         let first = self.points.first()?;
