@@ -281,11 +281,10 @@ fn aspect_buckets_cut_images_to_their_nearest_ratio_and_batch_per_bucket() -> an
     Ok(())
 }
 
-/// `--plan` with seed 001's preset on the full SDXL UNet config (the demo pipeline with the real
-/// `unet/config.json` put in; no weights read, no GPU opened): what the GPU and the host hold.
-#[test]
-fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
-    let out = tmp("plan");
+/// The demo pipeline under `out` with the full SDXL UNet config (`configs/sdxl/unet_config.json`)
+/// and text encoders as wide as SDXL's: what `--plan` reads of `stabilityai/...-base-1.0`
+/// (configs, no weights). Returns the pipeline folder.
+fn full_unet_pipeline(out: &Path) -> anyhow::Result<PathBuf> {
     let demo = sdxl_ft::demo::write(&out.join("demo-data"), 2, 1)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
     std::fs::copy(
@@ -301,7 +300,16 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
         cfg["projection_dim"] = hidden.into();
         std::fs::write(&path, cfg.to_string())?;
     }
-    let model = demo.model.display().to_string();
+    Ok(demo.model)
+}
+
+/// `--plan` with seed 001's preset on the full SDXL UNet config (the demo pipeline with the real
+/// `unet/config.json` put in; no weights read, no GPU opened): what the GPU and the host hold.
+#[test]
+fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
+    let out = tmp("plan");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let model = full_unet_pipeline(&out)?.display().to_string();
     // `sdxl-ft --config configs/NAME --model <the folder above> --plan`.
     let preset = |name: &str| -> anyhow::Result<sdxl_ft::cli::Args> {
         let path = root.join(name).display().to_string();
@@ -582,6 +590,68 @@ fn fused_backward_with_accumulation_equals_plain_accumulation() -> anyhow::Resul
             "`{name}` differs between fused and plain accumulation"
         );
     }
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
+
+/// `--fit 24GiB`, `16GiB` and `8GiB` for seed 001's setup (the full SDXL UNet, bf16 with fp32
+/// masters, AdamW, batch 1 x accumulation 16, an EMA) at 128 and 1024 px on a GPU: what each
+/// budget chooses and the peak it predicts (the README's and docs/benchmarks.md's table).
+#[test]
+fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
+    let out = tmp("fit-plans");
+    let model = full_unet_pipeline(&out)?.display().to_string();
+    let out_arg = out.join("run").display().to_string();
+    let mut table = String::from("| px | --fit | chosen | predicted peak on the GPU | host |\n");
+    let fmt = |b: u64| ft_params::bytes::format_bytes(b as i64);
+    let mut fitted = Vec::new();
+    for res in ["128", "1024"] {
+        for budget in ["24GiB", "16GiB", "8GiB"] {
+            let a: sdxl_ft::cli::Args = ft_trainer::train::parse_args_from([
+                "sdxl-ft",
+                "--model",
+                &model,
+                "--device",
+                "cuda",
+                "--res",
+                res,
+                "--accum",
+                "16",
+                "--ema",
+                "--plan",
+                "--fit",
+                budget,
+                "--output-dir",
+                &out_arg,
+            ])?;
+            let row = match ft_trainer::train::fit::fit(&a, sdxl_ft::run::plan) {
+                Ok(Some(f)) => {
+                    let limit = a.common.fit_budget()?.unwrap_or(0);
+                    assert!(f.plan.device_bytes() <= limit, "{}", f.plan.table());
+                    fitted.push((res, budget));
+                    format!(
+                        "{} | {} | {}",
+                        if f.chosen.is_empty() {
+                            "as it is".to_string()
+                        } else {
+                            format!("`{}`", f.chosen.join(" "))
+                        },
+                        fmt(f.plan.device_bytes()),
+                        fmt(f.plan.host_bytes())
+                    )
+                }
+                Ok(None) => anyhow::bail!("--fit {budget} gave no choice"),
+                Err(e) => format!("error: {e} | | "),
+            };
+            table += &format!("| {res} | {budget} | {row} |\n");
+        }
+    }
+    eprintln!("{table}");
+    // Every budget fits at 128 px (the seed's 24 GB card included).
+    for b in ["24GiB", "16GiB", "8GiB"] {
+        assert!(fitted.contains(&("128", b)), "{table}");
+    }
+    assert!(!out.join("run").exists(), "--plan wrote the output folder");
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }

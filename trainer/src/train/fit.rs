@@ -306,11 +306,26 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
             let Some(p) = try_plan(plan, &with_levels(args, &knobs, &next, 0))? else {
                 return Ok(None);
             };
-            let left = budget.saturating_sub(p.device_bytes());
+            let mut left = budget.saturating_sub(p.device_bytes());
             if left == 0 {
                 return Ok(None);
             }
             a = with_levels(args, &knobs, levels, left);
+            // Segments kept under the budget change what backward frees before its peak, so
+            // the plan can overshoot by a little: take the overshoot off B and plan again.
+            for _ in 0..4 {
+                let Some(p) = try_plan(plan, &a)? else {
+                    return Ok(None);
+                };
+                // In the unit the flag is written in (whole MiB, or KiB below one MiB).
+                let unit = if left >= 1 << 20 { 1 << 20 } else { 1 << 10 };
+                let over = p.device_bytes().saturating_sub(budget).div_ceil(unit) * unit;
+                if over == 0 || over >= left {
+                    break;
+                }
+                left -= over;
+                a = with_levels(args, &knobs, levels, left);
+            }
         }
         let p = try_plan(plan, &a)?;
         if let Some(p) = &p {
