@@ -1,6 +1,8 @@
 //! Dropout whose mask is a pure function of a seed, so that a checkpointed segment recomputed in
 //! backward draws exactly the mask its first forward drew, and a resumed run draws the masks an
-//! uninterrupted run would have.
+//! uninterrupted run would have. The mask of a sample depends on its position in the
+//! micro-batch the seed was drawn for, not on the batch it is computed in: a micro-batch split
+//! in two (the loop's out-of-memory retry) draws the masks of the whole.
 
 use candle_core::{DType, Tensor};
 use ft_params::rng::{hash_str, SplitMix64};
@@ -10,12 +12,18 @@ use ft_params::rng::{hash_str, SplitMix64};
 pub struct DropoutCtx {
     pub p: f64,
     pub seed: Option<u64>,
+    /// Position of this batch's first sample in the micro-batch `seed` was drawn for.
+    pub first_sample: usize,
 }
 
 impl DropoutCtx {
     /// No dropout (evaluation, or a rate of 0).
     pub fn eval() -> Self {
-        DropoutCtx { p: 0.0, seed: None }
+        DropoutCtx {
+            p: 0.0,
+            seed: None,
+            first_sample: 0,
+        }
     }
 
     /// Training with rate `p`, masks drawn from `seed` (one seed per micro-batch).
@@ -23,6 +31,15 @@ impl DropoutCtx {
         DropoutCtx {
             p,
             seed: Some(seed),
+            first_sample: 0,
+        }
+    }
+
+    /// The same masks for a part of the micro-batch that starts at its sample `first`.
+    pub fn from_sample(self, first: usize) -> Self {
+        DropoutCtx {
+            first_sample: first,
+            ..self
         }
     }
 
@@ -36,6 +53,10 @@ impl DropoutCtx {
             return Ok(x.clone());
         }
         let mut rng = SplitMix64::new(seed ^ hash_str(site));
+        // Dim 0 is the batch (every site is batch-major): the stream is skipped to the first
+        // sample's elements, as if the samples before it were in the tensor.
+        let per_sample = x.elem_count() / x.dim(0)?.max(1);
+        rng.skip((self.first_sample * per_sample) as u64);
         let keep = 1.0 - self.p;
         let scale = (1.0 / keep) as f32;
         let mask: Vec<f32> = (0..x.elem_count())
@@ -48,5 +69,31 @@ impl DropoutCtx {
             mask.to_dtype(x.dtype())?
         };
         x * mask
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DropoutCtx;
+    use candle_core::{Device, Tensor};
+
+    /// The masks of a micro-batch split in two are the whole's, row for row.
+    #[test]
+    fn a_split_batch_draws_the_masks_of_the_whole() -> candle_core::Result<()> {
+        let x = Tensor::ones((6, 5, 4), candle_core::DType::F32, &Device::Cpu)?;
+        let d = DropoutCtx::train(0.5, 42);
+        let whole = d.apply(&x, "site")?;
+        let head = d.apply(&x.narrow(0, 0, 2)?, "site")?;
+        let tail = d.from_sample(2).apply(&x.narrow(0, 2, 4)?, "site")?;
+        let parts = Tensor::cat(&[head, tail], 0)?;
+        let diff = (whole.clone() - parts)?
+            .abs()?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        // Not one mask for every row: the tail's rows would repeat the head's.
+        let rows = whole.to_vec3::<f32>()?;
+        assert_ne!(rows[0], rows[2]);
+        Ok(())
     }
 }

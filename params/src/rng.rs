@@ -20,6 +20,13 @@ impl SplitMix64 {
         z ^ (z >> 31)
     }
 
+    /// Jumps over the next `n` outputs (SplitMix64's state moves by a constant per output).
+    pub fn skip(&mut self, n: u64) {
+        self.state = self
+            .state
+            .wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(n));
+    }
+
     /// Uniform in [0, 1).
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
@@ -63,4 +70,19 @@ pub fn hash_bytes(bytes: &[u8]) -> u64 {
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SplitMix64;
+
+    #[test]
+    fn skip_is_drawing_and_dropping() {
+        let (mut a, mut b) = (SplitMix64::new(7), SplitMix64::new(7));
+        for _ in 0..1000 {
+            a.next_u64();
+        }
+        b.skip(1000);
+        assert_eq!(a.next_u64(), b.next_u64());
+    }
 }

@@ -23,6 +23,15 @@ pub enum Error {
     /// The loss or the gradients went non-finite for too many steps in a row.
     #[error("training diverged: {0}")]
     Diverged(String),
+    /// The device ran out of memory in `phase` of `step` (counted from 1, as the progress bar
+    /// counts; on the CPU: the `--fit` budget was passed, as the counting allocator measured
+    /// it). The loop retries the step in smaller parts.
+    #[error("out of memory in {phase} at step {step}: {detail}")]
+    OutOfMemory {
+        phase: String,
+        step: u64,
+        detail: String,
+    },
     /// What a binary's [`crate::train::Task`] reported.
     #[error(transparent)]
     Task(Box<dyn std::error::Error + Send + Sync>),
@@ -36,11 +45,46 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// True for [`Error::OutOfMemory`] and for a device's allocation failure however it arrives
+    /// (candle's CUDA error, or a task's error carrying it): what the loop recovers from.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::OutOfMemory { .. } => true,
+            Error::Candle(e) => says_out_of_memory(&e.to_string()),
+            Error::Task(e) => says_out_of_memory(&format!("{e}")),
+            _ => false,
+        }
+    }
+
     /// An I/O error on `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
             source,
         }
+    }
+}
+
+/// Whether an error's text is an allocation failure: CUDA's `CUDA_ERROR_OUT_OF_MEMORY` (the
+/// driver's, through cudarc) or its "out of memory" message.
+fn says_out_of_memory(text: &str) -> bool {
+    text.contains("CUDA_ERROR_OUT_OF_MEMORY") || text.to_lowercase().contains("out of memory")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn a_cuda_allocation_failure_is_out_of_memory() {
+        let cuda = candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        );
+        assert!(Error::Candle(cuda).is_out_of_memory());
+        let task: Box<dyn std::error::Error + Send + Sync> = "conv2d: out of memory".into();
+        assert!(Error::Task(task).is_out_of_memory());
+        let other = candle_core::Error::Msg("shape mismatch in matmul".into());
+        assert!(!Error::Candle(other).is_out_of_memory());
+        assert!(!Error::Invalid("no memory plan".into()).is_out_of_memory());
     }
 }

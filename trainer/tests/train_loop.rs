@@ -188,6 +188,7 @@ fn run_at(
         resume,
         best,
         max_bad_steps: 3,
+        budget: None,
     };
     let mut ledger = Ledger::new(&Device::Cpu);
     let s = train::run(

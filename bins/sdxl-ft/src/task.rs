@@ -122,15 +122,16 @@ impl SdxlTask {
 
     /// The loss of every sample in `batch`, each the mean squared error over its latent
     /// (min-SNR weighted when asked), with noise, timesteps, latent samples, flips and caption
-    /// dropout drawn from `seed`.
+    /// dropout drawn per sample from `seed` and the sample's position in its micro-batch (the
+    /// batch's first at `first`): a micro-batch split in two draws what the whole drew.
     fn per_sample_losses(
         &self,
         batch: &[usize],
         seed: u64,
+        first: usize,
         train: bool,
         ck: &Checkpointer,
     ) -> Result<Tensor> {
-        let mut rng = SplitMix64::new(seed);
         let b = batch.len();
         let entries = &self.cache.manifest.entries;
         let [c, h, w] = entries[batch[0]].latent;
@@ -143,7 +144,15 @@ impl SdxlTask {
         let (mut means, mut stds, mut hidden, mut pooled, mut ids) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut timesteps = Vec::with_capacity(b);
-        for &i in batch {
+        let (mut posterior, mut noise, mut per_channel) = (
+            Vec::with_capacity(b * n),
+            Vec::with_capacity(b * n),
+            Vec::with_capacity(b * c),
+        );
+        for (j, &i) in batch.iter().enumerate() {
+            let mut rng = SplitMix64::new(
+                seed ^ ((first + j) as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
+            );
             let flipped = self.objective.flip && rng.uniform() < 0.5;
             let (m, s) = self.cache.latent(i, flipped, &self.device)?;
             means.push(m);
@@ -158,14 +167,19 @@ impl SdxlTask {
             pooled.push(p);
             ids.extend_from_slice(&self.cache.time_ids(i, flipped));
             timesteps.push(rng.below(self.schedule.alphas_cumprod.len()));
+            posterior.extend(normal(&mut rng, n));
+            noise.extend(normal(&mut rng, n));
+            if self.objective.noise_offset > 0.0 {
+                per_channel.extend(normal(&mut rng, c));
+            }
         }
         let dev = &self.device;
-        let posterior = Tensor::from_vec(normal(&mut rng, b * n), (b, c, h, w), dev)?;
+        let posterior = Tensor::from_vec(posterior, (b, c, h, w), dev)?;
         let scale = self.pipeline.vae.scaling_factor;
         let x0 = ((Tensor::stack(&means, 0)? + (Tensor::stack(&stds, 0)? * posterior)?)? * scale)?;
-        let mut noise = Tensor::from_vec(normal(&mut rng, b * n), (b, c, h, w), dev)?;
+        let mut noise = Tensor::from_vec(noise, (b, c, h, w), dev)?;
         if self.objective.noise_offset > 0.0 {
-            let per_channel = Tensor::from_vec(normal(&mut rng, b * c), (b, c, 1, 1), dev)?;
+            let per_channel = Tensor::from_vec(per_channel, (b, c, 1, 1), dev)?;
             noise = ft_models::diffusion::offset_noise(
                 &noise,
                 self.objective.noise_offset,
@@ -217,6 +231,7 @@ impl SdxlTask {
             let l = self.per_sample_losses(
                 &batch,
                 self.seed ^ 0xE7A1 ^ batch[0] as u64,
+                0,
                 false,
                 &Checkpointer::new(false),
             )?;
@@ -333,8 +348,21 @@ impl Task for SdxlTask {
 
     fn summed_loss(&mut self, batch: &Batch, ctx: &StepCtx) -> TaskResult<Tensor> {
         // The forward pass under the loop's checkpointer (per-block recompute when enabled).
-        let losses = self.per_sample_losses(batch, ctx.dropout_seed, true, ctx.checkpointer)?;
+        let losses = self.per_sample_losses(
+            batch,
+            ctx.dropout_seed,
+            ctx.first_sample,
+            true,
+            ctx.checkpointer,
+        )?;
         Ok(losses.sum_all()?)
+    }
+
+    fn split(&self, batch: &Batch) -> TaskResult<Option<(Batch, Batch)>> {
+        Ok((batch.len() > 1).then(|| {
+            let (a, b) = batch.split_at(batch.len() / 2);
+            (a.to_vec(), b.to_vec())
+        }))
     }
 
     fn after_step(&mut self, step: u64, weights: &[Var], ledger: &mut Ledger) -> TaskResult<()> {

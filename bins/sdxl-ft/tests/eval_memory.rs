@@ -47,6 +47,7 @@ fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> 
         step: 0,
         micro: 0,
         dropout_seed: 7,
+        first_sample: 0,
         checkpointer: &s.checkpointer,
     };
     let loss =

@@ -655,3 +655,74 @@ fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// The out-of-memory retry's split: a micro-batch's two halves draw the whole's flips, caption
+/// dropout, timesteps, latent samples and noise (per sample, from its position in the
+/// micro-batch), so their summed losses and gradients add up to the whole's.
+#[test]
+fn a_split_micro_batch_computes_the_whole() -> anyhow::Result<()> {
+    use ft_trainer::train::{StepCtx, Task};
+    let out = tmp("split");
+    let a = args(
+        &out,
+        &[
+            "--random-flip",
+            "--caption-dropout",
+            "0.5",
+            "--noise-offset",
+            "0.1",
+            "--snr-gamma",
+            "5",
+        ],
+    )?;
+    let mut s = setup(&a)?;
+    let params = s.optimizer.params().to_vec();
+    let whole: Vec<usize> = (0..4).collect();
+    let (head, tail) = s
+        .task
+        .split(&whole)
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .ok_or_else(|| anyhow::anyhow!("four samples did not split"))?;
+    assert_eq!((head.len(), tail.len()), (2, 2));
+    let mut run = |batch: &Vec<usize>, first: usize| -> anyhow::Result<(f32, Vec<f32>)> {
+        let ctx = StepCtx {
+            step: 3,
+            micro: 1,
+            dropout_seed: 11,
+            first_sample: first,
+            checkpointer: &s.checkpointer,
+        };
+        let loss = s
+            .task
+            .summed_loss(batch, &ctx)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let grads = s.checkpointer.gradients(&loss, &params)?;
+        let mut flat = Vec::new();
+        for g in grads.iter().flatten() {
+            flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok((loss.to_scalar::<f32>()?, flat))
+    };
+    let (l, g) = run(&whole, 0)?;
+    let (l1, g1) = run(&head, 0)?;
+    let (l2, g2) = run(&tail, 2)?;
+    assert!(
+        (l - (l1 + l2)).abs() < 1e-5 * l.abs().max(1.0),
+        "{l} vs {l1} + {l2}"
+    );
+    let scale = g.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = g
+        .iter()
+        .zip(g1.iter().zip(&g2))
+        .map(|(a, (b, c))| (a - (b + c)).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 1e-5 * scale.max(1.0),
+        "gradients differ by {worst} (largest {scale})"
+    );
+    // The tail at its own position 0 draws other noise: the positions are what makes it exact.
+    let (l2_alone, _) = run(&tail, 0)?;
+    assert!((l2_alone - l2).abs() > 1e-6, "{l2_alone} vs {l2}");
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}

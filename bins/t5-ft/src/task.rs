@@ -159,8 +159,16 @@ impl Task for T5Task {
     }
 
     fn summed_loss(&mut self, b: &T5Batch, ctx: &StepCtx) -> TaskResult<Tensor> {
-        let drop = DropoutCtx::train(self.model.config().dropout_rate, ctx.dropout_seed);
+        let drop = DropoutCtx::train(self.model.config().dropout_rate, ctx.dropout_seed)
+            .from_sample(ctx.first_sample);
         Ok(self.model.summed_loss(b, &drop, ctx.checkpointer)?)
+    }
+
+    fn split(&self, b: &T5Batch) -> TaskResult<Option<(T5Batch, T5Batch)>> {
+        Ok(match b.len() {
+            0 | 1 => None,
+            n => Some(b.split_at(n / 2)?),
+        })
     }
 
     fn evaluate(&mut self, _step: u64, _ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>> {

@@ -9,11 +9,8 @@ use ft_trainer::train::Binary;
 use t5_ft::cli::Args;
 use t5_ft::run::setup;
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("t5-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
+mod common;
+use common::{long_examples, tmp};
 
 fn demo_args(out: &Path, extra: &[&str]) -> Args {
     let mut v: Vec<String> = [
@@ -415,9 +412,6 @@ fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--plan` from FLAN-T5-XL's config.json alone (no weights, no tokenizer, no GPU opened): the
-/// model states of seed 002's setup on the GPU and in host memory, with and without offload.
-
 /// A folder holding FLAN-T5-XL's `config.json` (what `--plan` reads of `google/flan-t5-xl`).
 fn flan_t5_xl_config(tag: &str) -> anyhow::Result<PathBuf> {
     let dir = tmp(tag);
@@ -500,6 +494,8 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--plan` from FLAN-T5-XL's config.json alone (no weights, no tokenizer, no GPU opened): the
+/// model states of seed 002's setup on the GPU and in host memory, with and without offload.
 #[test]
 fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     let dir = flan_t5_xl_config("xl-plan")?;
@@ -649,22 +645,6 @@ fn plan_of_flan_t5_xl_from_its_config() -> anyhow::Result<()> {
     assert!((gib(none) - 25.44).abs() < 0.01, "{table}");
     assert!((gib(full) * 1024.0 - 1021.0).abs() < 0.01, "{table}");
     Ok(())
-}
-
-/// 40 examples of 600 + 200 digits in `dir/long.jsonl`: 512 + 128 tokens after the demo
-/// tokenizer's truncation, the most a batch can hold.
-fn long_examples(dir: &Path) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(dir)?;
-    let long = dir.join("long.jsonl");
-    let digits = |n: usize| {
-        (0..n)
-            .map(|i| (i % 10).to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let line = serde_json::json!({"input": digits(600), "target": digits(200)}).to_string();
-    std::fs::write(&long, format!("{line}\n").repeat(40))?;
-    Ok(long)
 }
 
 /// The plan's activations are those of the training data's longest source and target after

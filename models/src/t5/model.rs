@@ -31,6 +31,41 @@ pub struct T5Batch {
     pub label_tokens: usize,
 }
 
+impl T5Batch {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.input_ids.dims().first().copied().unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first `n` samples and the rest, each padded as the whole was: every sample computes
+    /// what it computed in the whole (with `DropoutCtx::from_sample`, its masks too).
+    pub fn split_at(&self, n: usize) -> candle_core::Result<(T5Batch, T5Batch)> {
+        let b = self.len();
+        if n == 0 || n >= b {
+            candle_core::bail!("cannot split a batch of {b} at {n}");
+        }
+        let part = |start: usize, len: usize| -> candle_core::Result<T5Batch> {
+            let labels = self.labels.narrow(0, start, len)?;
+            let label_tokens = labels
+                .ge(0i64)?
+                .to_dtype(candle_core::DType::U32)?
+                .sum_all()?
+                .to_scalar::<u32>()? as usize;
+            Ok(T5Batch {
+                input_ids: self.input_ids.narrow(0, start, len)?,
+                attention_mask: self.attention_mask.narrow(0, start, len)?,
+                labels,
+                label_tokens,
+            })
+        };
+        Ok((part(0, n)?, part(n, b - n)?))
+    }
+}
+
 /// transformers' `_shift_right`: decoder inputs are the labels moved right by one, starting
 /// with `decoder_start`, with -100 replaced by `pad`.
 pub fn shift_right(labels: &[Vec<i64>], decoder_start: u32, pad: u32) -> Vec<Vec<u32>> {

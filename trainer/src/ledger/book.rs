@@ -197,11 +197,26 @@ impl Ledger {
         }
         let predicted = self.predicted?;
         let (_, peak) = self.peak()?;
+        Some((predicted, self.as_planned(peak)?))
+    }
+
+    /// The last point's peak (the phase that just ended), counted as the plan counts:
+    /// what `--fit`'s budget is watched against on the CPU. `None` where not measured.
+    pub fn last_peak_as_planned(&self) -> Option<u64> {
+        if !self.is_measured() {
+            return None;
+        }
+        self.as_planned(self.points.last()?.peak)
+    }
+
+    /// A measured peak as the plan counts it: above the baseline, less what the run held at
+    /// its first point besides the bytes it told.
+    fn as_planned(&self, peak: u64) -> Option<u64> {
         let first = self.points.first()?;
         let told: u64 = first.told.values().sum();
         let other = (first.delta.max(0) as u64).saturating_sub(told);
         let above = peak.saturating_sub(self.baseline.unwrap_or(0));
-        Some((predicted, above.saturating_sub(other)))
+        Some(above.saturating_sub(other))
     }
 
     /// Highest measured peak over all points, with the phase it happened in.

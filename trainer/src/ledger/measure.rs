@@ -58,6 +58,17 @@ pub fn read_live(device: Option<&Device>) -> u64 {
     }
 }
 
+/// What the device's allocator knows, for an out-of-memory report: on CUDA the pool's used and
+/// reserved bytes and the device's free and total memory; `None` on the CPU (the ledger's
+/// table says it all there).
+pub fn allocator_summary(device: &Device) -> Option<String> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => Some(cuda_pool::summary(d)),
+        _ => None,
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_pool {
     //! candle allocates through cudarc's `CudaStream::alloc`, which uses `cuMemAllocAsync` from
@@ -122,6 +133,25 @@ mod cuda_pool {
         Reading {
             live,
             peak: peak.max(live),
+        }
+    }
+
+    pub(super) fn summary(d: &CudaDevice) -> String {
+        use sys::CUmemPool_attribute::*;
+        let fmt = |b: u64| ft_params::bytes::format_bytes(b as i64);
+        let device = match d.cuda_stream().context().mem_get_info() {
+            Ok((free, total)) => {
+                format!("device: {} free of {}", fmt(free as u64), fmt(total as u64))
+            }
+            Err(e) => format!("device: free memory unknown ({e})"),
+        };
+        match pool(d) {
+            Some(p) => format!(
+                "memory pool: {} used, {} reserved; {device}",
+                fmt(attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT).unwrap_or(0)),
+                fmt(attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0)),
+            ),
+            None => format!("no memory pool; {device}"),
         }
     }
 

@@ -36,6 +36,8 @@ struct StepReport {
     outcome: StepOutcome,
     /// Parameters updated during the backward (a fused backward pass).
     updated_in_backward: usize,
+    /// Forward and backward passes the step ran (its micro-batches, or their parts).
+    pieces: usize,
 }
 
 /// The state of a run between steps.
@@ -49,6 +51,39 @@ struct Loop<'a, T: Task> {
     acc: GradAccumulator,
     step: u64,
     epoch: usize,
+    /// Times each micro-batch is halved, after out-of-memory retries (0: whole).
+    halvings: u32,
+    /// The step's update has begun (the optimizer step, or the fused backward's): an
+    /// out-of-memory error from here on cannot be retried (part of the weights has moved).
+    updating: bool,
+    /// The step's update was applied in the fused backward and the CPU budget was passed: the
+    /// next steps are split, this one stands.
+    halve_next: Option<String>,
+    /// What happened on the way (out-of-memory retries), for metrics.jsonl and the reader.
+    events: Vec<serde_json::Value>,
+}
+
+/// A part of a step's micro-batch: the micro-batch it comes from, the position of its first
+/// sample there, and the samples (the micro-batch itself until an out-of-memory retry splits
+/// it).
+struct Piece<'b, B> {
+    micro: usize,
+    first: usize,
+    batch: Part<'b, B>,
+}
+
+enum Part<'b, B> {
+    Whole(&'b B),
+    Split(B),
+}
+
+impl<B> Part<'_, B> {
+    fn get(&self) -> &B {
+        match self {
+            Part::Whole(b) => b,
+            Part::Split(b) => b,
+        }
+    }
 }
 
 /// Runs the loop over `task` with `opt` until `cfg.max_steps` (or early stopping).
@@ -91,11 +126,22 @@ pub fn run<T: Task>(
         cfg,
         step,
         epoch,
+        halvings: 0,
+        updating: false,
+        halve_next: None,
+        events: Vec::new(),
     };
     let mut bad_in_a_row = 0u64;
     while l.step < cfg.max_steps {
         let t0 = Instant::now();
-        let r = l.train_step()?;
+        let r = l.train_step();
+        for e in l.events.drain(..) {
+            if let Some(text) = e.get("message").and_then(|m| m.as_str()) {
+                say(&bar, text);
+            }
+            metrics.write(e)?;
+        }
+        let r = r?;
         let secs = t0.elapsed().as_secs_f64();
         summary.losses.push(r.loss);
         let live = measure::read_live(l.opt.params().first().map(|p| p.device()));
@@ -108,9 +154,15 @@ pub fn run<T: Task>(
             "samples_per_s": per_s, "step_time_s": secs, "memory_bytes": live,
             "updated_in_backward": cfg.mode.fused_backward().then_some(r.updated_in_backward),
             "peak_bytes": measured, "predicted_peak_bytes": predicted,
+            "micro_batches": r.pieces,
         }))?;
+        let split = if l.halvings > 0 {
+            format!(" (micro-batches in {} parts)", 1u64 << l.halvings)
+        } else {
+            String::new()
+        };
         bar.set_message(format!(
-            "loss {:.4} {per_s:.1} samples/s mem {}",
+            "loss {:.4} {per_s:.1} samples/s mem {}{split}",
             r.loss,
             format_bytes(live as i64)
         ));
@@ -181,11 +233,163 @@ pub fn run<T: Task>(
 }
 
 impl<T: Task> Loop<'_, T> {
-    /// One optimizer step: gather, forward and backward each micro-batch, update.
+    /// One optimizer step: gather, forward and backward each micro-batch, update. Out of memory
+    /// in a forward or backward: the step's tensors are dropped, each micro-batch is split in
+    /// two more parts (the same samples, the loss normalised over the same units), and the step
+    /// runs again; the later steps keep the split.
     fn train_step(&mut self) -> Result<StepReport> {
-        let step = self.step;
         let batches = self.gather()?;
-        let counts: Vec<(usize, usize)> = batches.iter().map(|b| self.task.counts(b)).collect();
+        loop {
+            let attempt = self
+                .pieces(&batches, self.halvings)
+                .and_then(|pieces| self.attempt(&pieces));
+            match attempt {
+                Ok(r) => {
+                    if let Some(why) = self.halve_next.take() {
+                        self.halve(&batches, why)?;
+                    }
+                    return Ok(r);
+                }
+                Err(e) if e.is_out_of_memory() => self.halve(&batches, e.to_string())?,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The micro-batches halved `halvings` times (a part of one sample stays whole).
+    fn pieces<'b>(
+        &self,
+        batches: &'b [T::Batch],
+        halvings: u32,
+    ) -> Result<Vec<Piece<'b, T::Batch>>> {
+        let mut out = Vec::new();
+        for (micro, b) in batches.iter().enumerate() {
+            let mut parts = vec![Piece {
+                micro,
+                first: 0,
+                batch: Part::Whole(b),
+            }];
+            for _ in 0..halvings {
+                let mut next = Vec::with_capacity(parts.len() * 2);
+                for p in parts {
+                    match self.task.split(p.batch.get()).map_err(Error::Task)? {
+                        Some((x, y)) => {
+                            let second = p.first + self.task.counts(&x).1;
+                            next.push(Piece {
+                                micro,
+                                first: p.first,
+                                batch: Part::Split(x),
+                            });
+                            next.push(Piece {
+                                micro,
+                                first: second,
+                                batch: Part::Split(y),
+                            });
+                        }
+                        None => next.push(p),
+                    }
+                }
+                parts = next;
+            }
+            out.extend(parts);
+        }
+        Ok(out)
+    }
+
+    /// After an out-of-memory error (`why`): drops what the step holds and splits each
+    /// micro-batch once more, or stops with the memory table of the moment when the parts are
+    /// single samples already (or the update had begun).
+    fn halve(&mut self, batches: &[T::Batch], why: String) -> Result<()> {
+        let was_updating = std::mem::replace(&mut self.updating, false);
+        drop(self.acc.take());
+        self.ledger.remove(Category::Gradients, "model");
+        self.ledger
+            .remove(Category::Activations, "checkpoint inputs");
+        let before = self.pieces(batches, self.halvings)?.len();
+        let after = self.pieces(batches, self.halvings + 1)?.len();
+        if was_updating || after == before {
+            self.ledger.mark("out-of-memory", self.step)?;
+            let device = self.params.first().map(|p| p.device().clone());
+            let allocator = device
+                .as_ref()
+                .and_then(measure::allocator_summary)
+                .map(|s| format!("{s}\n"))
+                .unwrap_or_default();
+            let why_not = if was_updating {
+                "the step's update had begun (part of the weights had moved), so the step \
+                 cannot run again; resume from the last checkpoint with a smaller --batch-size \
+                 and a larger --accum, or the optimizer state on the host (--offload-optimizer)"
+                    .to_string()
+            } else {
+                format!(
+                    "the step already runs {after} micro-batches of the smallest size they split \
+                     to; lower the resolution, the sequence lengths or the episode size, or \
+                     checkpoint more (--checkpointing full, full-host)"
+                )
+            };
+            return Err(Error::Invalid(format!(
+                "{why}: {why_not}. Nothing saved was touched.\nmemory at that moment:\n{allocator}{}",
+                self.ledger.table()
+            )));
+        }
+        self.halvings += 1;
+        self.events.push(serde_json::json!({
+            "step": self.step + 1,
+            "event": "out_of_memory",
+            "error": why,
+            "micro_batches_before": before,
+            "micro_batches_after": after,
+            "message": format!(
+                "{why}; each micro-batch now runs in {} parts ({before} -> {after} forward and \
+                 backward passes a step, the same samples and effective batch)",
+                1u64 << self.halvings
+            ),
+        }));
+        Ok(())
+    }
+
+    /// On the CPU under `--fit`: an out-of-memory error when the phase that just ended peaked
+    /// above the budget (as the plan counts bytes), or, once the fused backward has applied the
+    /// update, a note that the next steps split.
+    fn watch_budget(&mut self, phase: &str, applied: bool) -> Result<()> {
+        let Some(budget) = self.cfg.budget else {
+            return Ok(());
+        };
+        if !self.ledger.is_measured() || !self.params.first().is_none_or(|p| p.device().is_cpu()) {
+            return Ok(());
+        }
+        let Some(peak) = self.ledger.last_peak_as_planned() else {
+            return Ok(());
+        };
+        if peak <= budget {
+            return Ok(());
+        }
+        let detail = format!(
+            "the {phase} peaked at {}, over the --fit budget of {}",
+            format_bytes(peak as i64),
+            format_bytes(budget as i64)
+        );
+        if applied {
+            self.halve_next = Some(format!(
+                "out of memory in {phase} at step {}: {detail} (the update was applied)",
+                self.step + 1
+            ));
+            return Ok(());
+        }
+        Err(Error::OutOfMemory {
+            phase: phase.to_string(),
+            step: self.step + 1,
+            detail,
+        })
+    }
+
+    /// One try at the step over `pieces`.
+    fn attempt(&mut self, pieces: &[Piece<'_, T::Batch>]) -> Result<StepReport> {
+        let step = self.step;
+        let counts: Vec<(usize, usize)> = pieces
+            .iter()
+            .map(|p| self.task.counts(p.batch.get()))
+            .collect();
         let units: Vec<usize> = counts.iter().map(|c| c.0).collect();
         let samples: usize = counts.iter().map(|c| c.1).sum();
         let norm = match self.cfg.units {
@@ -196,15 +400,19 @@ impl<T: Task> Loop<'_, T> {
         let fused = self.cfg.mode.fused_backward();
         let (mut loss_sum, mut updated_in_backward, mut bad_loss) = (0f64, 0usize, false);
         let mut non_finite_grads = false;
-        for (micro, batch) in batches.iter().enumerate() {
+        for (i, piece) in pieces.iter().enumerate() {
             let ctx = StepCtx {
                 step,
-                micro,
-                dropout_seed: mix(self.cfg.seed, step, micro),
+                micro: piece.micro,
+                dropout_seed: mix(self.cfg.seed, step, piece.micro),
+                first_sample: piece.first,
                 checkpointer: self.checkpointer,
             };
             self.checkpointer.begin_forward();
-            let summed = self.task.summed_loss(batch, &ctx).map_err(Error::Task)?;
+            let summed = self
+                .task
+                .summed_loss(piece.batch.get(), &ctx)
+                .map_err(Error::Task)?;
             let loss = norm.scale(&summed)?;
             let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             loss_sum += value;
@@ -219,6 +427,7 @@ impl<T: Task> Loop<'_, T> {
                 );
             }
             self.ledger.mark("forward", step)?;
+            self.watch_budget("forward", false)?;
             if !value.is_finite() {
                 // Nothing of this step reaches the weights: no backward, and the gradients of
                 // its earlier micro-batches are dropped.
@@ -231,7 +440,8 @@ impl<T: Task> Loop<'_, T> {
             } else {
                 loss
             };
-            if fused && micro + 1 < batches.len() {
+            let last = i + 1 == pieces.len();
+            if fused && !last {
                 // Each segment's gradients into the step's sums as its backward ends.
                 self.opt
                     .backward_and_accumulate(self.checkpointer, &scaled, &mut self.acc)?;
@@ -241,6 +451,7 @@ impl<T: Task> Loop<'_, T> {
                     .set_on(Category::Gradients, "model", bytes, &device);
             } else if fused {
                 // Backward and update together: no gradients of the whole model at once.
+                self.updating = true;
                 let f =
                     self.opt
                         .backward_and_step(self.checkpointer, &scaled, lr, &mut self.acc)?;
@@ -255,8 +466,8 @@ impl<T: Task> Loop<'_, T> {
                     .set_on(Category::Gradients, "model", bytes, &device);
             }
             self.ledger.mark("backward", step)?;
+            self.watch_budget("backward", fused && last)?;
         }
-        drop(batches);
         let outcome = if bad_loss {
             StepOutcome::skipped_non_finite()
         } else if fused {
@@ -265,6 +476,7 @@ impl<T: Task> Loop<'_, T> {
                 ..StepOutcome::applied_without_norm()
             }
         } else {
+            self.updating = true;
             self.opt.step(self.acc.take(), lr)?
         };
         self.ledger.remove(Category::Gradients, "model");
@@ -276,6 +488,7 @@ impl<T: Task> Loop<'_, T> {
             .after_step(self.step, self.opt.weights(), self.ledger)
             .map_err(Error::Task)?;
         self.ledger.mark("step", self.step)?;
+        self.updating = false;
         Ok(StepReport {
             bad_loss,
             loss: loss_sum,
@@ -283,6 +496,7 @@ impl<T: Task> Loop<'_, T> {
             samples,
             outcome,
             updated_in_backward,
+            pieces: pieces.len(),
         })
     }
 

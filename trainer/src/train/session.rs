@@ -212,6 +212,7 @@ impl SessionBuilder {
             resume: c.resume.clone(),
             best: plan.best,
             max_bad_steps: c.max_bad_steps,
+            budget: c.fit_budget()?,
         };
         Ok(Session {
             task,

@@ -28,6 +28,9 @@ pub struct LoopConfig {
     /// Stop with an error after this many steps in a row with a non-finite loss or gradient
     /// (each skipped); 0 never stops.
     pub max_bad_steps: u64,
+    /// `--fit`'s budget: on the CPU, a step whose measured peak (as the plan counts it) passes
+    /// it is retried in smaller parts, as a GPU's out-of-memory error is.
+    pub budget: Option<u64>,
 }
 
 /// "Best checkpoint kept, early stopping": which metric decides and how long to wait.

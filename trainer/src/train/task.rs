@@ -20,6 +20,10 @@ pub struct StepCtx<'a> {
     /// Seed of this micro-batch's dropout masks: a function of (run seed, step, micro) only, so a
     /// resumed run draws the masks an uninterrupted one would have.
     pub dropout_seed: u64,
+    /// Position of the batch's first sample in the micro-batch `dropout_seed` was drawn for (0
+    /// unless the out-of-memory retry split it): noise and masks are drawn per sample from
+    /// (seed, position), so a split micro-batch draws what the whole drew.
+    pub first_sample: usize,
     pub checkpointer: &'a Checkpointer,
 }
 
@@ -41,6 +45,13 @@ pub trait Task {
     fn counts(&self, batch: &Self::Batch) -> (usize, usize);
     /// The batch's loss *summed* over its units (the loop divides by the step's total units).
     fn summed_loss(&mut self, batch: &Self::Batch, ctx: &StepCtx) -> TaskResult<Tensor>;
+    /// The batch's first half of samples and the rest, for the out-of-memory retry: the two
+    /// losses (at `first_sample` 0 and the first half's length) must sum to the whole's.
+    /// `None`: it holds one sample, or cannot be split without changing the loss (batch norm
+    /// over an episode).
+    fn split(&self, _batch: &Self::Batch) -> TaskResult<Option<(Self::Batch, Self::Batch)>> {
+        Ok(None)
+    }
     /// Called after each optimizer step with the updated weights (the fp32 masters when the
     /// model is stored in low precision): an EMA folds them in here. `step` counts steps done.
     fn after_step(&mut self, _step: u64, _weights: &[Var], _ledger: &mut Ledger) -> TaskResult<()> {
