@@ -17,6 +17,8 @@ use crate::error::{Error, Result};
 pub struct ProfilePoint {
     pub phase: String,
     pub step: u64,
+    /// Seconds since the ledger was made.
+    pub at: f64,
     /// Measured bytes in use at the point.
     pub live: u64,
     /// Measured high-water mark since the previous point (the peak of the phase that just ended).
@@ -56,6 +58,7 @@ pub struct Ledger {
     timeline: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
     /// The plan's bytes on the device (`--plan`), to compare with what is measured.
     predicted: Option<u64>,
+    started: std::time::Instant,
 }
 
 impl Ledger {
@@ -70,6 +73,7 @@ impl Ledger {
             points: Vec::new(),
             timeline: None,
             predicted: None,
+            started: std::time::Instant::now(),
         }
     }
 
@@ -159,6 +163,7 @@ impl Ledger {
         let point = ProfilePoint {
             phase: phase.to_string(),
             step,
+            at: self.started.elapsed().as_secs_f64(),
             live: r.live,
             peak: r.peak,
             delta: self.baseline.map(|b| r.live as i64 - b as i64).unwrap_or(0),
@@ -212,11 +217,30 @@ impl Ledger {
     /// A measured peak as the plan counts it: above the baseline, less what the run held at
     /// its first point besides the bytes it told.
     fn as_planned(&self, peak: u64) -> Option<u64> {
+        let above = peak.saturating_sub(self.baseline.unwrap_or(0));
+        Some(above.saturating_sub(self.unplanned()?))
+    }
+
+    /// What the run held above the baseline at its first point besides the bytes it told: its
+    /// data, tokenizer and the like, which the plan does not count.
+    fn unplanned(&self) -> Option<u64> {
         let first = self.points.first()?;
         let told: u64 = first.told.values().sum();
-        let other = (first.delta.max(0) as u64).saturating_sub(told);
-        let above = peak.saturating_sub(self.baseline.unwrap_or(0));
-        Some(above.saturating_sub(other))
+        Some((first.delta.max(0) as u64).saturating_sub(told))
+    }
+
+    /// Writes the memory timeline as a picture to `path` (see [`super::chart`]), with
+    /// `--fit`'s budget when there is one and the plan's prediction.
+    pub fn write_chart(&self, path: &Path, title: &str, budget: Option<u64>) -> Result<()> {
+        let lines = super::chart::ChartLines {
+            budget,
+            predicted: self.predicted,
+            unplanned: self.unplanned().unwrap_or(0),
+            title: title.to_string(),
+        };
+        let svg = super::chart::svg(&self.points, &lines);
+        ft_params::fs::write_atomic(path, |f| f.write_all(svg.as_bytes()))?;
+        Ok(())
     }
 
     /// Highest measured peak over all points, with the phase it happened in.
@@ -287,6 +311,7 @@ fn point_json(p: &ProfilePoint) -> String {
     serde_json::json!({
         "phase": p.phase,
         "step": p.step,
+        "t_s": p.at,
         "live_bytes": p.live,
         "peak_bytes": p.peak,
         "delta_bytes": p.delta,

@@ -9,9 +9,11 @@
 //! - [`alloc`]: the counting global allocator (exact heap bytes on the CPU).
 //! - [`measure`]: one reading of a device (the allocator, or the CUDA memory pool).
 //! - [`Ledger`] (`book`) and its table (`report`).
+//! - [`chart`]: the timeline as a picture (`memory.svg`).
 
 pub mod alloc;
 mod book;
+pub mod chart;
 pub mod measure;
 mod report;
 

@@ -36,15 +36,33 @@ pub struct Session<T: Task> {
 }
 
 impl<T: Task> Session<T> {
-    /// Runs the loop until `loop_config.max_steps` (or early stopping).
+    /// Runs the loop until `loop_config.max_steps` (or early stopping), then draws the memory
+    /// timeline to `memory.svg` in the output folder (also when the loop failed: the picture
+    /// of a run that ran out of memory is the one a user needs most).
     pub fn train(&mut self) -> Result<RunSummary> {
-        super::run::run(
+        let result = super::run::run(
             &mut self.task,
             &mut self.optimizer,
             &self.checkpointer,
             &mut self.ledger,
             &self.loop_config,
-        )
+        );
+        let dir = &self.loop_config.output_dir;
+        let title = format!(
+            "memory above the baseline, {} ({})",
+            dir.display(),
+            if self.ledger.is_measured() {
+                "measured"
+            } else {
+                "told bytes only: not measured"
+            }
+        );
+        let chart =
+            self.ledger
+                .write_chart(&dir.join("memory.svg"), &title, self.loop_config.budget);
+        let summary = result?;
+        chart?;
+        Ok(summary)
     }
 }
 
