@@ -603,7 +603,6 @@ fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
     let model = full_unet_pipeline(&out)?.display().to_string();
     let out_arg = out.join("run").display().to_string();
     let mut table = String::from("| px | --fit | chosen | predicted peak on the GPU | host |\n");
-    let fmt = |b: u64| ft_params::bytes::format_bytes(b as i64);
     let mut fitted = Vec::new();
     for res in ["128", "1024"] {
         for budget in ["24GiB", "16GiB", "8GiB"] {
@@ -629,16 +628,7 @@ fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
                     let limit = a.common.fit_budget()?.unwrap_or(0);
                     assert!(f.plan.device_bytes() <= limit, "{}", f.plan.table());
                     fitted.push((res, budget));
-                    format!(
-                        "{} | {} | {}",
-                        if f.chosen.is_empty() {
-                            "as it is".to_string()
-                        } else {
-                            format!("`{}`", f.chosen.join(" "))
-                        },
-                        fmt(f.plan.device_bytes()),
-                        fmt(f.plan.host_bytes())
-                    )
+                    f.cells()
                 }
                 Ok(None) => anyhow::bail!("--fit {budget} gave no choice"),
                 Err(e) => format!("error: {e} | | "),

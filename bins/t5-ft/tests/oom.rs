@@ -148,6 +148,9 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_update() -> anyhow::Result
     for (a, b) in summary.losses.iter().zip(&retried.losses) {
         assert!((a - b).abs() < 1e-5 * a.abs().max(1.0), "loss {a} vs {b}");
     }
+    // The run drew its timeline with the budget it kept.
+    let picture = std::fs::read_to_string(out.join("split/memory.svg"))?;
+    assert!(picture.contains("--fit budget"), "{picture}");
     let after = weights(&split)?;
     let worst = reference
         .iter()
@@ -174,6 +177,9 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_update() -> anyhow::Result
         .count();
     assert_eq!(retries, 3, "8 -> 4 -> 2 -> 1 samples a part");
     assert!(!out.join("tiny/checkpoint-1").exists());
+    // A failed run draws its picture too: the moment it stopped is marked.
+    let picture = std::fs::read_to_string(out.join("tiny/memory.svg"))?;
+    assert!(picture.contains("peak "), "{picture}");
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }

@@ -435,7 +435,6 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
     let model = dir.display().to_string();
     let out_arg = dir.join("out").display().to_string();
     let mut table = String::from("| --fit | chosen | predicted peak on the GPU | host |\n");
-    let fmt = |b: u64| ft_params::bytes::format_bytes(b as i64);
     let mut fitted = Vec::new();
     for budget in ["24GiB", "16GiB", "8GiB"] {
         let a: Args = train::parse_args_from([
@@ -463,12 +462,7 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
                 let limit = a.common.fit_budget()?.unwrap_or(0);
                 assert!(f.plan.device_bytes() <= limit, "{}", f.plan.table());
                 fitted.push(budget);
-                format!(
-                    "`{}` | {} | {}",
-                    f.chosen.join(" "),
-                    fmt(f.plan.device_bytes()),
-                    fmt(f.plan.host_bytes())
-                )
+                f.cells()
             }
             Ok(None) => anyhow::bail!("--fit {budget} gave no choice"),
             Err(e) => format!("error: {e} | | "),

@@ -107,6 +107,23 @@ impl<A> Fitted<A> {
     }
 }
 
+impl<A> Fitted<A> {
+    /// The choice as the cells of a markdown row: the flags (or "as it is"), the predicted peak
+    /// on the training device, the bytes in host memory (the seed-setup tables of the README).
+    pub fn cells(&self) -> String {
+        let chosen = if self.chosen.is_empty() {
+            "as it is".to_string()
+        } else {
+            format!("`{}`", self.chosen.join(" "))
+        };
+        format!(
+            "{chosen} | {} | {}",
+            fmt(self.plan.device_bytes()),
+            fmt(self.plan.host_bytes())
+        )
+    }
+}
+
 fn fmt(b: u64) -> String {
     format_bytes(b as i64)
 }
