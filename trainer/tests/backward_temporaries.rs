@@ -4,7 +4,9 @@
 //! (`ft_params::checkpoint::Temporaries`, set in each model's formulas) were read from this
 //! test's table at the first shape of each family; every other row checks them.
 //!
-//! UNet and few-shot rows are within 10%; T5 rows within 26% (see [`T5_TOLERANCE`]).
+//! UNet and few-shot rows are within 10%; T5 rows within 20% (see [`T5_TOLERANCE`]). The matrix
+//! multiply's per-thread scratch is made before measuring (`warm_matmul_scratch`): it is the
+//! process's, not the step's.
 //!
 //! The predicted peak is what `--plan` adds for one micro-batch: the activations the strategy
 //! keeps, the largest segment while it is rebuilt, backward's temporaries, and the parameters'
@@ -23,10 +25,14 @@ use ft_trainer::ledger::alloc;
 #[global_allocator]
 static ALLOC: alloc::CountingAlloc = alloc::CountingAlloc;
 
-/// T5's temporaries depend on how its blocks split between attention scores and the
-/// feed-forward (one factor per strategy cannot follow both): its rows are within 26%, the
-/// others within 10%.
-const T5_TOLERANCE: f64 = 0.26;
+/// The UNet's and the few-shot backbones' rows.
+const TOLERANCE: f64 = 0.10;
+
+/// T5's temporaries are a factor of each block's graph plus a factor of its attention scores
+/// (`ft_models::activations`): rows at 256 and more source tokens are within 7%; short
+/// sequences within 20%, where the temporaries follow the mix of model width and heads more
+/// than two factors can.
+const T5_TOLERANCE: f64 = 0.20;
 
 const STRATEGIES: [&str; 4] = ["none", "blocks", "full", "every:2"];
 
@@ -110,7 +116,13 @@ fn t5_rows() -> anyhow::Result<Vec<Row>> {
         let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &dev, 2);
         let m = T5::new(&pb, &cfg)?;
         let ps = params(&pb)?;
-        for (b, ls, lt) in [(8, 64, 16), (4, 128, 32), (16, 32, 8)] {
+        for (b, ls, lt) in [
+            (8, 64, 16),
+            (4, 128, 32),
+            (16, 32, 8),
+            (1, 256, 64),
+            (2, 32, 96),
+        ] {
             let ids: Vec<u32> = (0..b * ls).map(|i| 2 + i as u32 % 60).collect();
             let labels: Vec<i64> = (0..b * lt).map(|i| 2 + i as i64 % 7).collect();
             let batch = T5Batch {
@@ -162,7 +174,7 @@ fn unet_rows() -> anyhow::Result<Vec<Row>> {
         let profile = cfg.activations(&shape, DType::F32, Target::Cpu);
         rows.extend(measure(
             &format!("unet {batch}x{h}x{w}"),
-            0.10,
+            TOLERANCE,
             &profile,
             &ps,
             &|ck| {
@@ -210,7 +222,7 @@ fn fewshot_rows() -> anyhow::Result<Vec<Row>> {
             let profile = m.activations(&shape, DType::F32, Target::Cpu);
             rows.extend(measure(
                 &format!("fewshot {kind:?} {size}px {n_way}w{k_shot}s{n_query}q"),
-                0.10,
+                TOLERANCE,
                 &profile,
                 &ps,
                 &|ck| Ok(m.summed_loss(&ep, true, ck)?.0),
@@ -223,6 +235,7 @@ fn fewshot_rows() -> anyhow::Result<Vec<Row>> {
 /// One test: the counting allocator is global, so the rows are measured one after another.
 #[test]
 fn the_plan_with_temporaries_is_near_the_measured_peak() -> anyhow::Result<()> {
+    ft_trainer::ledger::measure::warm_matmul_scratch();
     let mut rows = t5_rows()?;
     rows.extend(unet_rows()?);
     rows.extend(fewshot_rows()?);

@@ -48,7 +48,7 @@ pub fn plan(args: &Args) -> Result<StatePlan> {
     let pipeline = open_pipeline(&args)?;
     let (pb, store, precision) = args.common.shapes_builder()?;
     let unet = UNet::new(&pb, &pipeline.unet)?;
-    unet_plan(&args, &store, &unet, precision)
+    unet_plan(&args, &store, &unet, precision, pipeline.vae_factor())
 }
 
 /// Tokens of the text states the UNet attends to: SDXL's tokenizers pad to 77.
@@ -56,15 +56,17 @@ const CONTEXT_TOKENS: usize = 77;
 
 /// The UNet's model states under these arguments, with the EMA when `--ema`, and the
 /// activations of one micro-batch of `--res` images (square: aspect buckets keep about the same
-/// area) with the loss.
+/// area) with the loss. The latents are `--res` over the VAE's `factor` (8 for SDXL's, 4 for the
+/// demo's three-level VAE: assuming 8 there planned a quarter of the demo's latent area).
 fn unet_plan(
     args: &Args,
     store: &ParamStore,
     unet: &UNet,
     precision: Precision,
+    factor: usize,
 ) -> Result<StatePlan> {
     let plan = args.common.state_plan(store, &unet.segments(), precision)?;
-    let side = args.res / 8;
+    let side = args.res / factor;
     let shape = UNetShape {
         batch: args.common.batch_size,
         height: side,
@@ -128,7 +130,13 @@ pub fn setup(args: &Args) -> Result<Setup> {
     let unet = UNet::new(&s.params(Some(files)), &pipeline.unet)?;
     s.loaded()?;
     let store = s.store().clone();
-    let optimizer = s.optimizer(&unet_plan(&args, &store, &unet, precision)?)?;
+    let optimizer = s.optimizer(&unet_plan(
+        &args,
+        &store,
+        &unet,
+        precision,
+        pipeline.vae_factor(),
+    )?)?;
     let ema = ema(&args, &optimizer, &device)?;
     if let Some(ema) = &ema {
         s.ledger()

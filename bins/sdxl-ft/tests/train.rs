@@ -300,6 +300,11 @@ fn full_unet_pipeline(out: &Path) -> anyhow::Result<PathBuf> {
         cfg["projection_dim"] = hidden.into();
         std::fs::write(&path, cfg.to_string())?;
     }
+    // A VAE with SDXL's four levels: latents are the image over 8 (the demo's has three).
+    let path = demo.model.join("vae/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    cfg["block_out_channels"] = serde_json::json!([128, 256, 512, 512]);
+    std::fs::write(&path, cfg.to_string())?;
     Ok(demo.model)
 }
 

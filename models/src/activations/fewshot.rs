@@ -128,6 +128,7 @@ impl Walk {
             graph: t.bytes(self.dtype),
             output: out.bytes(self.dtype),
             off_graph: 0,
+            score_temporaries: 0,
         });
         y
     }

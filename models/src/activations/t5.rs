@@ -6,6 +6,7 @@ use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Temporaries};
 
 use super::{Attention, Tally, Target};
 use crate::t5::T5Config;
+use ft_kernels::attention::MAX_SCORES;
 
 /// One T5 micro-batch: `batch` examples padded to `source_len` input and `target_len` label
 /// tokens.
@@ -25,11 +26,14 @@ struct Walk<'a> {
     dropout: bool,
     outer: Tally,
     segments: Vec<SegmentBytes>,
+    /// The block being walked's backward temporaries through its attention scores, in elements.
+    score_temporaries: u64,
 }
 
 impl Walk<'_> {
-    /// Attention of `lq` rows of `x` over `lk` rows, with a bias of `bias` elements.
-    fn attn(&self, t: &mut Tally, lq: u64, lk: u64, bias: u64) {
+    /// Attention of `lq` rows of `x` over `lk` rows, with a bias of `bias` elements, one per
+    /// example and score when `per_example` (the encoder's self-attention).
+    fn attn(&mut self, t: &mut Tally, lq: u64, lk: u64, bias: u64, per_example: bool) {
         let (b, c) = (self.b, self.cfg);
         let (d, inner) = (c.d_model as u64, (c.num_heads * c.d_kv) as u64);
         t.linear(b * lq, d, inner, false, false);
@@ -47,6 +51,17 @@ impl Walk<'_> {
             bias,
         };
         t.attention(a, self.target);
+        if !self.target.fused_attention(a.head_dim) {
+            // The scores' backward runs one query chunk at a time; a bias per example (the
+            // encoder's, its padding mask added) has its whole gradient summed over the layers.
+            let whole = b * a.heads * lq * lk;
+            let chunk =
+                whole.min(b * a.heads * lk * (MAX_SCORES as u64 / (b * a.heads * lk)).max(1));
+            self.score_temporaries += SCORE_TEMPORARIES * chunk / 1000;
+            if per_example {
+                self.score_temporaries += BIAS_TEMPORARIES * whole / 1000;
+            }
+        }
         t.new_tensor(b * lq * inner); // heads merged back
         t.linear(b * lq, inner, d, false, false);
     }
@@ -58,12 +73,12 @@ impl Walk<'_> {
         let bld = b * l * d;
         let mut t = Tally::default();
         t.rms_norm(bld);
-        self.attn(&mut t, l, l, bias);
+        self.attn(&mut t, l, l, bias, cross.is_none());
         t.dropout(self.dropout, bld);
         t.new_tensor(bld); // residual
         if let Some(ls) = cross {
             t.rms_norm(bld);
-            self.attn(&mut t, l, ls, b * ls);
+            self.attn(&mut t, l, ls, b * ls, false);
             t.dropout(self.dropout, bld);
             t.new_tensor(bld);
         }
@@ -84,6 +99,7 @@ impl Walk<'_> {
             graph: t.bytes(self.dtype),
             output: bld * s,
             off_graph: t.off_graph * s,
+            score_temporaries: std::mem::take(&mut self.score_temporaries) * s,
         });
         self.outer.new_tensor(bld);
     }
@@ -110,13 +126,20 @@ impl Walk<'_> {
     }
 }
 
-/// Backward's temporaries through a T5 block, in thousandths of its graph (measured:
-/// `trainer/tests/backward_temporaries.rs`).
+/// Backward's temporaries through a T5 block besides its attention scores', in thousandths of
+/// its graph; and through the scores of a composed attention (the CPU's), in thousandths of a
+/// score tensor: the gradients of the probabilities and the scores (2 per query chunk), and the
+/// gradient of a bias per example, summed over the stack's layers (6.5 more). Fitted together on
+/// the CPU over the demo-sized and tiny models at 16 to 512 source tokens
+/// (`trainer/tests/backward_temporaries.rs` checks them): one factor of the graph alone was off
+/// by up to 26%, short sequences wanting 1.5 and long ones 3 graphs.
 const T5_TEMPORARIES: Temporaries = Temporaries {
-    whole: 2000,
-    kept: 2400,
-    recomputed: 2100,
+    whole: 850,
+    kept: 1150,
+    recomputed: 900,
 };
+const SCORE_TEMPORARIES: u64 = 2000;
+const BIAS_TEMPORARIES: u64 = 6500;
 
 impl T5Config {
     /// What one forward of `summed_loss` at `shape` keeps for its backward, in `dtype`, with
@@ -141,6 +164,7 @@ impl T5Config {
             dropout: dropout && self.dropout_rate > 0.0,
             outer: Tally::default(),
             segments: Vec::new(),
+            score_temporaries: 0,
         };
         w.stack(ls, self.num_layers, None);
         w.stack(lt, self.decoder_layers(), Some(ls));

@@ -38,6 +38,7 @@ impl Walk<'_> {
             graph: t.bytes(self.dtype),
             output: out.bytes(self.dtype),
             off_graph: 0,
+            score_temporaries: 0,
         });
         // The op's output is a tensor of the caller's graph.
         self.outer.new_tensor(output);

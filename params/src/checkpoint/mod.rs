@@ -64,6 +64,11 @@ pub struct SegmentBytes {
     pub graph: u64,
     pub output: u64,
     pub off_graph: u64,
+    /// Backward's temporaries through the attention scores the segment forms, in bytes, on top
+    /// of those proportional to its graph ([`Temporaries`]): where a model's blocks split
+    /// between scores (growing with the sequence length squared) and the rest, one factor of
+    /// the graph cannot follow both. Set by a model's formulas; 0 when measured.
+    pub score_temporaries: u64,
 }
 
 impl SegmentBytes {
@@ -233,6 +238,7 @@ impl Checkpointer {
                         graph: graph_bytes(&y),
                         output: crate::bytes::tensor_bytes(&y),
                         off_graph: 0,
+                        score_temporaries: 0,
                     });
                 }
                 Body::Kept(Mutex::new(Some(KeptGraph { leaves, y })))

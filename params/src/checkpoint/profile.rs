@@ -22,7 +22,8 @@
 //! backprop sums into, kernels' buffers) come on top. They are not tensors of the forward's
 //! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
 //! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
-//! on the CPU by `trainer/tests/backward_temporaries.rs`). [`ActivationProfile::held`] walks
+//! on the CPU by `trainer/tests/backward_temporaries.rs`), plus, where the formulas set it, a
+//! segment's temporaries through its attention scores ([`SegmentBytes::score_temporaries`]). [`ActivationProfile::held`] walks
 //! backward from the last segment to the first, each with the kept graphs of the segments
 //! before it (those after it are freed by then), and takes the most.
 
@@ -148,18 +149,19 @@ impl ActivationProfile {
         let mut peak = 0;
         for (i, s) in self.segments.iter().enumerate() {
             let g = s.kept();
+            let of = |permille| of(permille, g) + s.score_temporaries;
             let live = match strategy {
-                Strategy::None => self.graphs() - outputs + of(t.whole, g),
-                Strategy::Blocks => kept_before[i] + g + of(t.kept, g),
+                Strategy::None => self.graphs() - outputs + of(t.whole),
+                Strategy::Blocks => kept_before[i] + g + of(t.kept),
                 Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => {
-                    kept_before[i] + g + of(t.kept, g)
+                    kept_before[i] + g + of(t.kept)
                 }
                 Strategy::Every(_) | Strategy::Full | Strategy::FullHost => {
-                    kept_before[i] + g + of(t.recomputed, g)
+                    kept_before[i] + g + of(t.recomputed)
                 }
                 Strategy::Budget(b) => {
                     let earlier = b.min(kept_before[i]);
-                    earlier + g + of(t.recomputed, g).max(of(t.kept, g))
+                    earlier + g + of(t.recomputed.max(t.kept))
                 }
             };
             peak = peak.max(live);
@@ -182,7 +184,7 @@ mod tests {
         let s = |graph, output| SegmentBytes {
             graph,
             output,
-            off_graph: 0,
+            ..SegmentBytes::default()
         };
         let p = ActivationProfile {
             outer: 1000,
@@ -212,8 +214,7 @@ mod tests {
     fn backward_walks_the_segments_from_the_last() {
         let s = |graph| SegmentBytes {
             graph,
-            output: 0,
-            off_graph: 0,
+            ..SegmentBytes::default()
         };
         let p = ActivationProfile {
             outer: 0,

@@ -58,6 +58,9 @@ pub struct Ledger {
     timeline: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
     /// The plan's bytes on the device (`--plan`), to compare with what is measured.
     predicted: Option<u64>,
+    /// What the run held above the baseline before its first step besides the bytes it told
+    /// (see [`Ledger::training_starts`]).
+    unplanned: Option<u64>,
     started: std::time::Instant,
 }
 
@@ -73,6 +76,7 @@ impl Ledger {
             points: Vec::new(),
             timeline: None,
             predicted: None,
+            unplanned: None,
             started: std::time::Instant::now(),
         }
     }
@@ -150,8 +154,13 @@ impl Ledger {
         sums(&self.told)
     }
 
-    /// Makes the current measured bytes the zero from which later deltas count.
+    /// Makes the current measured bytes the zero from which later deltas count. On the CPU the
+    /// matrix multiply's per-thread scratch is made first, so the baseline holds it
+    /// ([`measure::warm_matmul_scratch`]).
     pub fn set_baseline(&mut self) -> Reading {
+        if self.device.is_cpu() {
+            measure::warm_matmul_scratch();
+        }
         let r = measure::read(&self.device);
         self.baseline = Some(r.live);
         r
@@ -214,19 +223,22 @@ impl Ledger {
         self.as_planned(self.points.last()?.peak)
     }
 
-    /// A measured peak as the plan counts it: above the baseline, less what the run held at
-    /// its first point besides the bytes it told.
+    /// A measured peak as the plan counts it: above the baseline, less what the run held
+    /// before its first step besides the bytes it told.
     fn as_planned(&self, peak: u64) -> Option<u64> {
         let above = peak.saturating_sub(self.baseline.unwrap_or(0));
-        Some(above.saturating_sub(self.unplanned()?))
+        Some(above.saturating_sub(self.unplanned?))
     }
 
-    /// What the run held above the baseline at its first point besides the bytes it told: its
-    /// data, tokenizer and the like, which the plan does not count.
-    fn unplanned(&self) -> Option<u64> {
-        let first = self.points.first()?;
-        let told: u64 = first.told.values().sum();
-        Some((first.delta.max(0) as u64).saturating_sub(told))
+    /// Takes the last point as the one before the first step: what the run holds there above
+    /// the baseline besides the bytes it told (its data, cached latents, tokenizer and the like)
+    /// is what the plan does not count. The run's first point would not do: sdxl-ft's is taken
+    /// while its cache is being built, before the latents it trains on are held.
+    pub fn training_starts(&mut self) {
+        self.unplanned = self.points.last().map(|p| {
+            let told: u64 = p.told.values().sum();
+            (p.delta.max(0) as u64).saturating_sub(told)
+        });
     }
 
     /// Writes the memory timeline as a picture to `path` (see [`super::chart`]), with
@@ -235,7 +247,7 @@ impl Ledger {
         let lines = super::chart::ChartLines {
             budget,
             predicted: self.predicted,
-            unplanned: self.unplanned().unwrap_or(0),
+            unplanned: self.unplanned.unwrap_or(0),
             title: title.to_string(),
         };
         let svg = super::chart::svg(&self.points, &lines);

@@ -115,6 +115,7 @@ pub fn run<T: Task>(
     };
     opt.account(ledger, "model");
     ledger.mark("load", step)?;
+    ledger.training_starts();
     let bar = progress_bar(cfg.max_steps, step, cfg.progress);
     let mut l = Loop {
         params: opt.params().to_vec(),
