@@ -721,3 +721,45 @@ fn a_split_micro_batch_computes_the_whole() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// `--plan`'s latents are `--res` over the pipeline's VAE factor: the demo's three-level VAE
+/// gives 32 px images 8 x 8 latents, SDXL's four levels 4 x 4 (planned at over 8 whatever the
+/// VAE, the demo's plan counted a quarter of its latent area and missed its peak by 58%).
+#[test]
+fn the_plan_takes_the_latent_size_from_the_vae() -> anyhow::Result<()> {
+    let out = tmp("plan-vae");
+    let demo = sdxl_ft::demo::write(&out.join("demo-data"), 2, 1)?;
+    let model = demo.model.display().to_string();
+    let plan = || -> anyhow::Result<u64> {
+        let a: sdxl_ft::cli::Args = ft_trainer::train::parse_args_from([
+            "sdxl-ft",
+            "--model",
+            &model,
+            "--res",
+            "32",
+            "--batch-size",
+            "4",
+            "--plan",
+            "--output-dir",
+            &out.join("out").display().to_string(),
+        ])?;
+        let held = sdxl_ft::run::plan(&a)?
+            .activations()
+            .ok_or_else(|| anyhow::anyhow!("no activations planned"))?;
+        Ok(held.kept)
+    };
+    let three_levels = plan()?;
+    let path = demo.model.join("vae/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    cfg["block_out_channels"] = serde_json::json!([8, 16, 16, 16]);
+    std::fs::write(&path, cfg.to_string())?;
+    let four_levels = plan()?;
+    // Four times the latent pixels: 2.9 times the kept activations (the time embedding and the
+    // text states' keys and values do not grow); at one factor for both, the two would be equal.
+    assert!(
+        2 * three_levels > 5 * four_levels,
+        "{three_levels} bytes at 8 x 8 latents, {four_levels} at 4 x 4"
+    );
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
