@@ -20,9 +20,11 @@ fn check(
 ) -> anyhow::Result<()> {
     let ck = Checkpointer::with_strategy(Strategy::Blocks).measuring();
     let y = forward(&ck)?;
-    // What the graphs hold; dropout masks (`off_graph`) are outside them.
-    let graphs =
-        |s: &[SegmentBytes]| -> Vec<(u64, u64)> { s.iter().map(|s| (s.graph, s.output)).collect() };
+    // What the graphs hold, and the input copies that are their leaves; dropout masks
+    // (`off_graph`) are outside them.
+    let graphs = |s: &[SegmentBytes]| -> Vec<(u64, u64, u64)> {
+        s.iter().map(|s| (s.graph, s.output, s.inputs)).collect()
+    };
     assert_eq!(
         graphs(&ck.measured()),
         graphs(&want.segments),

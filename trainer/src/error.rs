@@ -45,12 +45,15 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    /// True for [`Error::OutOfMemory`] and for a device's allocation failure however it arrives
-    /// (candle's CUDA error, or a task's error carrying it): what the loop recovers from.
+    /// True for [`Error::OutOfMemory`] and for a device's allocation failure however it arrives:
+    /// candle's CUDA error directly, through the checkpointer's backward (`ft_params::Error`,
+    /// where a GPU most often runs out), or a task's error carrying it. What the loop recovers
+    /// from.
     pub fn is_out_of_memory(&self) -> bool {
         match self {
             Error::OutOfMemory { .. } => true,
             Error::Candle(e) => says_out_of_memory(&e.to_string()),
+            Error::Params(ft_params::Error::Candle(e)) => says_out_of_memory(&e.to_string()),
             Error::Task(e) => says_out_of_memory(&format!("{e}")),
             _ => false,
         }
@@ -77,10 +80,14 @@ mod tests {
 
     #[test]
     fn a_cuda_allocation_failure_is_out_of_memory() {
-        let cuda = candle_core::Error::Msg(
-            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
-        );
-        assert!(Error::Candle(cuda).is_out_of_memory());
+        let cuda = || {
+            candle_core::Error::Msg(
+                "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+            )
+        };
+        assert!(Error::Candle(cuda()).is_out_of_memory());
+        // From the checkpointer's backward (`self.checkpointer.gradients(..)?` in the loop).
+        assert!(Error::from(ft_params::Error::from(cuda())).is_out_of_memory());
         let task: Box<dyn std::error::Error + Send + Sync> = "conv2d: out of memory".into();
         assert!(Error::Task(task).is_out_of_memory());
         let other = candle_core::Error::Msg("shape mismatch in matmul".into());

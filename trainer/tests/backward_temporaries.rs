@@ -257,3 +257,100 @@ fn the_plan_with_temporaries_is_near_the_measured_peak() -> anyhow::Result<()> {
     assert!(bad.is_empty(), "off by more than the tolerance: {bad:#?}");
     Ok(())
 }
+
+/// The measurements T5's temporaries were fitted to (`ft_models::activations`, t5.rs): four T5
+/// sizes at nine shapes from 32 x 16 + 16 to 2 x 512 + 128 tokens under four strategies, one
+/// JSON line each with what backward added on top of the kept activations and the parameters'
+/// gradients, and per block what the formulas say (kept, without segments, attention scores,
+/// a per-example bias). Too slow for a debug build: run it in release and fit with
+/// `scripts/fit_t5_temporaries.py`:
+///
+/// `cargo test --release -p ft-trainer --test backward_temporaries -- --ignored --nocapture
+/// | grep '^{' | python3 scripts/fit_t5_temporaries.py`
+#[test]
+#[ignore]
+fn t5_temporaries_fitting_rows() -> anyhow::Result<()> {
+    ft_trainer::ledger::measure::warm_matmul_scratch();
+    let dev = Device::Cpu;
+    for (d_model, d_kv, heads, d_ff, layers) in [
+        (64, 16, 4, 128, 2),
+        (32, 8, 8, 64, 2),
+        (64, 8, 4, 128, 3),
+        (32, 8, 4, 64, 2),
+    ] {
+        let mut cfg = T5Config::tiny(32);
+        (cfg.d_model, cfg.d_kv, cfg.num_heads, cfg.d_ff) = (d_model, d_kv, heads, d_ff);
+        cfg.num_layers = layers;
+        cfg.num_decoder_layers = Some(layers);
+        let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &dev, 2);
+        let m = T5::new(&pb, &cfg)?;
+        let ps = params(&pb)?;
+        let grads: u64 = ps.iter().map(|p| 4 * p.elem_count() as u64).sum();
+        for (b, ls, lt) in [
+            (2, 512, 128),
+            (2, 256, 256),
+            (4, 128, 32),
+            (8, 64, 16),
+            (16, 32, 8),
+            (8, 32, 32),
+            (4, 16, 64),
+            (2, 32, 96),
+            (32, 16, 16),
+        ] {
+            let ids: Vec<u32> = (0..b * ls).map(|i| 2 + i as u32 % 28).collect();
+            let labels: Vec<i64> = (0..b * lt).map(|i| 2 + i as i64 % 7).collect();
+            let batch = T5Batch {
+                input_ids: Tensor::from_vec(ids, (b, ls), &dev)?,
+                attention_mask: Tensor::ones((b, ls), DType::F32, &dev)?,
+                labels: Tensor::from_vec(labels, (b, lt), &dev)?,
+                label_tokens: b * lt,
+            };
+            let shape = T5Shape {
+                batch: b,
+                source_len: ls,
+                target_len: lt,
+            };
+            let profile = cfg.activations(&shape, DType::F32, Target::Cpu, true);
+            // Score bytes of one attention (none of these shapes forms them in chunks).
+            let scores = |lq: usize, lk: usize| (4 * b * heads * lq * lk) as u64;
+            let blocks: Vec<serde_json::Value> = profile
+                .segments
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let encoder = i < layers;
+                    serde_json::json!({
+                        "kept": s.kept(),
+                        "unsegmented": s.unsegmented(),
+                        "scores": if encoder { scores(ls, ls) } else { scores(lt, lt) + scores(lt, ls) },
+                        "bias": if encoder { scores(ls, ls) } else { 0 },
+                    })
+                })
+                .collect();
+            for s in STRATEGIES {
+                let strategy: Strategy = s.parse().map_err(anyhow::Error::msg)?;
+                let ck = Checkpointer::with_strategy(strategy);
+                let eval = DropoutCtx::eval();
+                let base = alloc::live_bytes();
+                alloc::reset_peak();
+                let loss = m.summed_loss(&batch, &eval, &ck)?;
+                let g = ck.gradients(&loss, &ps)?;
+                drop(loss);
+                let measured = (alloc::peak_bytes() - base) as u64;
+                drop(g);
+                let kept = profile.held(strategy).kept + grads;
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "run": format!("d{d_model} h{heads} L{layers} {b}x{ls}+{lt}"),
+                        "strategy": s,
+                        "kept": kept,
+                        "measured": measured,
+                        "blocks": blocks,
+                    })
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -46,9 +46,10 @@ fn marks_measure_live_bytes_and_deltas() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The measured peak set beside the plan counts the run's own bytes: the peak above the
-/// baseline, less what was held when training started and not told (the data, also what was
-/// loaded after the run's first point, as sdxl-ft's cached latents are).
+/// The measured peak set beside the plan counts the run's own bytes: the training phases' peak
+/// above the baseline (not an evaluation's), less what was held when training started and not
+/// told (the data, also what was loaded after the run's first point, as sdxl-ft's cached
+/// latents are).
 #[test]
 fn the_peak_against_the_plan_leaves_out_the_data() -> anyhow::Result<()> {
     let _g = SERIAL.lock();
@@ -68,6 +69,10 @@ fn the_peak_against_the_plan_leaves_out_the_data() -> anyhow::Result<()> {
     let transient = std::hint::black_box(vec![2u8; 32 * mib]);
     drop(transient);
     l.mark("step", 1)?;
+    // An evaluation's peak is not the plan's to predict.
+    let eval = std::hint::black_box(vec![3u8; 64 * mib]);
+    drop(eval);
+    l.mark("eval/after", 1)?;
     let (predicted, measured) = l.peak_against_plan().expect("measured on the CPU");
     assert_eq!(predicted, 40 * mib as u64);
     // 4 MiB of weights and 32 of the step; the 16 MiB of data are left out (other test

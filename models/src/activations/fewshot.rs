@@ -80,7 +80,7 @@ impl Walk {
             };
             t.new_tensor(self.elems(y));
         }
-        self.segment(t, y)
+        self.segment(t, x, y)
     }
 
     fn stem(&mut self, b: &Stem, x: Map) -> Map {
@@ -101,7 +101,7 @@ impl Walk {
             ..y
         };
         t.new_tensor(self.elems(y));
-        self.segment(t, y)
+        self.segment(t, x, y)
     }
 
     fn basic_block(&mut self, b: &BasicBlock, x: Map) -> Map {
@@ -116,20 +116,19 @@ impl Walk {
             self.batch_norm(&mut t, s);
         }
         t.new_tensor(2 * self.elems(y)); // residual sum, ReLU
-        self.segment(t, y)
+        self.segment(t, x, y)
     }
 
-    fn segment(&mut self, t: Tally, y: Map) -> Map {
-        let out = Tally {
-            elems: self.elems(y),
-            ..Tally::default()
+    /// A block of `t` from `x` to `y`. Its leaf is a copy of `x`, except for the first block,
+    /// whose input is the episode's images (no gradient).
+    fn segment(&mut self, t: Tally, x: Map, y: Map) -> Map {
+        let inputs = if self.segments.is_empty() {
+            0
+        } else {
+            self.elems(x)
         };
-        self.segments.push(SegmentBytes {
-            graph: t.bytes(self.dtype),
-            output: out.bytes(self.dtype),
-            off_graph: 0,
-            score_temporaries: 0,
-        });
+        let s = t.segment(self.dtype, self.elems(y), inputs, 0);
+        self.segments.push(s);
         y
     }
 }

@@ -17,6 +17,7 @@ pub use unet::UNetShape;
 
 use candle_core::DType;
 use ft_kernels::attention::MAX_SCORES;
+use ft_params::checkpoint::SegmentBytes;
 
 /// Where a forward runs, which decides the attention kernel `ft_kernels::attention::attend`
 /// takes: on a CUDA device, heads of 64 dimensions go through the memory-efficient kernels,
@@ -62,6 +63,16 @@ pub(crate) struct Attention {
     pub bias: u64,
 }
 
+impl Attention {
+    /// Query rows a score-forming attention takes at once when it may form `max_scores`
+    /// scores (`ft_kernels::attention::sdpa_query_chunks`), at most all of them.
+    pub fn chunk_rows(&self, max_scores: u64) -> u64 {
+        (max_scores / (self.b * self.heads * self.lk).max(1))
+            .max(1)
+            .min(self.lq)
+    }
+}
+
 /// Bytes of the tensors a forward creates and its graph keeps, in the activation dtype
 /// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32), and elements in the
 /// activation dtype that ops keep outside the graph's tensors (`off_graph`: dropout masks).
@@ -75,6 +86,20 @@ pub(crate) struct Tally {
 impl Tally {
     pub fn bytes(&self, dtype: DType) -> u64 {
         self.elems * dtype.size_in_bytes() as u64 + 4 * self.f32_elems
+    }
+
+    /// This tally as a checkpoint segment's: its graph, its `output`, the copies of its
+    /// `inputs` (the ones whose gradient is needed) that are its leaves, and its backward's
+    /// `score_temporaries`, all in elements of `dtype`.
+    pub fn segment(&self, dtype: DType, output: u64, inputs: u64, scores: u64) -> SegmentBytes {
+        let s = dtype.size_in_bytes() as u64;
+        SegmentBytes {
+            graph: self.bytes(dtype),
+            output: output * s,
+            off_graph: self.off_graph * s,
+            inputs: inputs * s,
+            score_temporaries: scores * s,
+        }
     }
 
     /// A dropout site over `n` elements when dropout is `on`: its output, and its mask, which
@@ -139,8 +164,7 @@ impl Tally {
         self.elems += scores * (2 + a.scaled as u64 + (a.bias > 0) as u64) + out;
         // Query rows in chunks of at most MAX_SCORES scores: the chunks' outputs and their
         // concatenation.
-        let rows = (max_scores / (a.b * a.heads * a.lk).max(1)).max(1);
-        if rows < a.lq {
+        if a.chunk_rows(max_scores) < a.lq {
             self.elems += out;
         }
     }

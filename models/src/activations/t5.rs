@@ -55,8 +55,7 @@ impl Walk<'_> {
             // The scores' backward runs one query chunk at a time; a bias per example (the
             // encoder's, its padding mask added) has its whole gradient summed over the layers.
             let whole = b * a.heads * lq * lk;
-            let chunk =
-                whole.min(b * a.heads * lk * (MAX_SCORES as u64 / (b * a.heads * lk)).max(1));
+            let chunk = b * a.heads * lk * a.chunk_rows(MAX_SCORES as u64);
             self.score_temporaries += SCORE_TEMPORARIES * chunk / 1000;
             if per_example {
                 self.score_temporaries += BIAS_TEMPORARIES * whole / 1000;
@@ -94,13 +93,11 @@ impl Walk<'_> {
         t.linear(b * l, f, d, false, false);
         t.dropout(self.dropout, bld);
         t.new_tensor(bld); // residual
-        let s = self.dtype.size_in_bytes() as u64;
-        self.segments.push(SegmentBytes {
-            graph: t.bytes(self.dtype),
-            output: bld * s,
-            off_graph: t.off_graph * s,
-            score_temporaries: std::mem::take(&mut self.score_temporaries) * s,
-        });
+                           // Its leaves: the input, the stack's attention bias, and the encoder's output.
+        let inputs = bld + bias + cross.map_or(0, |ls| b * ls * d);
+        let scores = std::mem::take(&mut self.score_temporaries);
+        self.segments
+            .push(t.segment(self.dtype, bld, inputs, scores));
         self.outer.new_tensor(bld);
     }
 
@@ -127,19 +124,22 @@ impl Walk<'_> {
 }
 
 /// Backward's temporaries through a T5 block besides its attention scores', in thousandths of
-/// its graph; and through the scores of a composed attention (the CPU's), in thousandths of a
-/// score tensor: the gradients of the probabilities and the scores (2 per query chunk), and the
-/// gradient of a bias per example, summed over the stack's layers (6.5 more). Fitted together on
-/// the CPU over the demo-sized and tiny models at 16 to 512 source tokens
-/// (`trainer/tests/backward_temporaries.rs` checks them): one factor of the graph alone was off
-/// by up to 26%, short sequences wanting 1.5 and long ones 3 graphs.
+/// its graph. With the next two, fitted on the CPU to 144 measured forward-and-backward runs
+/// (four T5 sizes, nine shapes from 32 x 16 + 16 to 2 x 512 + 128 tokens, four strategies):
+/// the largest error of the predicted peak is 16%, the 512-token runs' 8%. Rerun the fit with
+/// `scripts/fit_t5_temporaries.py` (its docstring has the command). One factor of the graph
+/// alone was off by up to 26%: short sequences wanted 1.5 graphs, long ones 3.
 const T5_TEMPORARIES: Temporaries = Temporaries {
-    whole: 850,
-    kept: 1150,
+    whole: 1050,
+    kept: 900,
     recomputed: 900,
 };
-const SCORE_TEMPORARIES: u64 = 2000;
-const BIAS_TEMPORARIES: u64 = 6500;
+/// Through the scores of a composed attention (the CPU's), in thousandths of a score tensor per
+/// query chunk: the gradients of the probabilities and the scores.
+const SCORE_TEMPORARIES: u64 = 1000;
+/// Through a bias with one score per example (the encoder's, its padding mask added), in
+/// thousandths of a score tensor: its gradient, summed over the stack's layers.
+const BIAS_TEMPORARIES: u64 = 6000;
 
 impl T5Config {
     /// What one forward of `summed_loss` at `shape` keeps for its backward, in `dtype`, with

@@ -29,17 +29,9 @@ struct Walk<'a> {
 }
 
 impl Walk<'_> {
-    fn segment(&mut self, t: Tally, output: u64) {
-        let out = Tally {
-            elems: output,
-            ..Tally::default()
-        };
-        self.segments.push(SegmentBytes {
-            graph: t.bytes(self.dtype),
-            output: out.bytes(self.dtype),
-            off_graph: 0,
-            score_temporaries: 0,
-        });
+    /// A segment of `t` with `output` elements, copying `inputs` elements as its leaves.
+    fn segment(&mut self, t: Tally, output: u64, inputs: u64) {
+        self.segments.push(t.segment(self.dtype, output, inputs, 0));
         // The op's output is a tensor of the caller's graph.
         self.outer.new_tensor(output);
     }
@@ -60,7 +52,8 @@ impl Walk<'_> {
             t.conv(b * cout * hw, true); // 1x1 shortcut
         }
         t.new_tensor(b * cout * hw); // residual sum
-        self.segment(t, b * cout * hw);
+                                     // Its leaves: the input and the time embedding.
+        self.segment(t, b * cout * hw, b * cin * hw + b * self.temb);
     }
 
     /// An attention sub-layer of a transformer block: projections, attention, output.
@@ -108,7 +101,8 @@ impl Walk<'_> {
         t.new_tensor(4 * bnd); // product
         t.linear(b * n, 4 * d, d, true, false); // out
         t.new_tensor(bnd); // residual
-        self.segment(t, bnd);
+                           // Its leaves: the input (the text states are data, no gradient).
+        self.segment(t, bnd, bnd);
     }
 
     /// A Transformer2D: group norm and projection in, its blocks, projection out, residual.

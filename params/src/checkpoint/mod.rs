@@ -57,13 +57,19 @@ struct Progress {
 
 /// What one segment kept from its forward (measured under `blocks`, or predicted by a model's
 /// activation formulas): its graph's bytes ([`graph_bytes`], its output included), its
-/// output's bytes, which the caller's graph holds as well, and what its ops keep outside the
-/// graph's tensors (dropout masks: formulas count them, the measurement cannot see them).
+/// output's bytes, which the caller's graph holds as well, what its ops keep outside the
+/// graph's tensors (dropout masks: formulas count them, the measurement cannot see them), and
+/// the copies of its inputs it makes as its graph's leaves.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SegmentBytes {
     pub graph: u64,
     pub output: u64,
     pub off_graph: u64,
+    /// A segment run as one op (kept or rebuilt) starts its graph at leaves of its own: a copy
+    /// of each input whose gradient is needed (`Var::from_tensor` copies). Held as long as the
+    /// graph is; without segments (`none`) there are none. T5's encoder blocks copy the
+    /// per-example attention bias this way, one score tensor a block.
+    pub inputs: u64,
     /// Backward's temporaries through the attention scores the segment forms, in bytes, on top
     /// of those proportional to its graph ([`Temporaries`]): where a model's blocks split
     /// between scores (growing with the sequence length squared) and the rest, one factor of
@@ -72,9 +78,15 @@ pub struct SegmentBytes {
 }
 
 impl SegmentBytes {
-    /// Everything the segment keeps until its backward.
+    /// Everything the segment keeps until its backward, run as one op.
     pub fn kept(&self) -> u64 {
-        self.graph + self.off_graph
+        self.graph + self.off_graph + self.inputs
+    }
+
+    /// What the segment's ops keep in a graph without segments (`none`): no leaf copies, and
+    /// its output counted with the caller's graph.
+    pub fn unsegmented(&self) -> u64 {
+        (self.graph + self.off_graph).saturating_sub(self.output)
     }
 }
 
@@ -237,8 +249,12 @@ impl Checkpointer {
                     m.push(SegmentBytes {
                         graph: graph_bytes(&y),
                         output: crate::bytes::tensor_bytes(&y),
-                        off_graph: 0,
-                        score_temporaries: 0,
+                        inputs: leaves
+                            .iter()
+                            .flatten()
+                            .map(|v| crate::bytes::tensor_bytes(v.as_tensor()))
+                            .sum(),
+                        ..SegmentBytes::default()
                     });
                 }
                 Body::Kept(Mutex::new(Some(KeptGraph { leaves, y })))

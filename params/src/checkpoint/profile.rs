@@ -3,12 +3,13 @@
 //!
 //! The accounting is exact for the tensors a graph holds ([`super::graph_bytes`]): with `O` the
 //! caller's graph when every segment runs as one op (the segments' outputs, the tensors between
-//! them and everything outside them), `g_i` what segment `i` keeps (its graph, and dropout
-//! masks beside it) and `o_i` its output,
+//! them and everything outside them), `g_i` what segment `i` keeps run as one op (its graph,
+//! dropout masks beside it, and the copies of its inputs that are its leaves, `c_i`) and `o_i`
+//! its output,
 //!
 //! | strategy | held from forward to backward | rebuilt during backward, at most at once |
 //! |---|---|---|
-//! | `none` | `O + sum(g_i - o_i)` (a segment's output is one tensor with the caller's) | 0 |
+//! | `none` | `O + sum(g_i - c_i - o_i)` (no leaves; a segment's output is one tensor with the caller's) | 0 |
 //! | `blocks` | `O + sum(g_i)` (the op's output is a copy of the graph's) | 0 |
 //! | `full` | `O` | `max(g_i)` |
 //! | `every:K` | `O + sum(g_i, i % K != 0)` | `max(g_i, i % K == 0)` |
@@ -16,15 +17,17 @@
 //! | `full-host` | `O - sum(o_i)` on the device, `sum(o_i)` on the host | `max(g_i)` |
 //!
 //! `full-host`'s split is an estimate: a segment's output that the model also reads outside the
-//! segments (the UNet's skip connections) stays on the device as well.
+//! segments (the UNet's skip connections and the ResNet outputs its transformers' norms read,
+//! T5's last block of each stack) stays on the device as well, and each rebuild brings its
+//! inputs back to the device.
 //!
 //! Backward's own temporaries (the gradients of activations in flight, the zeros candle's
 //! backprop sums into, kernels' buffers) come on top. They are not tensors of the forward's
 //! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
 //! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
 //! on the CPU by `trainer/tests/backward_temporaries.rs`), plus, where the formulas set it, a
-//! segment's temporaries through its attention scores ([`SegmentBytes::score_temporaries`]). [`ActivationProfile::held`] walks
-//! backward from the last segment to the first, each with the kept graphs of the segments
+//! segment's temporaries through its attention scores ([`SegmentBytes::score_temporaries`]).
+//! [`ActivationProfile::held`] walks backward from the last segment to the first, each with the kept graphs of the segments
 //! before it (those after it are freed by then), and takes the most.
 
 use super::{SegmentBytes, Strategy};
@@ -68,7 +71,8 @@ impl Temporaries {
 pub struct Held {
     /// On the training device from the end of forward until backward frees it.
     pub kept: u64,
-    /// The largest segment backward rebuilds (0 when it rebuilds none).
+    /// The largest segment backward rebuilds (0 when it rebuilds none; `budget:B` counts the
+    /// largest of all, whatever B keeps).
     pub recompute: u64,
     /// On top of `kept`, at most, while backward runs: the segment it is rebuilding and its
     /// temporaries (estimated: [`Temporaries`]), less the segment graphs it has freed by then.
@@ -82,12 +86,29 @@ impl Held {
     pub fn peak(&self) -> u64 {
         self.kept + self.backward
     }
+
+    /// Kept, rebuilt and host bytes as the cells of a markdown row (the README's activation
+    /// tables).
+    pub fn cells(&self) -> String {
+        let f = |b: u64| crate::bytes::format_bytes(b as i64);
+        format!(
+            "{} | {} | {}",
+            f(self.kept),
+            f(self.recompute),
+            f(self.host)
+        )
+    }
 }
 
 impl ActivationProfile {
     /// The sum of every segment's graph.
     fn graphs(&self) -> u64 {
         self.segments.iter().map(|s| s.kept()).sum()
+    }
+
+    /// The segments' ops in a graph without segments (`none`).
+    fn unsegmented(&self) -> u64 {
+        self.segments.iter().map(|s| s.unsegmented()).sum()
     }
 
     fn largest(&self, pick: impl Fn(usize) -> bool) -> u64 {
@@ -105,7 +126,7 @@ impl ActivationProfile {
         let all = self.largest(|_| true);
         // The caller's graph kept, the segment graphs kept, the largest rebuilt, host bytes.
         let (outer, graphs, recompute, host) = match strategy {
-            Strategy::None => (o, self.graphs() - outputs, 0, 0),
+            Strategy::None => (o, self.unsegmented(), 0, 0),
             Strategy::Blocks => (o, self.graphs(), 0, 0),
             Strategy::Full => (o, 0, all, 0),
             Strategy::Every(k) => {
@@ -145,23 +166,23 @@ impl ActivationProfile {
                 _ => 0,
             };
         }
-        let outputs: u64 = self.segments.iter().map(|s| s.output).sum();
+        let whole = self.unsegmented();
         let mut peak = 0;
         for (i, s) in self.segments.iter().enumerate() {
             let g = s.kept();
-            let of = |permille| of(permille, g) + s.score_temporaries;
+            let of = |permille, g| of(permille, g) + s.score_temporaries;
             let live = match strategy {
-                Strategy::None => self.graphs() - outputs + of(t.whole),
-                Strategy::Blocks => kept_before[i] + g + of(t.kept),
+                Strategy::None => whole + of(t.whole, s.unsegmented()),
+                Strategy::Blocks => kept_before[i] + g + of(t.kept, g),
                 Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => {
-                    kept_before[i] + g + of(t.kept)
+                    kept_before[i] + g + of(t.kept, g)
                 }
                 Strategy::Every(_) | Strategy::Full | Strategy::FullHost => {
-                    kept_before[i] + g + of(t.recomputed)
+                    kept_before[i] + g + of(t.recomputed, g)
                 }
                 Strategy::Budget(b) => {
                     let earlier = b.min(kept_before[i]);
-                    earlier + g + of(t.recomputed.max(t.kept))
+                    earlier + g + of(t.recomputed.max(t.kept), g)
                 }
             };
             peak = peak.max(live);
@@ -195,6 +216,14 @@ mod tests {
         let h = |st: &str| p.held(st.parse().expect("strategy"));
         assert_eq!(h("none").peak(), 1005 + 600 - 30);
         assert_eq!(h("blocks").peak(), 1605);
+        // Input copies are a segment's leaves: held by a kept segment, absent without segments.
+        let mut q = p.clone();
+        q.segments[1].inputs = 40;
+        let h = |st: &str| q.held(st.parse().expect("strategy"));
+        assert_eq!(h("none").peak(), 1005 + 600 - 30);
+        assert_eq!(h("blocks").peak(), 1645);
+        assert_eq!((h("full").kept, h("full").recompute), (1005, 340));
+        let h = |st: &str| p.held(st.parse().expect("strategy"));
         assert_eq!((h("full").kept, h("full").recompute), (1005, 300));
         // Segments 0 and 2 recomputed, 1 kept.
         assert_eq!((h("every:2").kept, h("every:2").recompute), (1305, 200));

@@ -49,7 +49,7 @@ pub(crate) struct SegmentOp {
 /// Bytes held by the graph behind `y`: every tensor on a path from `y` to a variable, each
 /// storage counted once however many views share it. Storage a variable owns is not counted,
 /// even through a view of it (a weight reshaped for a broadcast, a segment's input leaf): it is
-/// a parameter, or an input the caller's graph holds. Tensors off those paths (masks,
+/// a parameter, or a segment's copy of its input, which `SegmentBytes::inputs` counts. Tensors off those paths (masks,
 /// constants) are not counted either: backward does not visit them, and they are small next to
 /// the activations in the models here.
 pub fn graph_bytes(y: &Tensor) -> u64 {

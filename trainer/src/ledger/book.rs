@@ -56,11 +56,15 @@ pub struct Ledger {
     baseline: Option<u64>,
     pub(super) points: Vec<ProfilePoint>,
     timeline: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
-    /// The plan's bytes on the device (`--plan`), to compare with what is measured.
+    /// The plan's bytes on the device (every run's plan, as `--plan` prints it), to compare
+    /// with what is measured.
     predicted: Option<u64>,
     /// What the run held above the baseline before its first step besides the bytes it told
     /// (see [`Ledger::training_starts`]).
     unplanned: Option<u64>,
+    /// The highest peak of the training phases since training started (evaluations, which the
+    /// plan does not cover, left out); `None` before.
+    training_peak: Option<u64>,
     started: std::time::Instant,
 }
 
@@ -77,6 +81,7 @@ impl Ledger {
             timeline: None,
             predicted: None,
             unplanned: None,
+            training_peak: None,
             started: std::time::Instant::now(),
         }
     }
@@ -179,6 +184,11 @@ impl Ledger {
             told: self.told_by_category(),
             host: self.host_by_category(),
         };
+        if let Some(t) = self.training_peak.as_mut() {
+            if !point.phase.starts_with("eval") {
+                *t = (*t).max(point.peak);
+            }
+        }
         if let Some((path, w)) = self.timeline.as_mut() {
             let line = point_json(&point);
             writeln!(w, "{line}")
@@ -201,17 +211,18 @@ impl Ledger {
         self.predicted = Some(bytes);
     }
 
-    /// The predicted peak and the measured one it predicts: the peak above the baseline less
-    /// what the run held at its first point besides the bytes it told (its data, tokenizer and
-    /// the like, which the plan does not count), once both exist.
-    /// `None` where the device's memory is not measured (no counting allocator, no pool).
+    /// The predicted peak and the measured one it predicts: the highest peak of the training
+    /// phases since training started (not loading, a cache build or evaluations, which the plan
+    /// does not cover), above the baseline, less what the run held when training started besides
+    /// the bytes it told (its data, tokenizer and the like) ([`Ledger::training_starts`]).
+    /// `None` before training starts, and where the device's memory is not measured (no
+    /// counting allocator, no pool).
     pub fn peak_against_plan(&self) -> Option<(u64, u64)> {
         if !self.is_measured() {
             return None;
         }
         let predicted = self.predicted?;
-        let (_, peak) = self.peak()?;
-        Some((predicted, self.as_planned(peak)?))
+        Some((predicted, self.as_planned(self.training_peak?)?))
     }
 
     /// The last point's peak (the phase that just ended), counted as the plan counts:
@@ -234,11 +245,13 @@ impl Ledger {
     /// the baseline besides the bytes it told (its data, cached latents, tokenizer and the like)
     /// is what the plan does not count. The run's first point would not do: sdxl-ft's is taken
     /// while its cache is being built, before the latents it trains on are held.
+    /// From here on, the training phases' peaks are what [`Ledger::peak_against_plan`] compares.
     pub fn training_starts(&mut self) {
         self.unplanned = self.points.last().map(|p| {
             let told: u64 = p.told.values().sum();
             (p.delta.max(0) as u64).saturating_sub(told)
         });
+        self.training_peak = Some(0);
     }
 
     /// Writes the memory timeline as a picture to `path` (see [`super::chart`]), with

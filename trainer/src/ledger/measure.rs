@@ -145,11 +145,12 @@ mod cuda_pool {
             }
             Err(e) => format!("device: free memory unknown ({e})"),
         };
+        let read = |p, a| attr(p, a).map_or_else(|| "unknown".to_string(), fmt);
         match pool(d) {
             Some(p) => format!(
                 "memory pool: {} used, {} reserved; {device}",
-                fmt(attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT).unwrap_or(0)),
-                fmt(attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0)),
+                read(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+                read(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
             ),
             None => format!("no memory pool; {device}"),
         }

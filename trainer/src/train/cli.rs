@@ -215,8 +215,8 @@ impl CommonArgs {
     }
 
     /// How each step is taken: `--accum` micro-batches, or `--fused-backward` (which needs
-    /// `--gradient-checkpointing`, one micro-batch and no loss scaling). The one place the
-    /// combination is checked.
+    /// checkpoint segments and no loss scaling, and works with accumulation). The one place
+    /// the combination is checked.
     pub fn step_mode(&self) -> Result<StepMode> {
         StepMode::new(StepModeRequest {
             micro_batches: self.accum,

@@ -22,16 +22,14 @@
 //!
 //! The search: knob by knob, the earlier ones at their most saving, each level of the current
 //! knob is tried, cheapest first; at the first plan that fits, the earlier knobs are walked back,
-//! in order, to the cheapest level that still fits. The predicted peak is the plan's total on
+//! in order, to the cheapest level that still fits, again until none moves. The predicted peak is the plan's total on
 //! the training device: model states, activations, and backward's temporaries as each model's
 //! measured factors estimate them (`ft_params::checkpoint::Temporaries`).
 
 use std::collections::BTreeSet;
 
-use ft_params::bytes::format_bytes;
-
 use super::binary::Binary;
-use super::plan::StatePlan;
+use super::plan::{fmt, StatePlan};
 use crate::error::{Error, Result};
 
 /// How a level changes the arguments.
@@ -105,9 +103,7 @@ impl<A> Fitted<A> {
             100.0 * peak as f64 / self.budget as f64
         )
     }
-}
 
-impl<A> Fitted<A> {
     /// The choice as the cells of a markdown row: the flags (or "as it is"), the predicted peak
     /// on the training device, the bytes in host memory (the seed-setup tables of the README).
     pub fn cells(&self) -> String {
@@ -124,12 +120,8 @@ impl<A> Fitted<A> {
     }
 }
 
-fn fmt(b: u64) -> String {
-    format_bytes(b as i64)
-}
-
 /// The knobs every binary shares, for arguments `args` (levels only where they change
-/// something), then `extra` (the binary's own) after the checkpointing.
+/// something), with the binary's own (`Binary::fit_knobs`) after the checkpointing.
 fn knobs<B: Binary>(args: &B) -> Vec<Knob<B>> {
     let c = args.common();
     let mut out = Vec::new();
@@ -218,8 +210,8 @@ fn with_levels<B: Binary + Clone>(
     a
 }
 
-/// `budget:B` with `bytes` rounded down to whole MiB (KiB below one MiB), as a user would
-/// type it.
+/// `budget:B` with `bytes` rounded down to whole MiB (to whole KiB below one MiB, at least
+/// 1 KiB), as a user would type it.
 fn budget_flag(bytes: u64) -> String {
     if bytes >= 1 << 20 {
         format!("budget:{}MiB", bytes >> 20)
@@ -366,17 +358,25 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
             if !fits(&p) {
                 continue;
             }
-            // Walk the earlier knobs back to the cheapest level that still fits.
-            for j in 0..k {
-                for cheaper in 0..levels[j] {
-                    let mut trial = levels.clone();
-                    trial[j] = cheaper;
-                    if let Some((_, p)) = peak(&trial)? {
-                        if fits(&p) {
-                            levels = trial;
-                            break;
+            // Walk the earlier knobs back to the cheapest level that still fits, until none
+            // moves: a knob walked back can free an earlier one (without the fused backward,
+            // the checkpointing may go back to `none`, which the fused backward refuses).
+            loop {
+                let before = levels.clone();
+                for j in 0..k {
+                    for cheaper in 0..levels[j] {
+                        let mut trial = levels.clone();
+                        trial[j] = cheaper;
+                        if let Some((_, p)) = peak(&trial)? {
+                            if fits(&p) {
+                                levels = trial;
+                                break;
+                            }
                         }
                     }
+                }
+                if levels == before {
+                    break;
                 }
             }
             let Some((a, p)) = peak(&levels)? else {

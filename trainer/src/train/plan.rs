@@ -307,7 +307,8 @@ impl StatePlan {
     }
 }
 
-fn fmt(b: u64) -> String {
+/// Bytes as the plans print them (`format_bytes` takes signed deltas).
+pub(crate) fn fmt(b: u64) -> String {
     format_bytes(b as i64)
 }
 

@@ -158,7 +158,7 @@ pub fn run<T: Task>(
             "micro_batches": r.pieces,
         }))?;
         let split = if l.halvings > 0 {
-            format!(" (micro-batches in {} parts)", 1u64 << l.halvings)
+            format!(" ({} passes a step, split)", r.pieces)
         } else {
             String::new()
         };
@@ -246,12 +246,15 @@ impl<T: Task> Loop<'_, T> {
                 .and_then(|pieces| self.attempt(&pieces));
             match attempt {
                 Ok(r) => {
+                    // The step stands (its update is applied): the next ones split, if they can.
                     if let Some(why) = self.halve_next.take() {
-                        self.halve(&batches, why)?;
+                        self.halve(&batches, why, self.step, true)?;
                     }
                     return Ok(r);
                 }
-                Err(e) if e.is_out_of_memory() => self.halve(&batches, e.to_string())?,
+                Err(e) if e.is_out_of_memory() => {
+                    self.halve(&batches, e.to_string(), self.step + 1, false)?
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -297,10 +300,12 @@ impl<T: Task> Loop<'_, T> {
         Ok(out)
     }
 
-    /// After an out-of-memory error (`why`): drops what the step holds and splits each
-    /// micro-batch once more, or stops with the memory table of the moment when the parts are
-    /// single samples already (or the update had begun).
-    fn halve(&mut self, batches: &[T::Batch], why: String) -> Result<()> {
+    /// After an out-of-memory error (`why`) in `step`: drops what the step holds and splits
+    /// each micro-batch once more, or stops with the memory table of the moment when the parts
+    /// are single samples already (or the update had begun). When the step `stood` (its update
+    /// applied before the budget was found passed), parts that cannot split further are left
+    /// as they are: the run goes on, and the next step that passes the budget stops it.
+    fn halve(&mut self, batches: &[T::Batch], why: String, step: u64, stood: bool) -> Result<()> {
         let was_updating = std::mem::replace(&mut self.updating, false);
         drop(self.acc.take());
         self.ledger.remove(Category::Gradients, "model");
@@ -308,6 +313,9 @@ impl<T: Task> Loop<'_, T> {
             .remove(Category::Activations, "checkpoint inputs");
         let before = self.pieces(batches, self.halvings)?.len();
         let after = self.pieces(batches, self.halvings + 1)?.len();
+        if stood && after == before {
+            return Ok(());
+        }
         if was_updating || after == before {
             self.ledger.mark("out-of-memory", self.step)?;
             let device = self.params.first().map(|p| p.device().clone());
@@ -335,15 +343,14 @@ impl<T: Task> Loop<'_, T> {
         }
         self.halvings += 1;
         self.events.push(serde_json::json!({
-            "step": self.step + 1,
+            "step": step,
             "event": "out_of_memory",
             "error": why,
             "micro_batches_before": before,
             "micro_batches_after": after,
             "message": format!(
-                "{why}; each micro-batch now runs in {} parts ({before} -> {after} forward and \
-                 backward passes a step, the same samples and effective batch)",
-                1u64 << self.halvings
+                "{why}; each micro-batch is split once more ({before} -> {after} forward and \
+                 backward passes a step, the same samples and effective batch)"
             ),
         }));
         Ok(())

@@ -46,7 +46,8 @@ pub trait Task {
     /// The batch's loss *summed* over its units (the loop divides by the step's total units).
     fn summed_loss(&mut self, batch: &Self::Batch, ctx: &StepCtx) -> TaskResult<Tensor>;
     /// The batch's first half of samples and the rest, for the out-of-memory retry: the two
-    /// losses (at `first_sample` 0 and the first half's length) must sum to the whole's.
+    /// losses (the first half at the batch's own `first_sample`, the rest at that plus the
+    /// first half's length) must sum to the whole's.
     /// `None`: it holds one sample, or cannot be split without changing the loss (batch norm
     /// over an episode).
     fn split(&self, _batch: &Self::Batch) -> TaskResult<Option<(Self::Batch, Self::Batch)>> {
