@@ -104,6 +104,25 @@ fn params(pb: &ParamBuilder) -> anyhow::Result<Vec<Var>> {
         .collect())
 }
 
+/// `b` rows of `ls` source and `lt` label tokens over a vocabulary of `vocab`, and its shape.
+fn t5_batch(b: usize, ls: usize, lt: usize, vocab: u32) -> anyhow::Result<(T5Batch, T5Shape)> {
+    let dev = Device::Cpu;
+    let ids: Vec<u32> = (0..b * ls).map(|i| 2 + i as u32 % (vocab - 4)).collect();
+    let labels: Vec<i64> = (0..b * lt).map(|i| 2 + i as i64 % 7).collect();
+    let batch = T5Batch {
+        input_ids: Tensor::from_vec(ids, (b, ls), &dev)?,
+        attention_mask: Tensor::ones((b, ls), DType::F32, &dev)?,
+        labels: Tensor::from_vec(labels, (b, lt), &dev)?,
+        label_tokens: b * lt,
+    };
+    let shape = T5Shape {
+        batch: b,
+        source_len: ls,
+        target_len: lt,
+    };
+    Ok((batch, shape))
+}
+
 fn t5_rows() -> anyhow::Result<Vec<Row>> {
     let dev = Device::Cpu;
     let mut rows = Vec::new();
@@ -123,19 +142,7 @@ fn t5_rows() -> anyhow::Result<Vec<Row>> {
             (1, 256, 64),
             (2, 32, 96),
         ] {
-            let ids: Vec<u32> = (0..b * ls).map(|i| 2 + i as u32 % 60).collect();
-            let labels: Vec<i64> = (0..b * lt).map(|i| 2 + i as i64 % 7).collect();
-            let batch = T5Batch {
-                input_ids: Tensor::from_vec(ids, (b, ls), &dev)?,
-                attention_mask: Tensor::ones((b, ls), DType::F32, &dev)?,
-                labels: Tensor::from_vec(labels, (b, lt), &dev)?,
-                label_tokens: b * lt,
-            };
-            let shape = T5Shape {
-                batch: b,
-                source_len: ls,
-                target_len: lt,
-            };
+            let (batch, shape) = t5_batch(b, ls, lt, 64)?;
             let profile = cfg.activations(&shape, DType::F32, Target::Cpu, true);
             let drop = DropoutCtx::eval();
             rows.extend(measure(
@@ -297,19 +304,7 @@ fn t5_temporaries_fitting_rows() -> anyhow::Result<()> {
             (2, 32, 96),
             (32, 16, 16),
         ] {
-            let ids: Vec<u32> = (0..b * ls).map(|i| 2 + i as u32 % 28).collect();
-            let labels: Vec<i64> = (0..b * lt).map(|i| 2 + i as i64 % 7).collect();
-            let batch = T5Batch {
-                input_ids: Tensor::from_vec(ids, (b, ls), &dev)?,
-                attention_mask: Tensor::ones((b, ls), DType::F32, &dev)?,
-                labels: Tensor::from_vec(labels, (b, lt), &dev)?,
-                label_tokens: b * lt,
-            };
-            let shape = T5Shape {
-                batch: b,
-                source_len: ls,
-                target_len: lt,
-            };
+            let (batch, shape) = t5_batch(b, ls, lt, 32)?;
             let profile = cfg.activations(&shape, DType::F32, Target::Cpu, true);
             // Score bytes of one attention (none of these shapes forms them in chunks).
             let scores = |lq: usize, lk: usize| (4 * b * heads * lq * lk) as u64;
