@@ -428,7 +428,7 @@ fn flan_t5_xl_config(tag: &str) -> anyhow::Result<PathBuf> {
 /// `--fit 24GiB`, `16GiB` and `8GiB` for seed 002's FLAN-T5-XL at batch 8 x (512 + 128) tokens
 /// (bf16 with fp32 masters, AdamW, accumulation 16) on a GPU: what each budget chooses and the
 /// peak it predicts (the README's and docs/benchmarks.md's table). The batch is given, so it is
-/// kept: at 7 GiB the error names it and what would fit.
+/// kept: at 8 and 7 GiB the error names it and what would fit.
 #[test]
 fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
     let dir = flan_t5_xl_config("xl-fit")?;
@@ -470,24 +470,28 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
         table += &format!("| {budget} | {row} |\n");
     }
     eprintln!("{table}");
-    assert_eq!(fitted, ["24GiB", "16GiB", "8GiB"], "{table}");
-    // At 8 GiB the activations leave the GPU and the gradients never exist at once.
-    assert!(
-        table.contains("| 8GiB | `--checkpointing full-host --optim adamw8bit --offload-optimizer --fused-backward` |"),
-        "{table}"
-    );
+    assert_eq!(fitted, ["24GiB", "16GiB"], "{table}");
     // The kept segments fill the budget: B is lowered by what keeping them adds to backward's
     // peak (before, B was the budget less `full`'s plan, overshot, and `full` was chosen).
     assert!(
         table.contains("| 24GiB | `--checkpointing budget:"),
         "{table}"
     );
-    // 7 GiB needs a smaller micro-batch than the one given: the error says which.
-    assert!(
-        table.contains("not with --batch-size, --accum as given"),
-        "{table}"
-    );
-    assert!(table.contains("--batch-size 4 --accum 32"), "{table}");
+    // 8 GiB needs a smaller micro-batch than the one given (with the activations on the host
+    // and the fused backward, batch 8 plans 8.06 GiB: the dropout masks' gradients, which
+    // candle's backward keeps until a segment's backward returns, are counted): the error
+    // says which, and that it fits with the rest turned too.
+    for b in ["8GiB", "7GiB"] {
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {b} |")))
+            .unwrap_or_default();
+        assert!(
+            row.contains("not with --batch-size, --accum as given")
+                && row.contains("--fused-backward --batch-size 4 --accum 32"),
+            "{table}"
+        );
+    }
     assert!(!dir.join("out").exists(), "--plan wrote the output folder");
     std::fs::remove_dir_all(&dir)?;
     Ok(())

@@ -13,8 +13,13 @@
 //! | `blocks` | `O + sum(g_i)` (the op's output is a copy of the graph's) | 0 |
 //! | `full` | `O` | `max(g_i)` |
 //! | `every:K` | `O + sum(g_i, i % K != 0)` | `max(g_i, i % K == 0)` |
-//! | `budget:B` | `O + min(B, sum(g_i))` | `max(g_i)` |
+//! | `budget:B` | `O + keep(B)` | `max(g_i)` |
 //! | `full-host` | `O - sum(o_i)` on the device, `sum(o_i)` on the host | `max(g_i)` |
+//!
+//! `keep(B)` is the most a set of whole segments holds within B (the checkpointer keeps the
+//! segments it does not recompute, chosen by measured bytes per second of recompute, which the
+//! plan cannot know; any set it keeps holds at most this): B itself when segments are small
+//! beside it, nothing when each is larger.
 //!
 //! `full-host`'s split is an estimate: a segment's output that the model also reads outside the
 //! segments (the UNet's skip connections and the ResNet outputs its transformers' norms read,
@@ -22,7 +27,10 @@
 //! inputs back to the device.
 //!
 //! Backward's own temporaries (the gradients of activations in flight, the zeros candle's
-//! backprop sums into, kernels' buffers) come on top. They are not tensors of the forward's
+//! backprop sums into, kernels' buffers) come on top, and the gradients of the dropout masks
+//! (`off_graph`): candle's backward of a product computes both factors' gradients and keeps the
+//! mask's, never read, until the backward returns: a segment's own backward when it runs as one
+//! op, the whole backward under `none`, where they pile up from the last segment to the first. They are not tensors of the forward's
 //! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
 //! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
 //! on the CPU by `trainer/tests/backward_temporaries.rs`), plus, where the formulas set it, a
@@ -106,6 +114,11 @@ impl ActivationProfile {
         self.segments.iter().map(|s| s.kept()).sum()
     }
 
+    /// Each segment's graph, in forward order.
+    fn sizes(&self) -> Vec<u64> {
+        self.segments.iter().map(|s| s.kept()).collect()
+    }
+
     /// The segments' ops in a graph without segments (`none`).
     fn unsegmented(&self) -> u64 {
         self.segments.iter().map(|s| s.unsegmented()).sum()
@@ -138,7 +151,7 @@ impl ActivationProfile {
                     0,
                 )
             }
-            Strategy::Budget(b) => (o, b.min(self.graphs()), all, 0),
+            Strategy::Budget(b) => (o, keepable(&self.sizes(), b), all, 0),
             Strategy::FullHost => (o.saturating_sub(outputs), 0, all, outputs),
         };
         Held {
@@ -152,7 +165,8 @@ impl ActivationProfile {
     /// The most segment graphs and temporaries hold at once while backward walks the segments
     /// from the last to the first: segment `i`'s graph (kept, or rebuilt) and temporaries, with
     /// the kept graphs of the segments before it. Under `none` candle's backward holds the whole
-    /// graph until it returns; `budget:B` is counted as if any segment could be the rebuilt one.
+    /// graph until it returns; `budget:B` is counted as if any segment could be the rebuilt one,
+    /// with as much of the segments before it kept as B can hold of them.
     fn backward_walk(&self, strategy: Strategy) -> u64 {
         let t = self.temporaries;
         let of = Temporaries::of;
@@ -167,12 +181,25 @@ impl ActivationProfile {
             };
         }
         let whole = self.unsegmented();
+        let sizes = self.sizes();
         let mut peak = 0;
+        // The masks' gradients of the segments from `i` on: held until the whole backward
+        // returns when there are no segments.
+        let mut strays_after: Vec<u64> = self.segments.iter().map(|s| s.off_graph).collect();
+        for i in (0..strays_after.len().saturating_sub(1)).rev() {
+            strays_after[i] += strays_after[i + 1];
+        }
         for (i, s) in self.segments.iter().enumerate() {
             let g = s.kept();
-            let of = |permille, g| of(permille, g) + s.score_temporaries;
+            // A segment run as one op frees its masks' gradients when its backward returns.
+            let of = |permille, g| of(permille, g) + s.score_temporaries + s.off_graph;
             let live = match strategy {
-                Strategy::None => whole + of(t.whole, s.unsegmented()),
+                Strategy::None => {
+                    whole
+                        + Temporaries::of(t.whole, s.unsegmented())
+                        + s.score_temporaries
+                        + strays_after[i]
+                }
                 Strategy::Blocks => kept_before[i] + g + of(t.kept, g),
                 Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => {
                     kept_before[i] + g + of(t.kept, g)
@@ -181,7 +208,7 @@ impl ActivationProfile {
                     kept_before[i] + g + of(t.recomputed, g)
                 }
                 Strategy::Budget(b) => {
-                    let earlier = b.min(kept_before[i]);
+                    let earlier = keepable(&sizes[..i], b);
                     earlier + g + of(t.recomputed.max(t.kept), g)
                 }
             };
@@ -194,6 +221,42 @@ impl ActivationProfile {
         let it = self.segments.iter().enumerate();
         it.filter(|(i, _)| pick(*i)).map(|(_, s)| s.kept()).sum()
     }
+}
+
+/// Cells of the subset-sum table [`keepable`] fills (the budget in steps of `budget / CELLS`).
+const CELLS: u64 = 1 << 16;
+
+/// The most a set of the `sizes` sums to within `budget`: an upper bound of what the budget
+/// strategy keeps, whichever segments it picks. A subset-sum over sizes counted in steps of
+/// `budget / 65536` (rounded down), each count holding the largest true sum that reaches it:
+/// exact when that sum is within the budget, else the budget.
+pub fn keepable(sizes: &[u64], budget: u64) -> u64 {
+    let total: u64 = sizes.iter().sum();
+    if total <= budget {
+        return total;
+    }
+    let step = budget.div_ceil(CELLS).max(1);
+    let cells = (budget / step) as usize;
+    // most[c]: the largest true sum of a set whose rounded sizes sum to c steps.
+    let mut most: Vec<Option<u64>> = vec![None; cells + 1];
+    most[0] = Some(0);
+    for &size in sizes {
+        let s = (size / step) as usize;
+        if s > cells {
+            continue;
+        }
+        for c in (s..=cells).rev() {
+            if let Some(m) = most[c - s] {
+                most[c] = Some(most[c].map_or(m + size, |x| x.max(m + size)));
+            }
+        }
+    }
+    most.iter()
+        .flatten()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .min(budget)
 }
 
 #[cfg(test)]
@@ -227,7 +290,8 @@ mod tests {
         assert_eq!((h("full").kept, h("full").recompute), (1005, 300));
         // Segments 0 and 2 recomputed, 1 kept.
         assert_eq!((h("every:2").kept, h("every:2").recompute), (1305, 200));
-        assert_eq!(h("budget:250B").kept, 1255);
+        // 250 B hold segment 0 (100) or segment 2 (200), not both: 200 at most.
+        assert_eq!(h("budget:250B").kept, 1205);
         assert_eq!(
             h("full-host"),
             Held {
@@ -266,10 +330,27 @@ mod tests {
         // Segments 0 and 2 rebuilt, 1 kept: segment 2 rebuilt (2000 + 4000) while segment 1's
         // 3000 are held, which are counted in `kept` already.
         assert_eq!(b("every:2"), 6000);
-        // 1 KiB of the graphs kept; segment 1 treated as rebuilt: 1000 of the kept before it
-        // (less than the budget), 3000 rebuilt, 6000 of temporaries; the kept 1024 counted in
-        // `kept`.
-        assert_eq!(b("budget:1KiB"), 10000 - 1024);
+        // 1 KiB holds segment 0 alone (1000); segment 1 treated as rebuilt: segment 0 kept
+        // before it, 3000 rebuilt, 6000 of temporaries; the kept 1000 counted in `kept`.
+        assert_eq!(b("budget:1KiB"), 10000 - 1000);
         assert_eq!(p.held("full".parse().expect("strategy")).peak(), 9000);
+    }
+
+    #[test]
+    fn the_budget_keeps_whole_segments() {
+        // Exact for sizes that are whole steps.
+        assert_eq!(keepable(&[100, 300, 200], 1000), 600);
+        assert_eq!(keepable(&[100, 300, 200], 450), 400);
+        assert_eq!(keepable(&[100, 300, 200], 99), 0);
+        assert_eq!(keepable(&[], 99), 0);
+        // Ten equal blocks of 3 MiB within 16 MiB: five.
+        assert_eq!(keepable(&[3 << 20; 10], 16 << 20), 15 << 20);
+        // Sizes that are not whole steps: never below the true most, never above the budget.
+        let sizes = [1_000_003, 2_000_011, 2_999_999, 4_000_037];
+        assert_eq!(
+            keepable(&sizes, 7_000_100),
+            1_000_003 + 2_000_011 + 4_000_037
+        );
+        assert_eq!(keepable(&sizes, 6_500_000), 2_000_011 + 4_000_037);
     }
 }

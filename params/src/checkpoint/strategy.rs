@@ -141,19 +141,30 @@ pub(crate) struct SegmentCost {
 }
 
 /// The budget strategy's choice: recompute the segments holding the most bytes per second of
-/// recompute until the kept ones fit `budget`. Returns, per segment, whether it is recomputed.
+/// recompute until the kept ones fit `budget`, then keep again those that fit in what is left.
+/// Returns, per segment, whether it is recomputed.
 pub(crate) fn plan_budget(costs: &[SegmentCost], budget: u64) -> Vec<bool> {
     let mut order: Vec<usize> = (0..costs.len()).collect();
     let density = |c: &SegmentCost| c.bytes as f64 / c.seconds.max(1e-9);
     order.sort_by(|&a, &b| density(&costs[b]).total_cmp(&density(&costs[a])));
     let mut kept: u64 = costs.iter().map(|c| c.bytes).sum();
     let mut recompute = vec![false; costs.len()];
-    for i in order {
+    for &i in &order {
         if kept <= budget {
             break;
         }
         recompute[i] = true;
         kept -= costs[i].bytes;
+    }
+    // Then the recomputed segments that still fit in what the budget leaves are kept again,
+    // the fewest bytes per second first: a large segment taken out early can leave room for
+    // smaller ones taken out after it, and without this pass the budget may keep nothing at
+    // all when the first segments in the order are larger than it.
+    for &i in order.iter().rev() {
+        if recompute[i] && kept + costs[i].bytes <= budget {
+            recompute[i] = false;
+            kept += costs[i].bytes;
+        }
     }
     recompute
 }
@@ -195,6 +206,12 @@ mod tests {
         assert_eq!(plan_budget(&costs, 160), [true, false, false, false]);
         assert_eq!(plan_budget(&costs, 110), [true, false, true, false]);
         assert_eq!(plan_budget(&costs, 0), [true; 4]);
+        // 60 B: taking out 0, 2 and 1 leaves 10 B kept; 2 (50 B) fits again beside it.
+        assert_eq!(plan_budget(&costs, 60), [true, true, false, false]);
+        // A small segment first in the order, a larger one after: without the second pass a
+        // budget of 15 B keeps nothing.
+        let costs = [c(10, 1.0), c(20, 10.0)];
+        assert_eq!(plan_budget(&costs, 15), [false, true]);
         // Before a plan, and past its end, the budget strategy recomputes.
         let plan = [false, true];
         let b = Strategy::Budget(1);

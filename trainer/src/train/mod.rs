@@ -4,7 +4,8 @@
 //!
 //! - [`cli`] ([`CommonArgs`]: the shared flags), [`config`] (TOML file and presets under the
 //!   flags), [`binary`] (what a binary tells them).
-//! - [`session`]: one way from flags to a [`Session`]; [`plan`]: model-state bytes before a run.
+//! - [`session`]: one way from flags to a [`Session`]; [`plan`]: model-state bytes before a run;
+//!   [`fit`]: `--fit`'s search; [`fit_check`]: a run under `--fit` against its plan.
 //! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `eval` (best checkpoint,
 //!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`], [`lock`] (one
 //!   run per output folder).
@@ -18,6 +19,7 @@ pub mod config;
 pub mod ema;
 pub mod eval;
 pub mod fit;
+pub mod fit_check;
 pub mod lock;
 pub mod metrics;
 pub mod order;

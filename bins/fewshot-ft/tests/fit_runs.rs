@@ -1,0 +1,63 @@
+//! Runs under `--fit`, as a user starts them: the demo's Conv4 FSCT and a ResNet10 one, 5-way
+//! 1-shot and 5-shot, at two image sizes, at budgets from roomy (nothing to choose) to tight
+//! (checkpointing, 8-bit moments, the fused backward); every run keeps its budget and the plan's peak
+//! is within the stated tolerance of the measured one (the heap the counting allocator counts
+//! in the run's own process). `-- --nocapture` prints the table of docs/benchmarks.md.
+
+use std::path::Path;
+
+use fewshot_ft::cli::Args;
+use ft_trainer::train::fit_check::{FitRun, Shape};
+use ft_trainer::train::parse_args_from;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fewshot-ft");
+
+/// How far the plan may be above and below the measured peak (the t5-ft matrix says why a
+/// `budget:B` plan is high).
+const HIGH: f64 = 0.35;
+const LOW: f64 = 0.10;
+
+/// The demo at `flags`: two episodes, one validation and one test episode.
+fn shape(label: &str, flags: &[&str], fractions: &[f64]) -> Shape {
+    let mut args = vec!["--demo", "--max-steps", "2", "--eval-every", "0"];
+    args.extend([
+        "--save-every",
+        "0",
+        "--val-episodes",
+        "1",
+        "--test-episodes",
+        "1",
+    ]);
+    args.extend(flags);
+    Shape::new(label, &args, fractions)
+}
+
+#[test]
+fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
+    let out = std::env::temp_dir().join(format!("fewshot-fit-runs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let shapes = [
+        // Conv4 keeps most of its activations in its first block: checkpointing saves 4%.
+        shape("Conv4, 28 px, 5-way 1-shot", &[], &[1.3, 0.985]),
+        shape(
+            "Conv4, 56 px, 5-way 5-shot",
+            &["--image-size", "56", "--k-shot", "5"],
+            &[1.3, 0.985],
+        ),
+        shape(
+            "ResNet10, 28 px, 5-way 1-shot",
+            &["--backbone", "resnet10"],
+            &[1.3, 0.8, 0.7],
+        ),
+    ];
+    let plan = |args: &[String]| -> anyhow::Result<u64> {
+        let dir = out.join("plan").display().to_string();
+        let mut v = vec!["fewshot-ft", "--output-dir", &dir];
+        v.extend(args.iter().map(|s| s.as_str()));
+        Ok(fewshot_ft::run::plan(&parse_args_from::<Args, _, _>(v)?)?.device_bytes())
+    };
+    let rows = FitRun::matrix(Path::new(BIN), &shapes, &out, plan)?;
+    FitRun::table(&rows, HIGH, LOW).map_err(anyhow::Error::msg)?;
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
