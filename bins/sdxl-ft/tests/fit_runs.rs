@@ -7,7 +7,6 @@
 use std::path::Path;
 
 use ft_trainer::train::fit_check::{FitRun, Shape};
-use ft_trainer::train::parse_args_from;
 use sdxl_ft::cli::Args;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sdxl-ft");
@@ -46,13 +45,7 @@ fn unet_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
             &[1.3, 0.9],
         ),
     ];
-    let plan = |args: &[String]| -> anyhow::Result<u64> {
-        let dir = out.join("plan").display().to_string();
-        let mut v = vec!["sdxl-ft", "--output-dir", &dir];
-        v.extend(args.iter().map(|s| s.as_str()));
-        Ok(sdxl_ft::run::plan(&parse_args_from::<Args, _, _>(v)?)?.device_bytes())
-    };
-    let rows = FitRun::matrix(Path::new(BIN), &shapes, &out, plan)?;
+    let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, sdxl_ft::run::plan)?;
     FitRun::table(&rows, HIGH, LOW).map_err(anyhow::Error::msg)?;
     std::fs::remove_dir_all(&out).ok();
     Ok(())

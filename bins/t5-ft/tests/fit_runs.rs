@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 
 use common::{long_examples, tmp};
 use ft_trainer::train::fit_check::{FitRun, Shape};
-use ft_trainer::train::parse_args_from;
 use t5_ft::cli::Args;
 
 const BIN: &str = env!("CARGO_BIN_EXE_t5-ft");
@@ -62,13 +61,7 @@ fn shape(label: &str, model: &str, train: &Path, flags: &[&str], fractions: &[f6
 }
 
 fn check(shapes: &[Shape], out: &Path) -> anyhow::Result<()> {
-    let plan = |args: &[String]| -> anyhow::Result<u64> {
-        let dir = out.join("plan").display().to_string();
-        let mut v = vec!["t5-ft", "--output-dir", &dir];
-        v.extend(args.iter().map(|s| s.as_str()));
-        Ok(t5_ft::run::plan(&parse_args_from::<Args, _, _>(v)?)?.device_bytes())
-    };
-    let rows = FitRun::matrix(Path::new(BIN), shapes, out, plan)?;
+    let rows = FitRun::matrix::<Args, _>(Path::new(BIN), shapes, out, t5_ft::run::plan)?;
     FitRun::table(&rows, HIGH, LOW).map_err(anyhow::Error::msg)?;
     std::fs::remove_dir_all(out).ok();
     Ok(())

@@ -6,8 +6,9 @@
 use std::path::Path;
 use std::time::Instant;
 
+use super::binary::{parse_args_from, Binary};
 use super::metrics::logged;
-use super::plan::fmt;
+use super::plan::{fmt, StatePlan};
 use crate::error::{Error, Result};
 
 /// A model and data to train on: the run's flags beside `--fit`, and its budgets as fractions
@@ -51,17 +52,23 @@ impl FitRun {
     pub const HEADER: &'static str = "| run | --fit | chose | predicted | measured | error | \
                                       splits |\n|---|---|---|---|---|---|---|\n";
 
-    /// Each shape at each of its budgets (fractions of `plan(args)`, the plan of its flags as
-    /// they are), `out/<label>-<i>` the output folder of each run.
-    pub fn matrix<E: std::fmt::Display>(
+    /// Each shape at each of its budgets (fractions of the plan of its flags as they are, made
+    /// by the binary's own `plan` as `--plan` makes it, `out/plan` its output folder),
+    /// `out/<label>-<i>` the output folder of each run.
+    pub fn matrix<B: Binary, E: std::fmt::Display>(
         bin: &Path,
         shapes: &[Shape],
         out: &Path,
-        plan: impl Fn(&[String]) -> std::result::Result<u64, E>,
+        plan: impl Fn(&B) -> std::result::Result<StatePlan, E>,
     ) -> Result<Vec<FitRun>> {
         let mut rows = Vec::new();
         for s in shapes {
-            let whole = plan(&s.args).map_err(|e| Error::Invalid(format!("{}: {e}", s.label)))?;
+            let plan_dir = out.join("plan").display().to_string();
+            let mut argv = vec!["plan".to_string(), "--output-dir".into(), plan_dir];
+            argv.extend(s.args.iter().cloned());
+            let whole = plan(&parse_args_from::<B, _, _>(argv)?)
+                .map_err(|e| Error::Invalid(format!("{}: {e:#}", s.label)))?
+                .device_bytes();
             for (i, f) in s.fractions.iter().enumerate() {
                 let dir = out.join(format!("{}-{i}", s.label.replace([' ', ','], "-")));
                 let budget = (whole as f64 * f) as u64;
@@ -186,5 +193,40 @@ impl FitRun {
         } else {
             Err(format!("{}: {}", self.cells(), why.join(", ")))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FitRun;
+
+    fn row(choice: &str, predicted: u64, measured: u64, splits: usize) -> FitRun {
+        FitRun {
+            label: "r".into(),
+            budget: 1000,
+            choice: choice.into(),
+            predicted,
+            measured,
+            splits,
+            seconds: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_row_passes_within_its_budget_and_tolerance_only() {
+        let ok = |r: FitRun| r.check(0.12, 0.10).is_ok();
+        assert!(ok(row("as it is", 950, 900, 0)));
+        // The plan too high or too low.
+        assert!(!ok(row("as it is", 950, 800, 0)));
+        assert!(!ok(row("as it is", 800, 900, 0)));
+        // Over the budget without a split; a split where the plan was high.
+        assert!(!ok(row("as it is", 1000, 1050, 0)));
+        assert!(!ok(row("as it is", 950, 900, 1)));
+        // A split where the plan was a little low: the recovery kept the budget.
+        assert!(ok(row("as it is", 990, 1010, 1)));
+        assert!(!ok(row("as it is", 990, 1010, 2)));
+        // budget:B: the error is not checked, the budget is.
+        assert!(ok(row("--checkpointing budget:5MiB", 990, 600, 0)));
+        assert!(!ok(row("--checkpointing budget:5MiB", 900, 1100, 0)));
     }
 }
