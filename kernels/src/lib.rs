@@ -13,6 +13,7 @@ mod cpu;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dropout;
 pub mod gradcheck;
 pub mod host;
 pub mod linear;

@@ -8,13 +8,20 @@
 
 use candle_core::{DType, Result, Tensor};
 
-/// splitmix64's finaliser on `seed + (i + 1) * golden`, upper 32 bits (as `rand_bits` in
-/// kernels.cu).
-pub fn rand_bits(seed: u64, i: u64) -> u32 {
+/// splitmix64's finaliser on `seed + (i + 1) * golden`: output `i` of a splitmix64 stream whose
+/// state starts at `seed`, computed without the `i` outputs before it (as `rand_u64` in
+/// prelude.cuh). Stochastic rounding and dropout draw their bits from it, so a GPU gives the
+/// CPU's bits for a seed.
+pub fn rand_u64(seed: u64, i: u64) -> u64 {
     let mut z = seed.wrapping_add((i.wrapping_add(1)).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) >> 32) as u32
+    z ^ (z >> 31)
+}
+
+/// The upper 32 bits of [`rand_u64`] (as `rand_bits` in prelude.cuh).
+pub fn rand_bits(seed: u64, i: u64) -> u32 {
+    (rand_u64(seed, i) >> 32) as u32
 }
 
 /// The bf16 bits of `v` rounded stochastically with the random bits `r`: add 16 random bits

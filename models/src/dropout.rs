@@ -4,8 +4,8 @@
 //! micro-batch the seed was drawn for, not on the batch it is computed in: a micro-batch split
 //! in two (the loop's out-of-memory retry) draws the masks of the whole.
 
-use candle_core::{DType, Tensor};
-use ft_params::rng::{hash_str, SplitMix64};
+use candle_core::Tensor;
+use ft_params::rng::hash_str;
 
 /// Per-forward dropout state: `None` in evaluation, `Some(seed)` in training.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,7 +44,10 @@ impl DropoutCtx {
     }
 
     /// Inverted dropout at the call site named `site` (a stable, unique name such as
-    /// `encoder.block.3.attn`): zero with probability p, scale the rest by 1/(1-p).
+    /// `encoder.block.3.attn`): zero with probability p, scale the rest by 1/(1-p). The mask
+    /// is drawn from `SplitMix64::new(seed ^ hash_str(site))` and not stored
+    /// ([`ft_kernels::dropout`]): backward draws it again, so a site holds no mask and its
+    /// backward computes no gradient for one.
     pub fn apply(&self, x: &Tensor, site: &str) -> candle_core::Result<Tensor> {
         let Some(seed) = self.seed else {
             return Ok(x.clone());
@@ -52,23 +55,11 @@ impl DropoutCtx {
         if self.p <= 0.0 {
             return Ok(x.clone());
         }
-        let mut rng = SplitMix64::new(seed ^ hash_str(site));
         // Dim 0 is the batch (every site is batch-major): the stream is skipped to the first
         // sample's elements, as if the samples before it were in the tensor.
         let per_sample = x.elem_count() / x.dim(0)?.max(1);
-        rng.skip((self.first_sample * per_sample) as u64);
-        let keep = 1.0 - self.p;
-        let scale = (1.0 / keep) as f32;
-        let mask: Vec<f32> = (0..x.elem_count())
-            .map(|_| if rng.uniform() < keep { scale } else { 0.0 })
-            .collect();
-        let mask = Tensor::from_vec(mask, x.shape(), x.device())?;
-        let mask = if x.dtype() == DType::F32 {
-            mask
-        } else {
-            mask.to_dtype(x.dtype())?
-        };
-        x * mask
+        let skip = (self.first_sample * per_sample) as u64;
+        ft_kernels::dropout::dropout(x, self.p, seed ^ hash_str(site), skip)
     }
 }
 
@@ -94,6 +85,32 @@ mod tests {
         // Not one mask for every row: the tail's rows would repeat the head's.
         let rows = whole.to_vec3::<f32>()?;
         assert_ne!(rows[0], rows[2]);
+        Ok(())
+    }
+
+    /// A site's mask is the generator's sequential draw from `seed ^ hash_str(site)`, as it was
+    /// when the mask was built on the host and multiplied: the same masks as runs before.
+    #[test]
+    fn the_mask_is_the_generators_sequential_draw() -> candle_core::Result<()> {
+        use ft_params::rng::{hash_str, SplitMix64};
+        let x = Tensor::ones((4, 3, 5), candle_core::DType::F32, &Device::Cpu)?;
+        let d = DropoutCtx::train(0.3, 7).from_sample(2);
+        let got = d
+            .apply(&x, "encoder.block.0.ff")?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut rng = SplitMix64::new(7 ^ hash_str("encoder.block.0.ff"));
+        rng.skip(2 * 15);
+        let want: Vec<f32> = (0..60)
+            .map(|_| {
+                if rng.uniform() < 0.7 {
+                    (1.0 / 0.7) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        assert_eq!(got, want);
         Ok(())
     }
 }

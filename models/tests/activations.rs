@@ -20,8 +20,7 @@ fn check(
 ) -> anyhow::Result<()> {
     let ck = Checkpointer::with_strategy(Strategy::Blocks).measuring();
     let y = forward(&ck)?;
-    // What the graphs hold, and the input copies that are their leaves; dropout masks
-    // (`off_graph`) are outside them.
+    // What the graphs hold, and the input copies that are their leaves.
     let graphs = |s: &[SegmentBytes]| -> Vec<(u64, u64, u64)> {
         s.iter().map(|s| (s.graph, s.output, s.inputs)).collect()
     };
@@ -35,8 +34,7 @@ fn check(
     // caller's graph is kept.
     for s in [Strategy::None, Strategy::Full] {
         let y = forward(&Checkpointer::with_strategy(s))?;
-        let masks: u64 = want.segments.iter().map(|s| s.off_graph).sum();
-        let kept = want.held(s).kept - want.op_held - if s == Strategy::None { masks } else { 0 };
+        let kept = want.held(s).kept - want.op_held;
         assert_eq!(graph_bytes(&y), kept, "{label}: the graph under {s}");
     }
     Ok(())

@@ -11,8 +11,7 @@ use ft_trainer::train::fit_check::{FitRun, Shape};
 
 const BIN: &str = env!("CARGO_BIN_EXE_fewshot-ft");
 
-/// How far the plan may be above and below the measured peak (`budget:B` rows excepted:
-/// `FitRun::check` says why).
+/// How far the plan may be above and below the measured peak.
 const HIGH: f64 = 0.12;
 const LOW: f64 = 0.10;
 

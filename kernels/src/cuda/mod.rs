@@ -19,10 +19,12 @@
 //! | `adafactor` | Adafactor | ft-trainer's optimizers |
 //! | `grad_norm` | gradient sums of squares, f16 unscale | ft-trainer's update step |
 //! | `rounding` | fp32 -> bf16 stochastic rounding | `crate::rounding` |
+//! | `dropout` | inverted dropout, mask drawn from a hash | `crate::dropout` |
 
 mod adafactor;
 mod adamw;
 mod attention;
+mod dropout;
 mod grad_norm;
 mod launch;
 mod norm;
@@ -42,6 +44,7 @@ pub use adamw::{
     Moments8bit,
 };
 pub use attention::{fused_attention, fused_attention_supported};
+pub(crate) use dropout::dropout_forward;
 pub use grad_norm::{sum_squares, sum_squares_each, unscale_check};
 pub use launch::{launches, launches_of};
 pub use norm::norm_backward;

@@ -42,12 +42,17 @@ __device__ __forceinline__ unsigned short bf16_bits(float v) {
 __device__ __forceinline__ void st(bf16* p, long long i, float v) { p[i].x = bf16_bits(v); }
 __device__ __forceinline__ void st(f16* p, long long i, float v) { p[i].x = f32_to_f16(v); }
 
-// Counter-based hash (splitmix64 finaliser): the same (seed, index) always gives the same bits.
-__device__ __forceinline__ unsigned rand_bits(unsigned long long seed, unsigned long long i) {
+// Counter-based hash (splitmix64 finaliser): output i of the splitmix64 stream starting at
+// `seed`; the same (seed, index) always gives the same bits (`crate::rounding::rand_u64`).
+__device__ __forceinline__ unsigned long long rand_u64(unsigned long long seed,
+                                                       unsigned long long i) {
   unsigned long long z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return (unsigned)((z ^ (z >> 31)) >> 32);
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ unsigned rand_bits(unsigned long long seed, unsigned long long i) {
+  return (unsigned)(rand_u64(seed, i) >> 32);
 }
 
 // fp32 -> bf16 with stochastic rounding: add 16 random bits below bf16's last place, truncate.

@@ -22,6 +22,7 @@ fn kernels_compile_with_nvrtc() {
                     "adamw8bit_bf16_bf16",
                     "adamw8bit_f32_f32",
                     "unscale_f32",
+                    "dropout_bf16",
                     "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
                     "adafactor_apply_f16_bf16",
@@ -169,5 +170,27 @@ fn empty_tensors_launch_nothing() -> Result<()> {
     let dq = g.get(q.as_tensor()).expect("dQ");
     assert_eq!(dq.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
     dev.synchronize()?;
+    Ok(())
+}
+
+/// Dropout on CUDA draws the CPU's mask for a seed, so its values are the CPU's bit for bit in
+/// each dtype (one multiply, rounded once), and so is the gradient backward draws again.
+#[test]
+fn dropout_matches_the_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let x = random_tensor(&[3, 1001], 61, &Device::Cpu)?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = x.to_dtype(dtype)?;
+        let cpu = ft_kernels::dropout::dropout(&x, 0.3, 99, 17)?;
+        let v = Var::from_tensor(&x.to_device(&dev)?)?;
+        let gpu = ft_kernels::dropout::dropout(v.as_tensor(), 0.3, 99, 17)?;
+        let (a, b) = (super::common::host(&cpu)?, super::common::host(&gpu)?);
+        assert_eq!(a, b, "{dtype:?} values");
+        let g = gpu.sum_all()?.backward()?;
+        let g = super::common::host(g.get(v.as_tensor()).expect("gradient"))?;
+        let ones = Tensor::ones(x.shape(), dtype, &Device::Cpu)?;
+        let mask = super::common::host(&ft_kernels::dropout::dropout(&ones, 0.3, 99, 17)?)?;
+        assert_eq!(g, mask, "{dtype:?} gradient");
+    }
     Ok(())
 }

@@ -21,6 +21,7 @@
 #include "../../src/cuda/adafactor.cu"
 #include "../../src/cuda/grad_norm.cu"
 #include "../../src/cuda/rounding.cu"
+#include "../../src/cuda/dropout.cu"
 // Their checks, one file per family.
 #include "softmax.cc"
 #include "norm.cc"
@@ -31,6 +32,7 @@
 #include "rounding.cc"
 #include "adafactor.cc"
 #include "grad_norm.cc"
+#include "dropout.cc"
 
 int main(int argc, char** argv) {
   // A warp-level call that not every lane reaches (a shuffle behind a divergent branch) waits
@@ -103,6 +105,7 @@ int main(int argc, char** argv) {
                         300);
   adafactor_in_place_case();
   stochastic_case();
+  dropout_case();
   sum_squares_case();
   atomic_add_f64_case();
   unscale_case();

@@ -74,13 +74,11 @@ impl Attention {
 }
 
 /// Bytes of the tensors a forward creates and its graph keeps, in the activation dtype
-/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32), and elements in the
-/// activation dtype that ops keep outside the graph's tensors (`off_graph`: dropout masks).
+/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Tally {
     pub elems: u64,
     pub f32_elems: u64,
-    pub off_graph: u64,
 }
 
 impl Tally {
@@ -96,18 +94,16 @@ impl Tally {
         SegmentBytes {
             graph: self.bytes(dtype),
             output: output * s,
-            off_graph: self.off_graph * s,
             inputs: inputs * s,
             score_temporaries: scores * s,
         }
     }
 
-    /// A dropout site over `n` elements when dropout is `on`: its output, and its mask, which
-    /// the product holds but the graph's tensors do not include.
+    /// A dropout site over `n` elements when dropout is `on`: its output (the mask is not
+    /// stored: `ft_kernels::dropout`).
     pub fn dropout(&mut self, on: bool, n: u64) {
         if on {
             self.elems += n;
-            self.off_graph += n;
         }
     }
 

@@ -146,7 +146,7 @@ impl T5Config {
     /// attention as it runs on `target` and, when `dropout`, this config's dropout on: the
     /// caller's graph, each block (a checkpoint segment) in forward order, and what ops keep
     /// outside the graph: the fused head loss's gradients (of the hidden states, and of the
-    /// head in f32) and the dropout masks.
+    /// head in f32). Dropout keeps no mask (`ft_kernels::dropout`).
     pub fn activations(
         &self,
         shape: &T5Shape,
@@ -176,7 +176,7 @@ impl T5Config {
         ActivationProfile {
             outer: w.outer.bytes(dtype),
             segments: w.segments,
-            op_held: w.outer.off_graph * s + b * lt * d * s + 4 * self.vocab_size as u64 * d,
+            op_held: b * lt * d * s + 4 * self.vocab_size as u64 * d,
             temporaries: T5_TEMPORARIES,
         }
     }

@@ -22,7 +22,7 @@ mod strategy;
 pub use profile::{ActivationProfile, Held, Temporaries};
 pub use segment::{graph_bytes, graphs_bytes};
 pub use sink::{EarlyStep, GradSink};
-pub use strategy::Strategy;
+pub use strategy::{budget_keeps, Strategy};
 
 use std::sync::{Arc, Mutex};
 
@@ -31,7 +31,7 @@ use candle_core::{Tensor, TensorId, Var};
 use crate::error::Result;
 use segment::{Body, KeptGraph, SegmentOp};
 use sink::locked;
-use strategy::{SegmentCost, Treatment};
+use strategy::Treatment;
 
 /// A segment: a function of 1 to 3 tensors (hidden state, encoder output, bias, ...).
 pub type SegmentFn = Arc<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync>;
@@ -41,8 +41,8 @@ pub type SegmentFn = Arc<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send
 struct Progress {
     /// Index of the next segment in this forward.
     next: usize,
-    /// Per segment, its graph's bytes and recompute time (budget strategy, first step).
-    costs: Arc<Mutex<Vec<Option<SegmentCost>>>>,
+    /// Per segment, what it holds when kept (budget strategy, measured in the first step).
+    sizes: Arc<Mutex<Vec<Option<u64>>>>,
     /// Per segment, whether the budget plan recomputes it.
     recompute: Option<Vec<bool>>,
     /// `full-host`: the host tensor behind each segment output handed to the model on the
@@ -57,14 +57,12 @@ struct Progress {
 
 /// What one segment kept from its forward (measured under `blocks`, or predicted by a model's
 /// activation formulas): its graph's bytes ([`graph_bytes`], its output included), its
-/// output's bytes, which the caller's graph holds as well, what its ops keep outside the
-/// graph's tensors (dropout masks: formulas count them, the measurement cannot see them), and
-/// the copies of its inputs it makes as its graph's leaves.
+/// output's bytes, which the caller's graph holds as well, and the copies of its inputs it
+/// makes as its graph's leaves.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SegmentBytes {
     pub graph: u64,
     pub output: u64,
-    pub off_graph: u64,
     /// A segment run as one op (kept or rebuilt) starts its graph at leaves of its own: a copy
     /// of each input whose gradient is needed (`Var::from_tensor` copies). Held as long as the
     /// graph is; without segments (`none`) there are none. T5's encoder blocks copy the
@@ -80,13 +78,13 @@ pub struct SegmentBytes {
 impl SegmentBytes {
     /// Everything the segment keeps until its backward, run as one op.
     pub fn kept(&self) -> u64 {
-        self.graph + self.off_graph + self.inputs
+        self.graph + self.inputs
     }
 
     /// What the segment's ops keep in a graph without segments (`none`): no leaf copies, and
     /// its output counted with the caller's graph.
     pub fn unsegmented(&self) -> u64 {
-        (self.graph + self.off_graph).saturating_sub(self.output)
+        self.graph.saturating_sub(self.output)
     }
 }
 
@@ -144,12 +142,12 @@ impl Checkpointer {
     pub fn budget_plan(&self) -> Option<(usize, usize, u64)> {
         let p = locked(&self.progress);
         let plan = p.recompute.as_ref()?;
-        let costs = locked(&p.costs);
+        let sizes = locked(&p.sizes);
         let kept_bytes = plan
             .iter()
-            .zip(costs.iter())
+            .zip(sizes.iter())
             .filter(|(r, _)| !**r)
-            .map(|(_, c)| c.map_or(0, |c| c.bytes))
+            .map(|(_, s)| s.unwrap_or(0))
             .sum();
         let recomputed = plan.iter().filter(|r| **r).count();
         Some((plan.len() - recomputed, recomputed, kept_bytes))
@@ -199,12 +197,12 @@ impl Checkpointer {
     /// output stay alive; `params` are the trainable parameters `f` uses, whose gradients go to
     /// the sink when the segment is recomputed in backward.
     pub fn run(&self, f: SegmentFn, inputs: &[&Tensor], params: &[Var]) -> Result<Tensor> {
-        let (index, recompute, costs) = {
+        let (index, recompute, sizes) = {
             let mut p = locked(&self.progress);
             let index = p.next;
             p.next += 1;
             let measure = matches!(self.strategy, Strategy::Budget(_)) && p.recompute.is_none();
-            (index, p.recompute.clone(), measure.then(|| p.costs.clone()))
+            (index, p.recompute.clone(), measure.then(|| p.sizes.clone()))
         };
         let treatment = self.strategy.treatment(index, recompute.as_deref());
         if treatment == Treatment::Plain {
@@ -271,7 +269,7 @@ impl Checkpointer {
                 Body::Recompute {
                     f,
                     inputs: args.iter().map(|a| a.detach()).collect(),
-                    costs,
+                    sizes,
                     index,
                     device: Some(device),
                 }
@@ -279,7 +277,7 @@ impl Checkpointer {
             _ => Body::Recompute {
                 f,
                 inputs: args.iter().map(|a| a.detach()).collect(),
-                costs,
+                sizes,
                 index,
                 device: None,
             },
@@ -377,10 +375,11 @@ impl Checkpointer {
         p.host_twins.clear();
         p.host_bytes = 0;
         if let (Strategy::Budget(budget), None) = (self.strategy, &p.recompute) {
-            let costs = locked(&p.costs).clone();
-            if seen > 0 && costs.len() == seen && costs.iter().all(|c| c.is_some()) {
-                let costs: Vec<SegmentCost> = costs.into_iter().flatten().collect();
-                p.recompute = Some(strategy::plan_budget(&costs, budget));
+            let sizes = locked(&p.sizes).clone();
+            if seen > 0 && sizes.len() == seen && sizes.iter().all(|s| s.is_some()) {
+                let sizes: Vec<u64> = sizes.into_iter().flatten().collect();
+                let keep = strategy::budget_keeps(&sizes, budget);
+                p.recompute = Some(keep.iter().map(|k| !k).collect());
             }
         }
     }

@@ -3,8 +3,8 @@
 //!
 //! The accounting is exact for the tensors a graph holds ([`super::graph_bytes`]): with `O` the
 //! caller's graph when every segment runs as one op (the segments' outputs, the tensors between
-//! them and everything outside them), `g_i` what segment `i` keeps run as one op (its graph,
-//! dropout masks beside it, and the copies of its inputs that are its leaves, `c_i`) and `o_i`
+//! them and everything outside them), `g_i` what segment `i` keeps run as one op (its graph
+//! and the copies of its inputs that are its leaves, `c_i`) and `o_i`
 //! its output,
 //!
 //! | strategy | held from forward to backward | rebuilt during backward, at most at once |
@@ -13,13 +13,11 @@
 //! | `blocks` | `O + sum(g_i)` (the op's output is a copy of the graph's) | 0 |
 //! | `full` | `O` | `max(g_i)` |
 //! | `every:K` | `O + sum(g_i, i % K != 0)` | `max(g_i, i % K == 0)` |
-//! | `budget:B` | `O + keep(B)` | `max(g_i)` |
+//! | `budget:B` | `O + sum(g_i, i kept)` | `max(g_i, i not kept)` |
 //! | `full-host` | `O - sum(o_i)` on the device, `sum(o_i)` on the host | `max(g_i)` |
 //!
-//! `keep(B)` is the most a set of whole segments holds within B (the checkpointer keeps the
-//! segments it does not recompute, chosen by measured bytes per second of recompute, which the
-//! plan cannot know; any set it keeps holds at most this): B itself when segments are small
-//! beside it, nothing when each is larger.
+//! `budget:B` keeps the last segments that fit in B ([`super::budget_keeps`]): the run makes
+//! the same choice from the sizes it measures in its first step.
 //!
 //! `full-host`'s split is an estimate: a segment's output that the model also reads outside the
 //! segments (the UNet's skip connections and the ResNet outputs its transformers' norms read,
@@ -47,7 +45,7 @@ pub struct ActivationProfile {
     pub outer: u64,
     pub segments: Vec<SegmentBytes>,
     /// Buffers ops keep for their backward that are not tensors of the graph (a fused loss's
-    /// gradients, dropout masks), held under every strategy.
+    /// gradients), held under every strategy.
     pub op_held: u64,
     /// Backward's temporaries as multiples of a segment's graph.
     pub temporaries: Temporaries,
@@ -79,8 +77,7 @@ impl Temporaries {
 pub struct Held {
     /// On the training device from the end of forward until backward frees it.
     pub kept: u64,
-    /// The largest segment backward rebuilds (0 when it rebuilds none; `budget:B` counts the
-    /// largest of all, whatever B keeps).
+    /// The largest segment backward rebuilds (0 when it rebuilds none).
     pub recompute: u64,
     /// On top of `kept`, at most, while backward runs: the segment it is rebuilding and its
     /// temporaries (estimated: [`Temporaries`]), less the segment graphs it has freed by then.
@@ -142,16 +139,15 @@ impl ActivationProfile {
             Strategy::None => (o, self.unsegmented(), 0, 0),
             Strategy::Blocks => (o, self.graphs(), 0, 0),
             Strategy::Full => (o, 0, all, 0),
-            Strategy::Every(k) => {
-                let k = k.max(1);
+            Strategy::Every(_) | Strategy::Budget(_) => {
+                let keep = self.kept_segments(strategy);
                 (
                     o,
-                    self.graphs_where(|i| !i.is_multiple_of(k)),
-                    self.largest(|i| i.is_multiple_of(k)),
+                    self.graphs_where(|i| keep[i]),
+                    self.largest(|i| !keep[i]),
                     0,
                 )
             }
-            Strategy::Budget(b) => (o, keepable(&self.sizes(), b), all, 0),
             Strategy::FullHost => (o.saturating_sub(outputs), 0, all, outputs),
         };
         Held {
@@ -165,98 +161,50 @@ impl ActivationProfile {
     /// The most segment graphs and temporaries hold at once while backward walks the segments
     /// from the last to the first: segment `i`'s graph (kept, or rebuilt) and temporaries, with
     /// the kept graphs of the segments before it. Under `none` candle's backward holds the whole
-    /// graph until it returns; `budget:B` is counted as if any segment could be the rebuilt one,
-    /// with as much of the segments before it kept as B can hold of them.
+    /// graph until it returns.
     fn backward_walk(&self, strategy: Strategy) -> u64 {
         let t = self.temporaries;
         let of = Temporaries::of;
+        let keep = self.kept_segments(strategy);
         let mut before: u64 = 0; // kept graphs of the segments before `i`
         let mut kept_before = Vec::with_capacity(self.segments.len());
-        for (i, s) in self.segments.iter().enumerate() {
+        for (s, k) in self.segments.iter().zip(&keep) {
             kept_before.push(before);
-            before += match strategy {
-                Strategy::None | Strategy::Blocks | Strategy::Budget(_) => s.kept(),
-                Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => s.kept(),
-                _ => 0,
-            };
+            before += if *k { s.kept() } else { 0 };
         }
         let whole = self.unsegmented();
-        let sizes = self.sizes();
         let mut peak = 0;
-        // The masks' gradients of the segments from `i` on: held until the whole backward
-        // returns when there are no segments.
-        let mut strays_after: Vec<u64> = self.segments.iter().map(|s| s.off_graph).collect();
-        for i in (0..strays_after.len().saturating_sub(1)).rev() {
-            strays_after[i] += strays_after[i + 1];
-        }
         for (i, s) in self.segments.iter().enumerate() {
             let g = s.kept();
-            // A segment run as one op frees its masks' gradients when its backward returns.
-            let of = |permille, g| of(permille, g) + s.score_temporaries + s.off_graph;
+            let of = |permille, g| of(permille, g) + s.score_temporaries;
             let live = match strategy {
                 Strategy::None => {
-                    whole
-                        + Temporaries::of(t.whole, s.unsegmented())
-                        + s.score_temporaries
-                        + strays_after[i]
+                    whole + Temporaries::of(t.whole, s.unsegmented()) + s.score_temporaries
                 }
-                Strategy::Blocks => kept_before[i] + g + of(t.kept, g),
-                Strategy::Every(k) if !i.is_multiple_of(k.max(1)) => {
-                    kept_before[i] + g + of(t.kept, g)
-                }
-                Strategy::Every(_) | Strategy::Full | Strategy::FullHost => {
-                    kept_before[i] + g + of(t.recomputed, g)
-                }
-                Strategy::Budget(b) => {
-                    let earlier = keepable(&sizes[..i], b);
-                    earlier + g + of(t.recomputed.max(t.kept), g)
-                }
+                _ if keep[i] => kept_before[i] + g + of(t.kept, g),
+                _ => kept_before[i] + g + of(t.recomputed, g),
             };
             peak = peak.max(live);
         }
         peak
     }
 
+    /// Per segment, whether `strategy` keeps its graph until its backward (rather than
+    /// rebuilding it, or running it inside the caller's graph under `none`).
+    fn kept_segments(&self, strategy: Strategy) -> Vec<bool> {
+        let n = self.segments.len();
+        match strategy {
+            Strategy::Blocks => vec![true; n],
+            Strategy::Every(k) => (0..n).map(|i| !i.is_multiple_of(k.max(1))).collect(),
+            Strategy::Budget(b) => super::budget_keeps(&self.sizes(), b),
+            Strategy::None | Strategy::Full | Strategy::FullHost => vec![false; n],
+        }
+    }
+
     fn graphs_where(&self, pick: impl Fn(usize) -> bool) -> u64 {
         let it = self.segments.iter().enumerate();
         it.filter(|(i, _)| pick(*i)).map(|(_, s)| s.kept()).sum()
     }
-}
-
-/// Cells of the subset-sum table [`keepable`] fills (the budget in steps of `budget / CELLS`).
-const CELLS: u64 = 1 << 16;
-
-/// The most a set of the `sizes` sums to within `budget`: an upper bound of what the budget
-/// strategy keeps, whichever segments it picks. A subset-sum over sizes counted in steps of
-/// `budget / 65536` (rounded down), each count holding the largest true sum that reaches it:
-/// exact when that sum is within the budget, else the budget.
-pub fn keepable(sizes: &[u64], budget: u64) -> u64 {
-    let total: u64 = sizes.iter().sum();
-    if total <= budget {
-        return total;
-    }
-    let step = budget.div_ceil(CELLS).max(1);
-    let cells = (budget / step) as usize;
-    // most[c]: the largest true sum of a set whose rounded sizes sum to c steps.
-    let mut most: Vec<Option<u64>> = vec![None; cells + 1];
-    most[0] = Some(0);
-    for &size in sizes {
-        let s = (size / step) as usize;
-        if s > cells {
-            continue;
-        }
-        for c in (s..=cells).rev() {
-            if let Some(m) = most[c - s] {
-                most[c] = Some(most[c].map_or(m + size, |x| x.max(m + size)));
-            }
-        }
-    }
-    most.iter()
-        .flatten()
-        .copied()
-        .max()
-        .unwrap_or(0)
-        .min(budget)
 }
 
 #[cfg(test)]
@@ -330,27 +278,16 @@ mod tests {
         // Segments 0 and 2 rebuilt, 1 kept: segment 2 rebuilt (2000 + 4000) while segment 1's
         // 3000 are held, which are counted in `kept` already.
         assert_eq!(b("every:2"), 6000);
-        // 1 KiB holds segment 0 alone (1000); segment 1 treated as rebuilt: segment 0 kept
-        // before it, 3000 rebuilt, 6000 of temporaries; the kept 1000 counted in `kept`.
+        // 1 KiB holds segment 0 alone (1000); segment 1 rebuilt with segment 0 kept before
+        // it: 3000 rebuilt, 6000 of temporaries; the kept 1000 counted in `kept`.
         assert_eq!(b("budget:1KiB"), 10000 - 1000);
-        assert_eq!(p.held("full".parse().expect("strategy")).peak(), 9000);
-    }
-
-    #[test]
-    fn the_budget_keeps_whole_segments() {
-        // Exact for sizes that are whole steps.
-        assert_eq!(keepable(&[100, 300, 200], 1000), 600);
-        assert_eq!(keepable(&[100, 300, 200], 450), 400);
-        assert_eq!(keepable(&[100, 300, 200], 99), 0);
-        assert_eq!(keepable(&[], 99), 0);
-        // Ten equal blocks of 3 MiB within 16 MiB: five.
-        assert_eq!(keepable(&[3 << 20; 10], 16 << 20), 15 << 20);
-        // Sizes that are not whole steps: never below the true most, never above the budget.
-        let sizes = [1_000_003, 2_000_011, 2_999_999, 4_000_037];
+        // 2 KiB holds the last segment (2000), freed before segment 1 is rebuilt beside
+        // nothing kept: 3000 + 6000, less the 2000 counted in `kept`.
+        assert_eq!(b("budget:2KiB"), 9000 - 2000);
         assert_eq!(
-            keepable(&sizes, 7_000_100),
-            1_000_003 + 2_000_011 + 4_000_037
+            p.held("budget:2KiB".parse().expect("strategy")).recompute,
+            3000
         );
-        assert_eq!(keepable(&sizes, 6_500_000), 2_000_011 + 4_000_037);
+        assert_eq!(p.held("full".parse().expect("strategy")).peak(), 9000);
     }
 }

@@ -3,7 +3,6 @@
 //! dropped as soon as its backward has run (`blocks`).
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Shape, Storage,
@@ -11,7 +10,6 @@ use candle_core::{
 };
 
 use super::sink::locked;
-use super::strategy::SegmentCost;
 use super::{GradSink, SegmentFn};
 
 /// A segment's graph built in forward: its own input leaves (a `Var` per tracked input, whose
@@ -23,12 +21,12 @@ pub(crate) struct KeptGraph {
 
 /// How backward gets the segment's graph.
 pub(crate) enum Body {
-    /// Recomputed from the detached inputs; with `costs`, the recomputation's graph bytes and
-    /// time are written at `index` (the budget strategy's first step).
+    /// Recomputed from the detached inputs; with `sizes`, what the segment would hold kept is
+    /// written at `index` (the budget strategy's first step).
     Recompute {
         f: SegmentFn,
         inputs: Vec<Tensor>,
-        costs: Option<Arc<Mutex<Vec<Option<SegmentCost>>>>>,
+        sizes: Option<Arc<Mutex<Vec<Option<u64>>>>>,
         index: usize,
         /// `full-host`: the inputs are in host memory and the segment runs on this device
         /// (brought there for the forward and again for the recompute; the output and the
@@ -112,7 +110,7 @@ impl SegmentOp {
             Body::Recompute {
                 f,
                 inputs,
-                costs,
+                sizes,
                 index,
                 device,
             } => {
@@ -129,19 +127,21 @@ impl SegmentOp {
                     .flatten()
                     .map(|v| v.as_tensor().clone())
                     .collect();
-                let t0 = Instant::now();
                 let y = f(&xs)?;
-                if let Some(costs) = costs {
-                    y.device().synchronize()?;
-                    let cost = SegmentCost {
-                        bytes: graph_bytes(&y),
-                        seconds: t0.elapsed().as_secs_f64(),
-                    };
-                    let mut c = locked(costs);
+                if let Some(sizes) = sizes {
+                    // What the segment holds when kept: its graph, and the copies of the
+                    // inputs whose gradient is needed that a kept segment makes its leaves.
+                    let copies: u64 = inputs
+                        .iter()
+                        .zip(&self.tracked)
+                        .filter(|(_, t)| **t)
+                        .map(|(x, _)| crate::bytes::tensor_bytes(x))
+                        .sum();
+                    let mut c = locked(sizes);
                     if c.len() <= *index {
                         c.resize(*index + 1, None);
                     }
-                    c[*index] = Some(cost);
+                    c[*index] = Some(graph_bytes(&y) + copies);
                 }
                 Ok(KeptGraph { leaves, y })
             }

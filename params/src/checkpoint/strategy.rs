@@ -11,7 +11,7 @@
 //! | `full` | each segment's inputs and output | every segment |
 //! | `full-host` | as `full`, with the inputs and outputs between segments in host memory | every segment |
 //! | `every:K` | the graphs of the segments not recomputed | segments 0, K, 2K, ... |
-//! | `budget:BYTES` | the graphs that fit in BYTES | those holding the most bytes per second of recompute |
+//! | `budget:BYTES` | the graphs that fit in BYTES, the last segments first | the others |
 
 use std::fmt;
 use std::str::FromStr;
@@ -32,9 +32,9 @@ pub enum Strategy {
     FullHost,
     /// Segment `i` recomputed when `i % K == 0`, the others kept as in `Blocks`.
     Every(usize),
-    /// Keep the segments' graphs within this many bytes; recompute the rest, choosing those
-    /// that hold the most bytes per second of recompute (measured in the first step, which
-    /// recomputes every segment).
+    /// Keep the segments' graphs within this many bytes, the last segments first; recompute
+    /// the rest ([`budget_keeps`], on the sizes measured in the first step, which recomputes
+    /// every segment).
     Budget(u64),
 }
 
@@ -131,42 +131,25 @@ impl FromStr for Strategy {
     }
 }
 
-/// One segment's measured cost under the budget strategy.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct SegmentCost {
-    /// Bytes its graph holds (see [`super::graph_bytes`]).
-    pub bytes: u64,
-    /// Seconds its recomputation took.
-    pub seconds: f64,
-}
-
-/// The budget strategy's choice: recompute the segments holding the most bytes per second of
-/// recompute until the kept ones fit `budget`, then keep again those that fit in what is left.
-/// Returns, per segment, whether it is recomputed.
-pub(crate) fn plan_budget(costs: &[SegmentCost], budget: u64) -> Vec<bool> {
-    let mut order: Vec<usize> = (0..costs.len()).collect();
-    let density = |c: &SegmentCost| c.bytes as f64 / c.seconds.max(1e-9);
-    order.sort_by(|&a, &b| density(&costs[b]).total_cmp(&density(&costs[a])));
-    let mut kept: u64 = costs.iter().map(|c| c.bytes).sum();
-    let mut recompute = vec![false; costs.len()];
-    for &i in &order {
-        if kept <= budget {
-            break;
-        }
-        recompute[i] = true;
-        kept -= costs[i].bytes;
-    }
-    // Then the recomputed segments that still fit in what the budget leaves are kept again,
-    // the fewest bytes per second first: a large segment taken out early can leave room for
-    // smaller ones taken out after it, and without this pass the budget may keep nothing at
-    // all when the first segments in the order are larger than it.
-    for &i in order.iter().rev() {
-        if recompute[i] && kept + costs[i].bytes <= budget {
-            recompute[i] = false;
-            kept += costs[i].bytes;
+/// The budget strategy's choice from what each segment holds when kept (`sizes`, in forward
+/// order): from the last segment to the first, keep each that fits in what the budget has
+/// left; recompute the rest. Returns, per segment, whether it is kept.
+///
+/// Why the last first: backward runs from the last segment, so a segment kept late is freed
+/// early, and the segments rebuilt (the earlier ones) are rebuilt beside few kept graphs. The
+/// peak is then the end of forward or a kept segment's backward, not a rebuild stacked on
+/// everything kept. And the choice is a function of the sizes alone, which the plan knows
+/// (`ActivationProfile::held`), so plan and run keep the same segments.
+pub fn budget_keeps(sizes: &[u64], budget: u64) -> Vec<bool> {
+    let mut left = budget;
+    let mut keep = vec![false; sizes.len()];
+    for (k, &size) in keep.iter_mut().zip(sizes).rev() {
+        if size <= left {
+            *k = true;
+            left -= size;
         }
     }
-    recompute
+    keep
 }
 
 #[cfg(test)]
@@ -198,20 +181,18 @@ mod tests {
     }
 
     #[test]
-    fn the_budget_recomputes_the_densest_segments_first() {
-        let c = |bytes, seconds| SegmentCost { bytes, seconds };
-        // Densities 100, 10, 50, 1 bytes per second.
-        let costs = [c(100, 1.0), c(100, 10.0), c(50, 1.0), c(10, 10.0)];
-        assert_eq!(plan_budget(&costs, 1000), [false; 4]);
-        assert_eq!(plan_budget(&costs, 160), [true, false, false, false]);
-        assert_eq!(plan_budget(&costs, 110), [true, false, true, false]);
-        assert_eq!(plan_budget(&costs, 0), [true; 4]);
-        // 60 B: taking out 0, 2 and 1 leaves 10 B kept; 2 (50 B) fits again beside it.
-        assert_eq!(plan_budget(&costs, 60), [true, true, false, false]);
-        // A small segment first in the order, a larger one after: without the second pass a
-        // budget of 15 B keeps nothing.
-        let costs = [c(10, 1.0), c(20, 10.0)];
-        assert_eq!(plan_budget(&costs, 15), [false, true]);
+    fn the_budget_keeps_the_last_segments_that_fit() {
+        let sizes = [100, 100, 50, 10];
+        assert_eq!(budget_keeps(&sizes, 1000), [true; 4]);
+        assert_eq!(budget_keeps(&sizes, 160), [false, true, true, true]);
+        assert_eq!(budget_keeps(&sizes, 110), [false, false, true, true]);
+        assert_eq!(budget_keeps(&sizes, 0), [false; 4]);
+        // A segment larger than what is left is passed over; earlier, smaller ones still fit.
+        assert_eq!(
+            budget_keeps(&[30, 20, 60, 50], 100),
+            [true, true, false, true]
+        );
+        assert_eq!(budget_keeps(&[10, 20], 15), [true, false]);
         // Before a plan, and past its end, the budget strategy recomputes.
         let plan = [false, true];
         let b = Strategy::Budget(1);

@@ -36,9 +36,8 @@ use crate::error::{Error, Result};
 pub enum Setting<A> {
     /// Flags set as written.
     Flags(Box<dyn Fn(&mut A)>),
-    /// `--checkpointing budget:B`, B the bytes the budget leaves over the plan of the knob's
-    /// next level (`full`: the segments kept under the budget come on top of what `full`
-    /// keeps, and the largest one recomputed is the same), known only during the search.
+    /// `--checkpointing budget:B`, B the largest whose plan fits the `--fit` budget (bisected
+    /// during the search).
     CheckpointBudget,
 }
 
@@ -308,33 +307,48 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
                 Some(Setting::CheckpointBudget)
             )
         });
-        if let Some(i) = budget_at {
-            // B: what the budget leaves over the plan of the knob's next level.
-            let mut next = levels.to_vec();
-            next[i] += 1;
-            let Some(p) = try_plan(plan, &with_levels(args, &knobs, &next, 0))? else {
-                return Ok(None);
-            };
-            let mut left = budget.saturating_sub(p.device_bytes());
-            if left == 0 {
-                return Ok(None);
-            }
-            a = with_levels(args, &knobs, levels, left);
-            // Segments kept under the budget change what backward frees before its peak, so
-            // the plan can overshoot by a little: take the overshoot off B and plan again.
-            for _ in 0..4 {
-                let Some(p) = try_plan(plan, &a)? else {
+        if budget_at.is_some() {
+            // B: the largest that fits, bisected in the unit the flag is written in (whole
+            // MiB, KiB for budgets under 4 MiB). B = 0 keeps no segment, as the next level
+            // (`full`) would; a B whose plan does not fit is taken as an upper end even where
+            // the plan is not monotone in B (it keeps whole segments), and the final plan is
+            // checked by the caller.
+            let unit: u64 = if budget >= 4 << 20 { 1 << 20 } else { 1 << 10 };
+            let (mut lo, mut hi) = (0, budget / unit + 1);
+            while hi - lo > 1 {
+                let mid = (lo + hi) / 2;
+                let Some(p) = try_plan(plan, &with_levels(args, &knobs, levels, mid * unit))?
+                else {
                     return Ok(None);
                 };
-                // In the unit the flag is written in (whole MiB, or KiB below one MiB).
-                let unit = if left >= 1 << 20 { 1 << 20 } else { 1 << 10 };
-                let over = p.device_bytes().saturating_sub(budget).div_ceil(unit) * unit;
-                if over == 0 || over >= left {
-                    break;
+                if p.device_bytes() <= budget {
+                    lo = mid;
+                } else {
+                    hi = mid;
                 }
-                left -= over;
-                a = with_levels(args, &knobs, levels, left);
             }
+            // Then the smallest B with that plan: B is then what the kept segments hold
+            // (rounded up to the unit), not a value just short of keeping one more, where a
+            // segment the run measures a little smaller than planned would be kept as well.
+            let peak_at = |b: u64| -> Result<Option<u64>> {
+                Ok(
+                    try_plan(plan, &with_levels(args, &knobs, levels, b * unit))?
+                        .map(|p| p.device_bytes()),
+                )
+            };
+            if let Some(best) = peak_at(lo)?.filter(|_| lo > 0) {
+                let (mut below, mut at) = (0, lo);
+                while at - below > 1 {
+                    let mid = (below + at) / 2;
+                    if peak_at(mid)? == Some(best) {
+                        at = mid;
+                    } else {
+                        below = mid;
+                    }
+                }
+                lo = at;
+            }
+            a = with_levels(args, &knobs, levels, lo * unit);
         }
         let p = try_plan(plan, &a)?;
         if let Some(p) = &p {
