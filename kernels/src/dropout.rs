@@ -129,8 +129,9 @@ fn dropout_with(x: &Tensor, d: &DropoutDraw) -> Result<Tensor> {
 
 /// `x` with each element dropped with probability `p` and the rest scaled by `1 / (1 - p)`,
 /// the keep bits drawn from `seed` starting `skip` outputs into its stream; `p = 0` returns `x`.
-/// Where the device has no kernel (the dtype or device), `x` times a mask built on the host,
-/// which the product then keeps.
+/// Where the device has no kernel (f64 on CUDA, other devices, `FT_CUDA_KERNELS=0`), `x` times
+/// a mask built on the host: the product keeps the mask and backward computes its gradient,
+/// which the memory plan does not count.
 pub fn dropout(x: &Tensor, p: f64, seed: u64, skip: u64) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
         candle_core::bail!("dropout: p must be in [0, 1), got {p}");
@@ -142,7 +143,10 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64, skip: u64) -> Result<Tensor> {
     if crate::has_kernel(x) {
         x.contiguous()?.apply_op1(d)
     } else {
-        dropout_with(x, &d)
+        x * d
+            .mask(x.shape())?
+            .to_dtype(x.dtype())?
+            .to_device(x.device())?
     }
 }
 

@@ -32,13 +32,13 @@ fn the_mask_is_a_sequential_splitmix_draw() -> Result<()> {
     Ok(())
 }
 
-/// The values are `x` times the mask in `x`'s dtype, bit for bit, in f32, bf16 and f64, for a
+/// The values are `x` times the mask in `x`'s dtype, bit for bit, in f32, bf16, f16 and f64, for a
 /// contiguous and a transposed input; a part of the tensor drawn `skip` elements on is that
 /// part of the whole.
 #[test]
 fn values_are_x_times_the_mask() -> Result<()> {
     let x = rand(&[6, 7, 5], 3)?;
-    for dtype in [DType::F32, DType::BF16, DType::F64] {
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
         let x = x.to_dtype(dtype)?;
         for x in [x.clone(), x.transpose(1, 2)?] {
             let d = DropoutDraw {

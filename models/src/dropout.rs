@@ -111,6 +111,14 @@ mod tests {
             })
             .collect();
         assert_eq!(got, want);
+        // And it keeps no mask: backward's gradient store holds the input's gradient alone
+        // (`x * mask` adds the mask's).
+        let v = candle_core::Var::from_tensor(&x)?;
+        let grads = d
+            .apply(v.as_tensor(), "encoder.block.0.ff")?
+            .sum_all()?
+            .backward()?;
+        assert_eq!(grads.get_ids().count(), 1);
         Ok(())
     }
 }

@@ -9,7 +9,9 @@ use ft_models::activations::{T5Shape, Target, UNetShape};
 use ft_models::dropout::DropoutCtx;
 use ft_models::t5::{T5Batch, T5Config, T5};
 use ft_models::unet::{UNet, UNetConfig};
-use ft_params::checkpoint::{graph_bytes, ActivationProfile, Checkpointer, SegmentBytes, Strategy};
+use ft_params::checkpoint::{
+    budget_keeps, graph_bytes, ActivationProfile, Checkpointer, SegmentBytes, Strategy,
+};
 use ft_params::{ParamBuilder, ParamStore};
 
 /// Runs `forward` under `blocks` (measuring) and under `none`, and compares both with `want`.
@@ -36,6 +38,30 @@ fn check(
         let y = forward(&Checkpointer::with_strategy(s))?;
         let kept = want.held(s).kept - want.op_held;
         assert_eq!(graph_bytes(&y), kept, "{label}: the graph under {s}");
+    }
+    // budget:B: the run keeps the segments the plan keeps (the last that fit), from the sizes
+    // it measures in its first step, which count the input copies as the plan's do.
+    // Half the segments' bytes, and all of them (the first segment too, whose input may be
+    // the data, which needs no gradient and is not copied).
+    let sizes: Vec<u64> = want.segments.iter().map(|s| s.kept()).collect();
+    let total: u64 = sizes.iter().sum();
+    for b in [total / 2, total] {
+        let keep = budget_keeps(&sizes, b);
+        let ck = Checkpointer::with_strategy(Strategy::Budget(b));
+        let y = forward(&ck)?;
+        ck.gradients(&y.sum_all()?, &[])?;
+        let planned: u64 = sizes
+            .iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(s, _)| s)
+            .sum();
+        let kept = keep.iter().filter(|k| **k).count();
+        assert_eq!(
+            ck.budget_plan(),
+            Some((kept, sizes.len() - kept, planned)),
+            "{label}: budget:{b}B"
+        );
     }
     Ok(())
 }

@@ -471,8 +471,8 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
     }
     eprintln!("{table}");
     assert_eq!(fitted, ["24GiB", "16GiB", "8GiB"], "{table}");
-    // The kept segments fill the budget: B is lowered by what keeping them adds to backward's
-    // peak (before, B was the budget less `full`'s plan, overshot, and `full` was chosen).
+    // At 24 GiB a budget keeps segments (`--fit` searches B; before, B was the budget less
+    // `full`'s plan, overshot, and `full` was chosen).
     assert!(
         table.contains("| 24GiB | `--checkpointing budget:"),
         "{table}"
@@ -724,6 +724,24 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
             "{}",
             f.report()
         );
+        // A budget chosen keeps segments, and its B is the least that keeps them: a MiB
+        // less keeps less (B is not left just short of keeping one more).
+        let strategy = f.args.common.checkpointing.clone().unwrap_or_default();
+        if let Some(b) = strategy
+            .strip_prefix("budget:")
+            .and_then(|b| b.strip_suffix("MiB"))
+        {
+            let kept = |s: String| -> anyhow::Result<u64> {
+                let mut a = f.args.clone();
+                a.common.checkpointing = Some(s);
+                let held = t5_ft::run::plan(&a)?.activations();
+                Ok(held.map_or(0, |h| h.kept))
+            };
+            let b: u64 = b.parse()?;
+            let at = kept(strategy.clone())?;
+            assert!(at > kept("full".into())?, "{}", f.report());
+            assert!(kept(format!("budget:{}MiB", b - 1))? < at, "{}", f.report());
+        }
     }
     // At 1 GiB no checkpointing fits batch 16, so the search turns every knob up to the
     // micro-batch; half the batch fits without the fused backward, and without it the

@@ -228,30 +228,14 @@ impl Checkpointer {
         }
         let body = match treatment {
             Treatment::Keep => {
-                // The segment's own leaves: a copy of each input whose gradient is needed, so
-                // that its graph stops there; the others are read as they are.
-                let mut leaves = Vec::with_capacity(args.len());
-                let mut xs = Vec::with_capacity(args.len());
-                for (a, t) in args.iter().zip(&tracked) {
-                    if *t {
-                        let v = Var::from_tensor(&a.detach())?;
-                        xs.push(v.as_tensor().clone());
-                        leaves.push(Some(v));
-                    } else {
-                        xs.push(a.detach());
-                        leaves.push(None);
-                    }
-                }
+                let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+                let (leaves, xs) = segment::leaves_for(&detached, &tracked)?;
                 let y = f(&xs)?;
                 if let Some(m) = &mut locked(&self.progress).measured {
                     m.push(SegmentBytes {
                         graph: graph_bytes(&y),
                         output: crate::bytes::tensor_bytes(&y),
-                        inputs: leaves
-                            .iter()
-                            .flatten()
-                            .map(|v| crate::bytes::tensor_bytes(v.as_tensor()))
-                            .sum(),
+                        inputs: segment::copies_bytes(&leaves),
                         ..SegmentBytes::default()
                     });
                 }
@@ -291,6 +275,7 @@ impl Checkpointer {
         let op = SegmentOp {
             body,
             tracked: args.iter().map(|a| a.track_op()).collect(),
+            copied: tracked,
             params: params.to_vec(),
             sink: self.sink.clone(),
         };

@@ -25,10 +25,7 @@
 //! inputs back to the device.
 //!
 //! Backward's own temporaries (the gradients of activations in flight, the zeros candle's
-//! backprop sums into, kernels' buffers) come on top, and the gradients of the dropout masks
-//! (`off_graph`): candle's backward of a product computes both factors' gradients and keeps the
-//! mask's, never read, until the backward returns: a segment's own backward when it runs as one
-//! op, the whole backward under `none`, where they pile up from the last segment to the first. They are not tensors of the forward's
+//! backprop sums into, kernels' buffers) come on top. They are not tensors of the forward's
 //! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
 //! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
 //! on the CPU by `trainer/tests/backward_temporaries.rs`), plus, where the formulas set it, a
@@ -108,7 +105,7 @@ impl Held {
 impl ActivationProfile {
     /// The sum of every segment's graph.
     fn graphs(&self) -> u64 {
-        self.segments.iter().map(|s| s.kept()).sum()
+        self.graphs_where(|_| true)
     }
 
     /// Each segment's graph, in forward order.

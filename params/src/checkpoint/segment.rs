@@ -39,7 +39,13 @@ pub(crate) enum Body {
 
 pub(crate) struct SegmentOp {
     pub(crate) body: Body,
+    /// Per input, whether backward returns a gradient for it (it is tracked as the op's
+    /// argument: a rebuilt graph copies it as a leaf).
     pub(crate) tracked: Vec<bool>,
+    /// Per input, whether its gradient is needed by the model (tracked before the segment
+    /// made its first input a variable so that it is recorded at all): the inputs a kept
+    /// graph copies as its leaves, and so what the budget strategy counts.
+    pub(crate) copied: Vec<bool>,
     pub(crate) params: Vec<Var>,
     pub(crate) sink: GradSink,
 }
@@ -118,30 +124,21 @@ impl SegmentOp {
                     Some(d) => on(inputs, d)?,
                     None => inputs.clone(),
                 };
-                let leaves = inputs
-                    .iter()
-                    .map(|t| Var::from_tensor(t).map(Some))
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                let xs: Vec<Tensor> = leaves
-                    .iter()
-                    .flatten()
-                    .map(|v| v.as_tensor().clone())
-                    .collect();
+                let (leaves, xs) = leaves_for(&inputs, &self.tracked)?;
                 let y = f(&xs)?;
                 if let Some(sizes) = sizes {
-                    // What the segment holds when kept: its graph, and the copies of the
-                    // inputs whose gradient is needed that a kept segment makes its leaves.
-                    let copies: u64 = inputs
+                    // What the segment holds when kept: its graph and the input copies a kept
+                    // graph makes.
+                    let copies: Vec<Option<Var>> = leaves
                         .iter()
-                        .zip(&self.tracked)
-                        .filter(|(_, t)| **t)
-                        .map(|(x, _)| crate::bytes::tensor_bytes(x))
-                        .sum();
+                        .zip(&self.copied)
+                        .map(|(v, c)| v.clone().filter(|_| *c))
+                        .collect();
                     let mut c = locked(sizes);
                     if c.len() <= *index {
                         c.resize(*index + 1, None);
                     }
-                    c[*index] = Some(graph_bytes(&y) + copies);
+                    c[*index] = Some(graph_bytes(&y) + copies_bytes(&copies));
                 }
                 Ok(KeptGraph { leaves, y })
             }
@@ -203,6 +200,39 @@ impl SegmentOp {
             _ => candle_core::bail!("checkpointed segment: output is not on a CUDA device"),
         }
     }
+}
+
+/// A segment graph's own leaves, built the same way whether the graph is kept from forward or
+/// rebuilt in backward: a `Var` copy of each (detached) input whose gradient is needed, so that
+/// the graph stops there, and `None` for the others, which are read as they are. Returns the
+/// leaves and the tensors to run the segment on.
+pub(crate) fn leaves_for(
+    inputs: &[Tensor],
+    tracked: &[bool],
+) -> candle_core::Result<(Vec<Option<Var>>, Vec<Tensor>)> {
+    let leaves = inputs
+        .iter()
+        .zip(tracked)
+        .map(|(t, tracked)| tracked.then(|| Var::from_tensor(t)).transpose())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let xs = leaves
+        .iter()
+        .zip(inputs)
+        .map(|(v, x)| {
+            v.as_ref()
+                .map_or_else(|| x.clone(), |v| v.as_tensor().clone())
+        })
+        .collect();
+    Ok((leaves, xs))
+}
+
+/// Bytes of a segment's input copies ([`leaves_for`]).
+pub(crate) fn copies_bytes(leaves: &[Option<Var>]) -> u64 {
+    leaves
+        .iter()
+        .flatten()
+        .map(|v| crate::bytes::tensor_bytes(v.as_tensor()))
+        .sum()
 }
 
 /// `xs` on `device` (the same tensors when they are there already).

@@ -112,8 +112,8 @@ pub struct CommonArgs {
     /// has run; nothing recomputed), `full` (each block recomputed in backward), `full-host`
     /// (as full, the tensors between blocks kept in host memory), `every:K`
     /// (blocks 0, K, 2K, ... recomputed, the others kept) or `budget:SIZE` (keep the blocks
-    /// that fit in SIZE, e.g. budget:2GiB, recomputing those with the most bytes per second of
-    /// recompute). Every strategy gives the same gradients. Default: none, or full with
+    /// that fit in SIZE, e.g. budget:2GiB, the last ones first; recompute the others). Every
+    /// strategy gives the same gradients. Default: none, or full with
     /// --gradient-checkpointing.
     #[arg(long)]
     pub checkpointing: Option<String>,

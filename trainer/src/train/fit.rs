@@ -4,10 +4,10 @@
 //! The knobs, in the order they are turned (each one only when the user set none of its flags,
 //! on the command line or in `--config`):
 //!
-//! 1. `--checkpointing`: `none`, then `budget:B` with the largest `B` that fits (the blocks with
-//!    the most bytes per second of recompute recomputed, the rest kept), then `full`, then
-//!    `full-host`. (`blocks` and `every:K` are not tried: `budget` keeps as much within the same
-//!    bytes, and chooses which blocks by what they cost.)
+//! 1. `--checkpointing`: `none`, then `budget:B` keeping as much as fits (the last blocks
+//!    that fit in B kept, the earlier ones recomputed), then `full`, then `full-host`.
+//!    (`blocks` and `every:K` are not tried: `budget` keeps as much within the same bytes, and
+//!    keeps the blocks backward frees first.)
 //! 2. The binary's own (sdxl-ft: the EMA on the host, `--ema-device cpu`).
 //! 3. The optimizer state: 8-bit AdamW moments (`--optim adamw8bit`, when the run uses AdamW),
 //!    then on the host (`--offload-optimizer`, GPU runs only). Adafactor is not chosen: it is
@@ -36,8 +36,8 @@ use crate::error::{Error, Result};
 pub enum Setting<A> {
     /// Flags set as written.
     Flags(Box<dyn Fn(&mut A)>),
-    /// `--checkpointing budget:B`, B the largest whose plan fits the `--fit` budget (bisected
-    /// during the search).
+    /// `--checkpointing budget:B`, B what the segments kept by the largest B whose plan fits
+    /// the `--fit` budget hold (found during the search).
     CheckpointBudget,
 }
 
@@ -209,10 +209,10 @@ fn with_levels<B: Binary + Clone>(
     a
 }
 
-/// `budget:B` with `bytes` rounded down to whole MiB (to whole KiB below one MiB, at least
-/// 1 KiB), as a user would type it.
+/// `budget:B` as a user would type it: in MiB when `bytes` is a whole number of them, else in
+/// KiB (rounded down; at least 1 KiB).
 fn budget_flag(bytes: u64) -> String {
-    if bytes >= 1 << 20 {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
         format!("budget:{}MiB", bytes >> 20)
     } else {
         format!("budget:{}KiB", (bytes >> 10).max(1))
@@ -309,16 +309,17 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
         });
         if budget_at.is_some() {
             // B: the largest that fits, bisected in the unit the flag is written in (whole
-            // MiB, KiB for budgets under 4 MiB). B = 0 keeps no segment, as the next level
-            // (`full`) would; a B whose plan does not fit is taken as an upper end even where
-            // the plan is not monotone in B (it keeps whole segments), and the final plan is
-            // checked by the caller.
+            // MiB, KiB for budgets under 4 MiB). A B whose plan does not fit is taken as an
+            // upper end even where the plan is not monotone in B (it keeps whole segments);
+            // the caller checks the final plan.
             let unit: u64 = if budget >= 4 << 20 { 1 << 20 } else { 1 << 10 };
+            let kept_at = |b: u64| -> Result<Option<StatePlan>> {
+                try_plan(plan, &with_levels(args, &knobs, levels, b))
+            };
             let (mut lo, mut hi) = (0, budget / unit + 1);
             while hi - lo > 1 {
                 let mid = (lo + hi) / 2;
-                let Some(p) = try_plan(plan, &with_levels(args, &knobs, levels, mid * unit))?
-                else {
+                let Some(p) = kept_at(mid * unit)? else {
                     return Ok(None);
                 };
                 if p.device_bytes() <= budget {
@@ -327,28 +328,16 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
                     hi = mid;
                 }
             }
-            // Then the smallest B with that plan: B is then what the kept segments hold
-            // (rounded up to the unit), not a value just short of keeping one more, where a
-            // segment the run measures a little smaller than planned would be kept as well.
-            let peak_at = |b: u64| -> Result<Option<u64>> {
-                Ok(
-                    try_plan(plan, &with_levels(args, &knobs, levels, b * unit))?
-                        .map(|p| p.device_bytes()),
-                )
-            };
-            if let Some(best) = peak_at(lo)?.filter(|_| lo > 0) {
-                let (mut below, mut at) = (0, lo);
-                while at - below > 1 {
-                    let mid = (below + at) / 2;
-                    if peak_at(mid)? == Some(best) {
-                        at = mid;
-                    } else {
-                        below = mid;
-                    }
-                }
-                lo = at;
+            // Then B = what the segments kept there hold (rounded up to the unit): the last
+            // segments that fit in it are the same ones, and B is not left just short of
+            // keeping one more, where a segment the run measures a little smaller than
+            // planned would be kept as well. Nothing kept: this level is `full`'s.
+            let kept = |p: Option<StatePlan>| p.and_then(|p| p.activations()).map_or(0, |h| h.kept);
+            let b = kept(kept_at(lo * unit)?).saturating_sub(kept(kept_at(0)?));
+            if b == 0 {
+                return Ok(None);
             }
-            a = with_levels(args, &knobs, levels, lo * unit);
+            a = with_levels(args, &knobs, levels, b.div_ceil(unit) * unit);
         }
         let p = try_plan(plan, &a)?;
         if let Some(p) = &p {
