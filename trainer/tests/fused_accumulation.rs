@@ -105,6 +105,12 @@ fn train(
                 assert_eq!(out.updated_in_backward, 8);
                 assert_eq!(acc.micro_batches(), 0, "the sums are spent");
                 assert_eq!(acc.bytes(), 0);
+                // The next step's sums stay where the run put them (the host, offloaded).
+                assert_eq!(
+                    acc.pinned().map(|d| d.is_cpu()),
+                    (placement == StatePlacement::Host).then_some(true),
+                    "the accumulator keeps its device across a fused step"
+                );
             }
         }
         if !fused {

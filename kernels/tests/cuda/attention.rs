@@ -89,9 +89,9 @@ fn fused_attention_matches_sdpa() -> Result<()> {
         );
     }
     // The memory-efficient entry point takes the same kernels on CUDA.
-    let q = r(&[1, 2, 65, 64], 40)?;
-    let k = r(&[1, 2, 33, 64], 41)?;
-    let v = r(&[1, 2, 33, 64], 42)?;
+    let q = r(&[1, 2, 65, 64], 40)?.to_dtype(DType::F32)?;
+    let k = r(&[1, 2, 33, 64], 41)?.to_dtype(DType::F32)?;
+    let v = r(&[1, 2, 33, 64], 42)?.to_dtype(DType::F32)?;
     let cpu = attention::sdpa(&q, &k, &v, None, 0.125)?;
     let gpu = attention::sdpa_memory_efficient(
         &q.to_device(&dev)?,

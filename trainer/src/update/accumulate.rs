@@ -173,6 +173,23 @@ impl GradAccumulator {
         })
     }
 
+    /// The accumulator, moved out whole; an empty one on the same pinned device is left behind.
+    /// (`std::mem::take` would leave one that sums on the gradients' own device: under
+    /// `--offload-optimizer` on a GPU, every step after the first then kept a micro-batch's
+    /// gradients on the GPU, a model's weight size more than planned.)
+    pub fn take_whole(&mut self) -> Self {
+        let empty = GradAccumulator {
+            device: self.device.clone(),
+            ..Self::default()
+        };
+        std::mem::replace(self, empty)
+    }
+
+    /// The device the sums are pinned to ([`Self::on`]), if any.
+    pub fn pinned(&self) -> Option<&Device> {
+        self.device.as_ref()
+    }
+
     /// Where the sums live (for the ledger); the first gradient's device when not pinned.
     pub fn device(&self) -> &Device {
         self.device

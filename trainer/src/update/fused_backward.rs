@@ -60,7 +60,7 @@ impl MixedOptimizer {
             lr,
             max_grad_norm: self.max_grad_norm,
             non_finite: AtomicUsize::new(0),
-            sums: Mutex::new(std::mem::take(sums)),
+            sums: Mutex::new(sums.take_whole()),
         };
         let stepper = Arc::new(stepper);
         let hook = {
@@ -114,7 +114,7 @@ impl MixedOptimizer {
         sums: &mut GradAccumulator,
     ) -> Result<usize> {
         sums.reserve(self.model.len())?;
-        let shared = Arc::new(Mutex::new(std::mem::take(sums)));
+        let shared = Arc::new(Mutex::new(sums.take_whole()));
         let hook = {
             let shared = shared.clone();
             self.early_hook(move |mine| {
@@ -126,7 +126,7 @@ impl MixedOptimizer {
             .gradients_with(loss, &self.model, Some(hook))
             .map_err(Error::from);
         // The hook went with the backward: the sums are ours again, whatever happened.
-        *sums = std::mem::take(&mut *locked(&shared));
+        *sums = locked(&shared).take_whole();
         let (grads, taken) = result?;
         for (i, g) in grads.into_iter().enumerate() {
             if let Some(g) = g {
