@@ -78,6 +78,7 @@ fn a_failed_save_names_the_checkpoint_and_keeps_the_last_one() -> anyhow::Result
         step: 1,
         epoch: 0,
         best: None,
+        split: None,
     };
     save_checkpoint(&task, &opt, &at, &dir)?;
     let saved = std::fs::read(dir.join("model.safetensors"))?;

@@ -166,6 +166,7 @@ fn run_at(
         Some(1.0),
     )?;
     let cfg = LoopConfig {
+        batch_size: 1,
         units: Units::Samples,
         mode: StepMode::new(StepModeRequest {
             micro_batches: 3,
@@ -322,7 +323,8 @@ fn a_resumed_run_keeps_the_best_so_far() -> anyhow::Result<()> {
 }
 
 /// A checkpoint that would resume otherwise is refused by name: an optimizer state tensor
-/// missing from optimizer.safetensors (it would restart from zero), a step that is not a count.
+/// missing from optimizer.safetensors (it would restart from zero), a step that is not a count,
+/// an out-of-memory split that is not one.
 #[test]
 fn a_checkpoint_missing_state_or_with_a_bad_step_is_refused() -> anyhow::Result<()> {
     let root = std::env::temp_dir().join(format!("ft-loop-partial-{}", std::process::id()));
@@ -357,9 +359,21 @@ fn a_checkpoint_missing_state_or_with_a_bad_step_is_refused() -> anyhow::Result<
     let text =
         std::fs::read_to_string(&state)?.replace("\"global_step\": 4", "\"global_step\": -5");
     std::fs::write(&state, text)?;
-    let e = run(&root.join("d"), 8, Some(ckpt)).unwrap_err().to_string();
+    let e = run(&root.join("d"), 8, Some(ckpt.clone()))
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("global_step") && e.contains("trainer_state.json"),
+        "{e}"
+    );
+    // An out-of-memory split that is not two counts.
+    let text = std::fs::read_to_string(&state)?
+        .replace("\"global_step\": -5", "\"global_step\": 4")
+        .replace("\"oom_split\": null", "\"oom_split\": {\"halvings\": -1}");
+    std::fs::write(&state, text)?;
+    let e = run(&root.join("e"), 8, Some(ckpt)).unwrap_err().to_string();
+    assert!(
+        e.contains("oom_split") && e.contains("trainer_state.json"),
         "{e}"
     );
     std::fs::remove_dir_all(&root)?;

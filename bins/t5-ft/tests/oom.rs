@@ -27,17 +27,19 @@ fn model_with_dropout(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// That model on examples at the maximum lengths (activations dominate), batch 8 a step,
-/// plain SGD (the update is the gradient scaled, so weights compare as gradients).
+/// 2 steps (`extra` flags and values replace or add to these), plain SGD (the update is the
+/// gradient scaled, so weights compare as gradients).
 fn session(
     out: &Path,
     data: &Path,
     long: &Path,
+    extra: &[&str],
 ) -> anyhow::Result<train::Session<t5_ft::task::T5Task>> {
     let long = long.display().to_string();
     let model = data.join("model").display().to_string();
     let eval = data.join("eval.jsonl").display().to_string();
     let out = out.display().to_string();
-    let args: t5_ft::cli::Args = train::parse_args_from([
+    let mut args = vec![
         "t5-ft",
         "--model",
         &model,
@@ -65,7 +67,15 @@ fn session(
         "--quiet",
         "--output-dir",
         &out,
-    ])?;
+    ];
+    // Each (flag, value) of `extra` replaces the flag's value above, or is added.
+    for pair in extra.chunks(2) {
+        match args.iter().position(|a| *a == pair[0]) {
+            Some(i) => args[i + 1] = pair[1],
+            None => args.extend_from_slice(pair),
+        }
+    }
+    let args: t5_ft::cli::Args = train::parse_args_from(args)?;
     t5_ft::run::setup(&args)
 }
 
@@ -92,7 +102,7 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_update() -> anyhow::Result
     model_with_dropout(&data)?;
 
     // Whole micro-batches, no budget: the reference, and its training peak as the plan counts.
-    let mut whole = session(&out.join("whole"), &data, &long)?;
+    let mut whole = session(&out.join("whole"), &data, &long, &[])?;
     let summary = whole.train()?;
     let ledger = &whole.ledger;
     let (_, max_planned) = ledger
@@ -116,7 +126,7 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_update() -> anyhow::Result
     // A budget 20% under that peak: the first step passes it, is split in two and run again;
     // the second starts split.
     let budget = train_peak * 8 / 10;
-    let mut split = session(&out.join("split"), &data, &long)?;
+    let mut split = session(&out.join("split"), &data, &long, &[])?;
     split.loop_config.budget = Some(budget);
     let retried = split.train()?;
     let lines = metrics(&out.join("split"))?;
@@ -163,9 +173,45 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_update() -> anyhow::Result
     assert!(worst < 1e-5, "weights differ by up to {worst}");
     drop(split);
 
+    // Resumed from the split run's checkpoint under the same budget, a step more: the split
+    // is saved with the checkpoint, so the step starts split and runs out of memory no more.
+    let saved = out.join("split/checkpoint-2").display().to_string();
+    let mut resumed = session(
+        &out.join("resumed"),
+        &data,
+        &long,
+        &["--resume", &saved, "--max-steps", "3"],
+    )?;
+    resumed.loop_config.budget = Some(budget);
+    resumed.train()?;
+    let lines = metrics(&out.join("resumed"))?;
+    assert!(
+        lines.iter().all(|l| l["event"] != "out_of_memory"),
+        "{lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l["event"] == "resumed_split"),
+        "{lines:?}"
+    );
+    let steps: Vec<&serde_json::Value> = lines.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(steps.len(), 1, "{lines:?}");
+    assert_eq!(steps[0]["micro_batches"], 2, "{lines:?}");
+    drop(resumed);
+    // With another micro-batch size the split does not apply: the step starts whole.
+    let mut other = session(
+        &out.join("other"),
+        &data,
+        &long,
+        &["--resume", &saved, "--max-steps", "3", "--batch-size", "4"],
+    )?;
+    other.train()?;
+    let lines = metrics(&out.join("other"))?;
+    let steps: Vec<&serde_json::Value> = lines.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(steps[0]["micro_batches"], 1, "{lines:?}");
+
     // A budget no part fits: split down to one sample a part, then one clear error with the
     // memory table of the moment; nothing saved.
-    let mut tiny = session(&out.join("tiny"), &data, &long)?;
+    let mut tiny = session(&out.join("tiny"), &data, &long, &[])?;
     tiny.loop_config.budget = Some(1 << 10);
     let err = match tiny.train() {
         Ok(_) => anyhow::bail!("a 1 KiB budget trained"),

@@ -40,7 +40,7 @@ pub use metrics::logged;
 pub use order::{EpochCursor, EpochOrder, Epochs, Grouping};
 pub use repo::ModelRepo;
 pub use run::run;
-pub use saved::{save_checkpoint, Progress};
+pub use saved::{save_checkpoint, Progress, Split};
 pub use session::{LoopPlan, Session, SessionBuilder};
 pub use settings::{BestConfig, LoopConfig, RunSummary};
 pub use task::{StepCtx, Task, TaskResult, Units};

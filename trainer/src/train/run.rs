@@ -11,7 +11,7 @@ use ft_params::checkpoint::Checkpointer;
 
 use super::eval::Best;
 use super::metrics::{progress_bar, Metrics};
-use super::saved::{load_checkpoint_state, save_checkpoint, Progress};
+use super::saved::{load_checkpoint_state, save_checkpoint, Progress, Split};
 use super::settings::{LoopConfig, RunSummary};
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
@@ -51,7 +51,8 @@ struct Loop<'a, T: Task> {
     acc: GradAccumulator,
     step: u64,
     epoch: usize,
-    /// Times each micro-batch is halved, after out-of-memory retries (0: whole).
+    /// Times each micro-batch is halved, after out-of-memory retries (0: whole); a resumed run
+    /// starts where its checkpoint's was, at the same micro-batch size.
     halvings: u32,
     /// The step's update has begun (the optimizer step, or the fused backward's): an
     /// out-of-memory error from here on cannot be retried (part of the weights has moved).
@@ -99,9 +100,32 @@ pub fn run<T: Task>(
     let mut summary = RunSummary::default();
     let mut best = Best::new(cfg.best.clone());
     let metrics_path = cfg.output_dir.join("metrics.jsonl");
+    let (mut halvings, mut events) = (0, Vec::new());
     let mut metrics = if let Some(dir) = &cfg.resume {
         let st = load_checkpoint_state(dir, opt)?;
         (step, epoch) = (st.progress.step, st.progress.epoch);
+        if let Some(s) = st.progress.split {
+            let message = if s.batch_size == cfg.batch_size {
+                halvings = s.halvings;
+                format!(
+                    "resuming with each micro-batch split in {} parts, as the checkpoint's run \
+                     split them after running out of memory",
+                    1u64 << s.halvings.min(63)
+                )
+            } else {
+                format!(
+                    "the checkpoint's run split its micro-batches of {} in {} parts after running \
+                     out of memory; this run's micro-batches of {} start whole",
+                    s.batch_size,
+                    1u64 << s.halvings.min(63),
+                    cfg.batch_size
+                )
+            };
+            events.push(serde_json::json!({
+                "step": step, "event": "resumed_split", "halvings": halvings,
+                "message": message,
+            }));
+        }
         task.restore_data_state(&st.data).map_err(Error::Task)?;
         if let Some(b) = st.progress.best {
             best.restore(b);
@@ -127,10 +151,10 @@ pub fn run<T: Task>(
         cfg,
         step,
         epoch,
-        halvings: 0,
+        halvings,
         updating: false,
         halve_next: None,
-        events: Vec::new(),
+        events,
     };
     let mut bad_in_a_row = 0u64;
     while l.step < cfg.max_steps {
@@ -537,6 +561,10 @@ impl<T: Task> Loop<'_, T> {
             step: self.step,
             epoch: self.epoch,
             best: best.state(),
+            split: (self.halvings > 0).then_some(Split {
+                halvings: self.halvings,
+                batch_size: self.cfg.batch_size,
+            }),
         }
     }
 

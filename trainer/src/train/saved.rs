@@ -18,6 +18,16 @@ pub struct Progress {
     pub epoch: usize,
     /// The best evaluation so far, when the run keeps a best checkpoint.
     pub best: Option<BestState>,
+    /// How far out-of-memory errors had split the micro-batches, when they had: a resumed run
+    /// of the same micro-batch size starts there instead of running out of memory again.
+    pub split: Option<Split>,
+}
+
+/// An out-of-memory split: each micro-batch of `batch_size` samples halved `halvings` times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    pub halvings: u32,
+    pub batch_size: usize,
 }
 
 /// What `trainer_state.json` holds.
@@ -74,6 +84,9 @@ fn write_into<T: Task>(task: &T, opt: &MixedOptimizer, at: &Progress, tmp: &Path
         // The state tensors the optimizer file must hold, so a resume can tell a missing one.
         "optimizer_tensors": names,
         "best": at.best.as_ref().map(BestState::to_json),
+        "oom_split": at.split.map(|s| serde_json::json!({
+            "halvings": s.halvings, "batch_size": s.batch_size,
+        })),
         "data": task.data_state(),
     });
     ft_params::fs::write_atomic(&tmp.join("trainer_state.json"), |f| {
@@ -134,6 +147,20 @@ pub(super) fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Res
         None | Some(serde_json::Value::Null) => None,
         Some(b) => Some(BestState::from_json(b).ok_or_else(|| bad(format!("`best` is {b}")))?),
     };
+    // Absent in checkpoints written before the split was saved: none.
+    let split = match v.get("oom_split") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(s) => {
+            let n = |k: &str| s.get(k).and_then(|x| x.as_u64());
+            match (n("halvings"), n("batch_size")) {
+                (Some(h), Some(b)) if h <= 64 => Some(Split {
+                    halvings: h as u32,
+                    batch_size: b as usize,
+                }),
+                _ => return Err(bad(format!("`oom_split` is {s}"))),
+            }
+        }
+    };
     let data = field("data")?.clone();
     let opt_path = dir.join("optimizer.safetensors");
     // Where the optimizer keeps its state: the model's device, or the host when offloaded.
@@ -166,7 +193,12 @@ pub(super) fn load_checkpoint_state(dir: &Path, opt: &mut MixedOptimizer) -> Res
         opt.load_state(opt_step, loss_scale, &[(name, t)])?;
     }
     Ok(TrainerState {
-        progress: Progress { step, epoch, best },
+        progress: Progress {
+            step,
+            epoch,
+            best,
+            split,
+        },
         data,
     })
 }

@@ -231,6 +231,7 @@ impl SessionBuilder {
             best: plan.best,
             max_bad_steps: c.max_bad_steps,
             budget: c.fit_budget()?,
+            batch_size: c.batch_size,
         };
         Ok(Session {
             task,

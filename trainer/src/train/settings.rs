@@ -31,6 +31,9 @@ pub struct LoopConfig {
     /// `--fit`'s budget: on the CPU, a step whose measured peak (as the plan counts it) passes
     /// it is retried in smaller parts, as a GPU's out-of-memory error is.
     pub budget: Option<u64>,
+    /// The micro-batch size asked for (`--batch-size`): a checkpoint's out-of-memory split
+    /// carries over to a resumed run of the same size.
+    pub batch_size: usize,
 }
 
 /// "Best checkpoint kept, early stopping": which metric decides and how long to wait.
