@@ -1,0 +1,20 @@
+//! Collectives between the processes of one training run.
+//!
+//! A run started by `mpirun`, `srun` or `torchrun` learns its rank, world size and local rank
+//! from the launcher's environment ([`Launch`]), and talks to the other ranks through a [`Comm`]:
+//! all-reduce, reduce-scatter, all-gather, broadcast and barrier on plain slices, and
+//! [`Comm::agree`], which stops every rank with the same error when their configurations
+//! differ. Without the `mpi` feature a binary is one process ([`Comm::solo`]) and a launch of
+//! several is an error that says how to build for it; with it, the ranks talk through MPI.
+
+mod comm;
+mod element;
+mod error;
+mod launch;
+#[cfg(feature = "mpi")]
+mod mpi_backend;
+
+pub use comm::Comm;
+pub use element::Element;
+pub use error::{DistError, Result};
+pub use launch::Launch;

@@ -1,0 +1,67 @@
+//! The collectives over MPI (the `mpi` crate over the system's OpenMPI or MPICH).
+
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use crate::element::Element;
+use crate::error::{DistError, Result};
+use crate::launch::Launch;
+
+/// MPI's world; MPI is finalised when this is dropped.
+pub(crate) struct Mpi {
+    world: SimpleCommunicator,
+    _universe: mpi::environment::Universe,
+}
+
+impl Mpi {
+    /// Initialises MPI and checks that its world is the launch's: a binary built against one
+    /// MPI and started by another's launcher sees a world of one.
+    pub fn init(launch: &Launch) -> Result<Self> {
+        let universe = mpi::initialize().ok_or_else(|| {
+            DistError::Unsupported("MPI was initialised twice in one process".into())
+        })?;
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        if (rank, size) != (launch.rank, launch.world) {
+            return Err(DistError::Launch(format!(
+                "{} says rank {} of {}, MPI says rank {rank} of {size}: the binary was built \
+                 against another MPI than the launcher's (rebuild it where `mpicc` is the \
+                 launcher's)",
+                launch.launcher, launch.rank, launch.world
+            )));
+        }
+        Ok(Mpi {
+            world,
+            _universe: universe,
+        })
+    }
+
+    pub fn all_reduce_sum<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        // MPI's all-reduce reads and writes separate buffers.
+        let send = buf.to_vec();
+        self.world
+            .all_reduce_into(&send[..], buf, SystemOperation::sum());
+        Ok(())
+    }
+
+    pub fn reduce_scatter_sum<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.world
+            .reduce_scatter_block_into(send, recv, SystemOperation::sum());
+        Ok(())
+    }
+
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.world.all_gather_into(send, recv);
+        Ok(())
+    }
+
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.world.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+
+    pub fn barrier(&self) {
+        self.world.barrier();
+    }
+}

@@ -1,0 +1,110 @@
+//! The collectives over MPI, on 2 and 3 ranks started by `mpirun` (the test starts it on its
+//! own executable; each rank runs `rank_body`). Needs the `mpi` feature and an `mpirun` on
+//! PATH: without one the test says so and passes, unless `FT_REQUIRE_MPI=1` (CI) makes that a
+//! failure.
+#![cfg(feature = "mpi")]
+
+use std::process::Command;
+
+use ft_dist::Comm;
+
+/// Every collective against its value on `world` ranks; run by each rank under `mpirun`.
+#[test]
+#[ignore = "run by each rank under mpirun: see collectives_over_mpi_on_2_and_3_ranks"]
+fn rank_body() -> anyhow::Result<()> {
+    let c = Comm::from_env()?;
+    let (r, w) = (c.rank(), c.world());
+    assert!(w > 1, "started outside mpirun");
+    assert!(c.local_rank() < w);
+    let tri = |n: usize| n * (n + 1) / 2;
+
+    let mut x = [r as f32, 1.0, (r * r) as f32];
+    c.all_reduce_sum(&mut x)?;
+    let squares: usize = (0..w).map(|q| q * q).sum();
+    assert_eq!(x, [tri(w - 1) as f32, w as f32, squares as f32]);
+    let mut y = [r as f64 + 0.5, -(r as f64)];
+    c.all_reduce_sum(&mut y)?;
+    assert_eq!(
+        y,
+        [tri(w - 1) as f64 + 0.5 * w as f64, -(tri(w - 1) as f64)]
+    );
+    let mut n = [1u64 << 40, r as u64];
+    c.all_reduce_sum(&mut n)?;
+    assert_eq!(n, [(1u64 << 40) * w as u64, tri(w - 1) as u64]);
+
+    // Two values a rank: rank q sends (q + 1) * (j + 1) at position j; rank r gets positions
+    // 2r and 2r + 1 summed over the ranks.
+    let send: Vec<f32> = (0..2 * w).map(|j| ((r + 1) * (j + 1)) as f32).collect();
+    let mut mine = [0f32; 2];
+    c.reduce_scatter_sum(&send, &mut mine)?;
+    assert_eq!(
+        mine,
+        [((2 * r + 1) * tri(w)) as f32, ((2 * r + 2) * tri(w)) as f32]
+    );
+
+    let mut all = vec![0u64; 2 * w];
+    c.all_gather(&[10 * r as u64, 10 * r as u64 + 1], &mut all)?;
+    let want: Vec<u64> = (0..w as u64).flat_map(|q| [10 * q, 10 * q + 1]).collect();
+    assert_eq!(all, want);
+
+    let mut b = if r == w - 1 { [7u8, 8, 9] } else { [0u8; 3] };
+    c.broadcast(&mut b, w - 1)?;
+    assert_eq!(b, [7, 8, 9]);
+    c.barrier();
+
+    c.agree("the configuration", b"lr = 1e-4")?;
+    let mine = if r == 1 { "lr = 1e-5" } else { "lr = 1e-4" };
+    let e = c
+        .agree("the configuration", mine.as_bytes())
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("rank {r}: a disagreement passed"))?
+        .to_string();
+    assert!(e.contains("rank 1 differs from rank 0"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn collectives_over_mpi_on_2_and_3_ranks() -> anyhow::Result<()> {
+    let version = match Command::new("mpirun").arg("--version").output() {
+        Ok(o) => String::from_utf8_lossy(&o.stdout).to_string(),
+        Err(e) => {
+            if std::env::var("FT_REQUIRE_MPI").is_ok_and(|v| v == "1") {
+                anyhow::bail!("FT_REQUIRE_MPI=1 and no mpirun: {e}");
+            }
+            eprintln!("skipped: no mpirun on PATH ({e})");
+            return Ok(());
+        }
+    };
+    let exe = std::env::current_exe()?;
+    for n in ["2", "3"] {
+        let mut cmd = Command::new("mpirun");
+        // Open MPI: more ranks than cores, and as root in a container.
+        if version.contains("Open MPI") {
+            cmd.arg("--oversubscribe")
+                .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        let out = cmd
+            .args(["-np", n])
+            .arg(&exe)
+            .args([
+                "--ignored",
+                "--exact",
+                "rank_body",
+                "--test-threads=1",
+                "--color=never",
+            ])
+            .output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "mpirun -np {n} failed ({}):\n{stdout}\n{stderr}",
+            out.status
+        );
+        // One summary line a rank (their other lines interleave).
+        let passed = stdout.matches("test result: ok. 1 passed").count();
+        assert_eq!(passed.to_string(), n, "{stdout}\n{stderr}");
+    }
+    Ok(())
+}
