@@ -6,13 +6,15 @@
 //!   scaling, accumulation, clipping, the state on the host, the fused backward pass.
 //! - [`ledger`]: exact bytes by component and phase (the counting allocator, device readings).
 //! - [`train`]: the loop, the shared flags and config, the plan, schedules, EMA, data order.
+//! - [`score`]: distribution metrics of generated samples (KID, CMMD), from host features.
 //!
 //! Modules depend downwards only: `train` on `update`, `optim` and `ledger`; `update` on
-//! `optim` and `ledger`; `optim` and `ledger` on nothing here.
+//! `optim` and `ledger`; `optim`, `ledger` and `score` on nothing here.
 
 pub mod error;
 pub mod ledger;
 pub mod optim;
+pub mod score;
 pub mod train;
 pub mod update;
 
