@@ -112,18 +112,25 @@ impl CustomOp1 for DropoutDraw {
 
     /// The gradient times the same mask: the product's backward, without the mask's gradient.
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(dropout_with(g, self)?))
+        Ok(Some(dropout_with(g, *self, false)?))
     }
 }
 
-fn dropout_with(x: &Tensor, d: &DropoutDraw) -> Result<Tensor> {
-    if crate::has_kernel(x) {
-        x.contiguous()?.apply_op1_no_bwd(d)
-    } else {
-        x * d
+/// `x` under draw `d`: the kernel where the device has one (an op of the graph when `track`,
+/// as the forward is; not, as the backward's product with the gradient is), else the product
+/// with a mask built on the host.
+fn dropout_with(x: &Tensor, d: DropoutDraw, track: bool) -> Result<Tensor> {
+    if !crate::has_kernel(x) {
+        return x * d
             .mask(x.shape())?
             .to_dtype(x.dtype())?
-            .to_device(x.device())?
+            .to_device(x.device())?;
+    }
+    let x = x.contiguous()?;
+    if track {
+        x.apply_op1(d)
+    } else {
+        x.apply_op1_no_bwd(&d)
     }
 }
 
@@ -139,15 +146,7 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64, skip: u64) -> Result<Tensor> {
     if p == 0.0 {
         return Ok(x.clone());
     }
-    let d = DropoutDraw { seed, skip, p };
-    if crate::has_kernel(x) {
-        x.contiguous()?.apply_op1(d)
-    } else {
-        x * d
-            .mask(x.shape())?
-            .to_dtype(x.dtype())?
-            .to_device(x.device())?
-    }
+    dropout_with(x, DropoutDraw { seed, skip, p }, true)
 }
 
 #[cfg(test)]
