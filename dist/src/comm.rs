@@ -160,6 +160,17 @@ impl Comm {
         }
     }
 
+    /// Ends every rank of the run at once, with `code` as its exit status: what a rank that
+    /// failed calls, so that no other rank waits forever in a collective it will never join.
+    /// One process: exits.
+    pub fn abort(&self, code: i32) -> ! {
+        match &self.inner {
+            Inner::Solo => std::process::exit(code),
+            #[cfg(feature = "mpi")]
+            Inner::Mpi(m) => m.abort(code),
+        }
+    }
+
     /// Checks that every rank holds the same `bytes` (a configuration, a model's shapes): each
     /// rank's hash goes to all, so every rank stops with the same error, naming the ranks that
     /// differ from rank 0, rather than some hanging in a collective the others never call.

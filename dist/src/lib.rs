@@ -13,8 +13,10 @@ mod error;
 mod launch;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+mod mpirun;
 
 pub use comm::Comm;
 pub use element::Element;
 pub use error::{DistError, Result};
 pub use launch::Launch;
+pub use mpirun::{mpirun, ranks_of};

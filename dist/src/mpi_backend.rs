@@ -64,4 +64,8 @@ impl Mpi {
     pub fn barrier(&self) {
         self.world.barrier();
     }
+
+    pub fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
 }

@@ -39,6 +39,10 @@ pub enum Error {
     Params(#[from] ft_params::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// Between the ranks of a data-parallel run: a launch this binary cannot join, ranks that
+    /// disagree.
+    #[error(transparent)]
+    Dist(#[from] ft_dist::DistError),
 }
 
 /// Result of `ft-trainer`.

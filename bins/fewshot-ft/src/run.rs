@@ -5,7 +5,9 @@ use ft_models::fewshot::{Backbone, BackboneKind, FewShotModel, Method};
 use ft_params::bytes::format_bytes;
 use ft_params::ParamStore;
 use ft_trainer::train::plan::StatePlan;
-use ft_trainer::train::{BestConfig, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
+use ft_trainer::train::{
+    ranks, BestConfig, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units,
+};
 use ft_trainer::update::Precision;
 
 use crate::cli::Args;
@@ -149,19 +151,26 @@ pub struct Outcome {
 }
 
 /// Trains, keeps the best validation checkpoint, and tests it on `--test-episodes` episodes.
-pub fn run(args: &Args) -> anyhow::Result<Outcome> {
+/// In a data-parallel run rank 0 tests and reports; the other ranks return `None`.
+pub fn run(args: &Args) -> anyhow::Result<Option<Outcome>> {
     let mut s = setup(args)?;
     let (n, bytes) = s.task.store.count(true);
-    eprintln!(
-        "fewshot-ft: {} {} {}-way {}-shot, {n} trainable parameters ({}), {} steps",
-        args.backbone,
-        args.method,
-        args.n_way,
-        args.k_shot,
-        format_bytes(bytes as i64),
-        s.loop_config.max_steps
-    );
+    let main = ranks::is_main()?;
+    if main {
+        eprintln!(
+            "fewshot-ft: {} {} {}-way {}-shot, {n} trainable parameters ({}), {} steps",
+            args.backbone,
+            args.method,
+            args.n_way,
+            args.k_shot,
+            format_bytes(bytes as i64),
+            s.loop_config.max_steps
+        );
+    }
     let summary = s.train()?;
+    if !main {
+        return Ok(None);
+    }
     if let Some((acc, dir)) = &summary.best {
         eprintln!(
             "best validation accuracy {acc:.2}% ({}); testing it",
@@ -188,5 +197,5 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
     ft_params::fs::write_atomic(&path, |f| {
         std::io::Write::write_all(f, result.to_string().as_bytes())
     })?;
-    Ok(Outcome { summary, test })
+    Ok(Some(Outcome { summary, test }))
 }

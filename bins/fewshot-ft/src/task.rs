@@ -147,6 +147,10 @@ impl Task for FewShotTask {
         )?))
     }
 
+    fn skip_batch(&mut self) -> TaskResult<bool> {
+        Ok(self.epochs.next_item().is_some())
+    }
+
     fn counts(&self, ep: &Episode) -> (usize, usize) {
         (ep.n_way * ep.n_query, ep.n_way * (ep.k_shot + ep.n_query))
     }

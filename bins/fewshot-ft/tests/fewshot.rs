@@ -7,9 +7,14 @@ use candle_core::{DType, Device, Var};
 use clap::Parser;
 use fewshot_ft::cli::Args;
 use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, SplitPlan, Splits};
-use fewshot_ft::run::{run, setup};
+use fewshot_ft::run::{setup, Outcome};
 use ft_params::checkpoint::Checkpointer;
 use ft_trainer::update::{GradAccumulator, LossNorm};
+
+/// A run's outcome (one process: rank 0's).
+fn run(args: &Args) -> anyhow::Result<Outcome> {
+    fewshot_ft::run::run(args)?.ok_or_else(|| anyhow::anyhow!("a single process reports"))
+}
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("fewshot-{tag}-{}", std::process::id()));

@@ -13,9 +13,7 @@ use ft_params::ParamStore;
 use ft_trainer::ledger::Category;
 use ft_trainer::train::ema::Ema;
 use ft_trainer::train::plan::StatePlan;
-use ft_trainer::train::{
-    Binary, FolderLock, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units,
-};
+use ft_trainer::train::{ranks, Binary, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
 use ft_trainer::update::{MixedOptimizer, Precision};
 
 use crate::cache::{Cache, CacheSettings};
@@ -34,7 +32,10 @@ fn resolved(args: &Args) -> Result<Args> {
     args.validate()?;
     let out = args.common.create_output_dir()?;
     if args.common.demo {
-        let demo = crate::demo::write(&out.join("demo-data"), 48, args.common.seed)?;
+        // Rank 0 writes the demo; the other ranks of a data-parallel run read it.
+        let dir = out.join("demo-data");
+        ranks::main_first(|| crate::demo::write(&dir, 48, args.common.seed))?;
+        let demo = crate::demo::at(&dir);
         args.common.model = Some(demo.model.display().to_string());
         args.data_dir.get_or_insert(demo.data);
     }
@@ -96,7 +97,7 @@ fn unet_plan(
 pub fn setup(args: &Args) -> Result<Setup> {
     // The folder is this run's before the demo's files are written into it.
     args.validate()?;
-    let lock = FolderLock::acquire(&args.common.output_dir)?;
+    let lock = ranks::lock_output(&args.common.output_dir)?;
     let args = resolved(args)?;
     let out = args.common.output_dir.clone();
     let mut s = SessionBuilder::with_lock(&args.common, lock)?;
@@ -313,7 +314,10 @@ fn report_cache(cache: &Cache) {
 pub fn run(args: &Args) -> Result<RunSummary> {
     let mut s = setup(args)?;
     let (n, bytes) = s.task.store.count(true);
-    eprintln!(
+    // Rank 0 reports for a data-parallel run.
+    let main = ranks::is_main()?;
+    if main {
+        eprintln!(
         "sdxl-ft: UNet with {n} trainable parameters ({}), {} steps of {} x {} images, {:?}, checkpointing {}",
         format_bytes(bytes as i64),
         s.loop_config.max_steps,
@@ -322,7 +326,11 @@ pub fn run(args: &Args) -> Result<RunSummary> {
         s.task.dtype,
         s.checkpointer.strategy()
     );
+    }
     let summary = s.train()?;
+    if !main {
+        return Ok(summary);
+    }
     eprintln!("{}", s.ledger.table());
     if let Some(dir) = &summary.final_dir {
         eprintln!(

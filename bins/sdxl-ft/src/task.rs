@@ -342,6 +342,10 @@ impl Task for SdxlTask {
         Ok(self.epochs.next_item())
     }
 
+    fn skip_batch(&mut self) -> TaskResult<bool> {
+        Ok(self.epochs.next_item().is_some())
+    }
+
     fn counts(&self, batch: &Batch) -> (usize, usize) {
         (batch.len(), batch.len())
     }

@@ -8,10 +8,10 @@ use ft_params::bytes::format_bytes;
 use ft_params::ParamStore;
 use ft_trainer::optim::hf_trainer_no_decay;
 use ft_trainer::train::plan::StatePlan;
+use ft_trainer::train::{ranks, ModelRepo};
 use ft_trainer::train::{
     Binary, EpochOrder, Grouping, LoopPlan, RunSummary, SessionBuilder, Units,
 };
-use ft_trainer::train::{FolderLock, ModelRepo};
 use ft_trainer::update::Precision;
 
 use crate::cli::Args;
@@ -30,7 +30,8 @@ fn resolved(args: &Args) -> anyhow::Result<Args> {
     let out = args.common.create_output_dir()?;
     if args.common.demo {
         let dir = out.join("demo-data");
-        crate::demo::write(&dir, 2000, 64, args.common.seed)?;
+        // Rank 0 writes the demo; the other ranks of a data-parallel run read it.
+        ranks::main_first(|| crate::demo::write(&dir, 2000, 64, args.common.seed))?;
         args.common.model = Some(dir.join("model").display().to_string());
         // The demo's tiny model has a config and a tokenizer, no weights.
         args.from_scratch = true;
@@ -143,7 +144,7 @@ fn t5_plan(
 pub fn setup(args: &Args) -> anyhow::Result<Setup> {
     // The folder is this run's before the demo's files are written into it.
     args.validate()?;
-    let lock = FolderLock::acquire(&args.common.output_dir)?;
+    let lock = ranks::lock_output(&args.common.output_dir)?;
     let args = resolved(args)?;
     let mut s = SessionBuilder::with_lock(&args.common, lock)?;
     let (repo, cfg) = model_config(&args)?;
@@ -237,17 +238,24 @@ fn fields(args: &Args) -> Fields {
 pub fn run(args: &Args) -> anyhow::Result<RunSummary> {
     let mut s = setup(args)?;
     let (n, bytes) = s.task.store.count(true);
-    eprintln!(
-        "t5-ft: {n} trainable parameters ({}), {} steps, precision {:?}",
-        format_bytes(bytes as i64),
-        s.loop_config.max_steps,
-        s.optimizer
-            .params()
-            .first()
-            .map(|p| p.dtype())
-            .unwrap_or(candle_core::DType::F32)
-    );
+    // Rank 0 reports for a data-parallel run.
+    let main = ranks::is_main()?;
+    if main {
+        eprintln!(
+            "t5-ft: {n} trainable parameters ({}), {} steps, precision {:?}",
+            format_bytes(bytes as i64),
+            s.loop_config.max_steps,
+            s.optimizer
+                .params()
+                .first()
+                .map(|p| p.dtype())
+                .unwrap_or(candle_core::DType::F32)
+        );
+    }
     let summary = s.train()?;
+    if !main {
+        return Ok(summary);
+    }
     eprintln!("{}", s.ledger.table());
     if let Some(dir) = &summary.final_dir {
         eprintln!("model saved in {} (Hugging Face layout)", dir.display());

@@ -154,6 +154,10 @@ impl Task for T5Task {
         Ok(Some(self.collator.collate(&examples, &self.device)?))
     }
 
+    fn skip_batch(&mut self) -> TaskResult<bool> {
+        Ok(self.epochs.next_item().is_some())
+    }
+
     fn counts(&self, b: &T5Batch) -> (usize, usize) {
         (b.label_tokens, b.input_ids.dim(0).unwrap_or(0))
     }

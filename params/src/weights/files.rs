@@ -120,6 +120,43 @@ impl SafetensorsFiles {
         self.index.keys().map(|s| s.as_str())
     }
 
+    /// The largest absolute difference between a tensor of these files and its namesake in
+    /// `other` (compared in f64), and that tensor's name: how two runs that should have trained
+    /// the same weights (a data-parallel run and one process, a resumed run and an uninterrupted
+    /// one) are compared, over the tensors whose names `keep` keeps. Tensors missing on either
+    /// side or of other shapes are an error.
+    pub fn max_difference(
+        &self,
+        other: &SafetensorsFiles,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<(f64, String)> {
+        let mut names: Vec<&str> = self.names().filter(|n| keep(n)).collect();
+        names.sort_unstable();
+        if let Some(extra) = other.names().find(|n| self.meta(n).is_none()) {
+            return Err(Error::MissingTensor {
+                name: format!("{extra} (in {})", other.files_label()),
+                files: self.files_label(),
+            });
+        }
+        let mut worst = (0f64, String::new());
+        for name in names {
+            let shape = self.meta(name).map(|m| m.shape.clone());
+            let read = |f: &SafetensorsFiles| -> Result<Vec<f64>> {
+                let t = f.load(name, shape.as_deref(), DType::F64, &Device::Cpu, false)?;
+                Ok(t.flatten_all()?.to_vec1::<f64>()?)
+            };
+            let (a, b) = (read(self)?, read(other)?);
+            for (x, y) in a.iter().zip(&b) {
+                let d = (x - y).abs();
+                // NaN on one side counts as the largest difference.
+                if d > worst.0 || (d.is_nan() && !worst.0.is_nan()) {
+                    worst = (d, name.to_string());
+                }
+            }
+        }
+        Ok(worst)
+    }
+
     fn files_label(&self) -> String {
         let v: Vec<String> = self.paths.iter().map(|p| p.display().to_string()).collect();
         v.join(", ")

@@ -67,5 +67,9 @@ where
         },
     )?;
     parsed.common_mut().given = given;
+    // The ranks of a data-parallel run must train with the same settings.
+    let text = serde_json::to_string(&parsed)
+        .map_err(|e| crate::error::Error::Invalid(format!("the arguments as JSON: {e}")))?;
+    super::ranks::world()?.agree("the configuration (flags and --config)", text.as_bytes())?;
     Ok(parsed)
 }

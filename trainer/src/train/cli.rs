@@ -261,7 +261,8 @@ impl CommonArgs {
         }
     }
 
-    /// The `--device` as a candle device: `cpu`, `cuda` or `cuda:N`.
+    /// The `--device` as a candle device: `cpu`, `cuda` or `cuda:N` (`cuda` in a data-parallel
+    /// run: the GPU of the rank's local rank).
     pub fn device(&self) -> Result<Device> {
         let cuda = |n: usize| {
             Device::new_cuda(n).map_err(|e| {
@@ -272,10 +273,17 @@ impl CommonArgs {
                 ))
             })
         };
+        let world = super::ranks::world()?;
         match self.device.as_str() {
             "cpu" => Ok(Device::Cpu),
-            "cuda" => cuda(0),
+            // Each rank of a data-parallel run on its host's GPU `local_rank`.
+            "cuda" => cuda(world.local_rank()),
             s => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) if world.world() > 1 => Err(Error::Invalid(format!(
+                    "--device cuda:{n} with {} ranks would put them all on GPU {n}: give \
+                     --device cuda, and each rank takes the GPU of its local rank",
+                    world.world()
+                ))),
                 Some(n) => cuda(n),
                 None => Err(Error::Invalid(format!(
                     "--device `{s}`: expected cpu, cuda or cuda:N"

@@ -278,7 +278,7 @@ pub fn apply<B: Binary + Clone, E: std::fmt::Display>(
 ) -> Result<B> {
     Ok(match fit(&args, plan)? {
         Some(f) => {
-            eprint!("{}", f.report());
+            super::ranks::say(f.report());
             f.args
         }
         None => args,

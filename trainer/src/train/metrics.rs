@@ -19,7 +19,8 @@ pub fn logged(path: &std::path::Path, key: &str) -> Result<Vec<serde_json::Value
 
 pub(super) struct Metrics {
     path: PathBuf,
-    file: std::fs::File,
+    /// `None` on the ranks of a data-parallel run other than rank 0, which alone writes.
+    file: Option<std::fs::File>,
 }
 
 impl Metrics {
@@ -31,7 +32,15 @@ impl Metrics {
             .truncate(!append)
             .open(&path)
             .map_err(|e| Error::io(&path, e))?;
-        Ok(Metrics { path, file })
+        Ok(Metrics {
+            path,
+            file: Some(file),
+        })
+    }
+
+    /// Metrics that are not written: another rank's.
+    pub(super) fn off(path: PathBuf) -> Self {
+        Metrics { path, file: None }
     }
 
     /// The metrics of a run resumed from the checkpoint of step `step`: the lines the earlier
@@ -55,7 +64,10 @@ impl Metrics {
     }
 
     pub(super) fn write(&mut self, v: serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{v}").map_err(|e| Error::io(&self.path, e))
+        match &mut self.file {
+            Some(f) => writeln!(f, "{v}").map_err(|e| Error::io(&self.path, e)),
+            None => Ok(()),
+        }
     }
 }
 

@@ -8,7 +8,7 @@
 //!   [`fit`]: `--fit`'s search; [`fit_check`]: a run under `--fit` against its plan.
 //! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `eval` (best checkpoint,
 //!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`], [`lock`] (one
-//!   run per output folder).
+//!   run per output folder), [`ranks`] (a data-parallel run's ranks: what rank 0 alone does).
 //! - [`order`]: the epoch order of every binary's data; [`schedule`]: learning rates; [`ema`].
 //! - [`repo`]: a model folder or Hub id; [`bench`]: what the bench commands share.
 
@@ -24,6 +24,7 @@ pub mod lock;
 pub mod metrics;
 pub mod order;
 pub mod plan;
+pub mod ranks;
 pub mod repo;
 mod run;
 mod saved;

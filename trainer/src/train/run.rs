@@ -2,21 +2,30 @@
 //! runs each forward under the checkpointer, then the backward and the update as the
 //! [`StepMode`] says; then the task's after-step hook, the ledger's marks, a metrics line, the
 //! progress bar, and the evaluation and save schedule.
+//!
+//! In a data-parallel run each rank gathers its share of the step's micro-batches (every
+//! `world`-th of the step's sequence, numbered as one process would number them), the loss is
+//! normalised by the units of all ranks, and the gradients are summed over the ranks before the
+//! update, so every rank takes the update one process would take over all the micro-batches.
+//! Rank 0 alone writes metrics and checkpoints, evaluates and prints.
 
+use std::rc::Rc;
 use std::time::Instant;
 
 use candle_core::{DType, Var};
+use ft_dist::Comm;
 use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::Checkpointer;
 
 use super::eval::Best;
 use super::metrics::{progress_bar, Metrics};
+use super::ranks;
 use super::saved::{load_checkpoint_state, save_checkpoint, Progress, Split};
 use super::settings::{LoopConfig, RunSummary};
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
 use crate::ledger::{measure, Category, Ledger};
-use crate::update::{GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
+use crate::update::{all_reduce_gradients, GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
 
 /// The seed of one micro-batch's dropout masks: a function of (run seed, step, micro) only.
 fn mix(seed: u64, step: u64, micro: usize) -> u64 {
@@ -40,8 +49,18 @@ struct StepReport {
     pieces: usize,
 }
 
+/// What one rank's forward and backward passes of a step gave.
+struct Local {
+    loss_sum: f64,
+    bad_loss: bool,
+    updated_in_backward: usize,
+    non_finite_grads: bool,
+}
+
 /// The state of a run between steps.
 struct Loop<'a, T: Task> {
+    /// The run's ranks (one process: a world of one).
+    comm: Rc<Comm>,
     task: &'a mut T,
     opt: &'a mut MixedOptimizer,
     checkpointer: &'a Checkpointer,
@@ -64,9 +83,9 @@ struct Loop<'a, T: Task> {
     events: Vec<serde_json::Value>,
 }
 
-/// A part of a step's micro-batch: the micro-batch it comes from, the position of its first
-/// sample there, and the samples (the micro-batch itself until an out-of-memory retry splits
-/// it).
+/// A part of a step's micro-batch: the micro-batch it comes from (its index in the step over all
+/// ranks), the position of its first sample there, and the samples (the micro-batch itself
+/// until an out-of-memory retry splits it).
 struct Piece<'b, B> {
     micro: usize,
     first: usize,
@@ -96,6 +115,16 @@ pub fn run<T: Task>(
     cfg: &LoopConfig,
 ) -> Result<RunSummary> {
     std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::io(&cfg.output_dir, e))?;
+    let comm = ranks::world()?;
+    let main = comm.is_main();
+    if comm.world() > 1 && cfg.mode.fused_backward() {
+        return Err(Error::Invalid(format!(
+            "--fused-backward with {} ranks: the fused backward updates each segment as its \
+             backward ends, before the ranks' gradients could be summed; run the ranks without \
+             it (the gradients are then summed once, before the update)",
+            comm.world()
+        )));
+    }
     let (mut step, mut epoch) = (0u64, 0usize);
     let mut summary = RunSummary::default();
     let mut best = Best::new(cfg.best.clone());
@@ -132,16 +161,40 @@ pub fn run<T: Task>(
             summary.best = Some((b.value, cfg.output_dir.join("best")));
         }
         // The steps an interrupted run logged after its checkpoint are done again: drop them.
-        Metrics::resume(metrics_path, step)?
+        if main {
+            Metrics::resume(metrics_path, step)?
+        } else {
+            Metrics::off(metrics_path)
+        }
     } else {
         task.start_epoch(epoch).map_err(Error::Task)?;
-        Metrics::open(metrics_path, false)?
+        if main {
+            Metrics::open(metrics_path, false)?
+        } else {
+            Metrics::off(metrics_path)
+        }
     };
     opt.account(ledger, "model");
     ledger.mark("load", step)?;
     ledger.training_starts();
-    let bar = progress_bar(cfg.max_steps, step, cfg.progress);
+    let bar = Voice {
+        bar: progress_bar(cfg.max_steps, step, cfg.progress && main),
+        main,
+    };
+    if comm.world() > 1 {
+        let a = cfg.mode.micro_batches();
+        bar.say(&format!(
+            "data parallel over {} ranks ({}): micro-batches of {} x {a} a rank x {} ranks = \
+             an effective batch of {} a step",
+            comm.world(),
+            comm.launch().launcher,
+            cfg.batch_size,
+            comm.world(),
+            cfg.batch_size * a * comm.world()
+        ));
+    }
     let mut l = Loop {
+        comm: comm.clone(),
         params: opt.params().to_vec(),
         acc: GradAccumulator::on(&opt.state_device()),
         task,
@@ -162,7 +215,7 @@ pub fn run<T: Task>(
         let r = l.train_step();
         for e in l.events.drain(..) {
             if let Some(text) = e.get("message").and_then(|m| m.as_str()) {
-                say(&bar, text);
+                bar.say(text);
             }
             metrics.write(e)?;
         }
@@ -186,12 +239,12 @@ pub fn run<T: Task>(
         } else {
             String::new()
         };
-        bar.set_message(format!(
+        bar.bar.set_message(format!(
             "loss {:.4} {per_s:.1} samples/s mem {}{split}",
             r.loss,
             format_bytes(live as i64)
         ));
-        bar.set_position(l.step);
+        bar.bar.set_position(l.step);
         if r.outcome.non_finite {
             bad_in_a_row += 1;
             let what = if r.bad_loss {
@@ -199,9 +252,9 @@ pub fn run<T: Task>(
             } else {
                 "gradient inf/NaN".to_string()
             };
-            say(&bar, &format!("step {}: {what}, update skipped", l.step));
+            bar.say(&format!("step {}: {what}, update skipped", l.step));
             if cfg.max_bad_steps > 0 && bad_in_a_row >= cfg.max_bad_steps {
-                bar.abandon();
+                bar.bar.abandon();
                 return Err(Error::Diverged(format!(
                     "{bad_in_a_row} steps in a row (the last: step {}, {what}) had a non-finite \
                      loss or gradient, and their updates were skipped: the run has diverged. \
@@ -222,27 +275,33 @@ pub fn run<T: Task>(
         let step = l.step;
         let last = step == cfg.max_steps;
         if (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) || last {
-            l.ledger.mark("eval/before", step)?;
-            let m = l.task.evaluate(step, l.ledger).map_err(Error::Task)?;
-            l.ledger.mark("eval/after", step)?;
-            metrics.write(eval_line(step, &m))?;
-            if !m.is_empty() {
-                say(&bar, &format!("step {step}: {}", eval_text(&m)));
-            }
-            if let Some(v) = best.improved(&m) {
-                let dir = cfg.output_dir.join("best");
-                save_checkpoint(l.task, l.opt, &l.progress(&best), &dir)?;
-                summary.best = Some((v, dir));
-            }
-            summary.last_eval = m;
-            if best.should_stop() && !last {
-                say(
-                    &bar,
-                    &format!(
+            // Rank 0 evaluates (and keeps the best checkpoint); it tells the others whether to
+            // stop early.
+            let mut stop = [0u8];
+            if main {
+                l.ledger.mark("eval/before", step)?;
+                let m = l.task.evaluate(step, l.ledger).map_err(Error::Task)?;
+                l.ledger.mark("eval/after", step)?;
+                metrics.write(eval_line(step, &m))?;
+                if !m.is_empty() {
+                    bar.say(&format!("step {step}: {}", eval_text(&m)));
+                }
+                if let Some(v) = best.improved(&m) {
+                    let dir = cfg.output_dir.join("best");
+                    save_checkpoint(l.task, l.opt, &l.progress(&best), &dir)?;
+                    summary.best = Some((v, dir));
+                }
+                summary.last_eval = m;
+                if best.should_stop() && !last {
+                    bar.say(&format!(
                         "early stopping at step {step}: no improvement in {} evaluations",
                         best.bad_evals()
-                    ),
-                );
+                    ));
+                    stop[0] = 1;
+                }
+            }
+            comm.broadcast(&mut stop, 0)?;
+            if stop[0] == 1 {
                 summary.final_dir = Some(l.save(&best)?);
                 summary.stopped_early = true;
                 break;
@@ -252,7 +311,7 @@ pub fn run<T: Task>(
             summary.final_dir = Some(l.save(&best)?);
         }
     }
-    bar.finish();
+    bar.bar.finish();
     summary.steps = l.step;
     Ok(summary)
 }
@@ -287,11 +346,11 @@ impl<T: Task> Loop<'_, T> {
     /// The micro-batches halved `halvings` times (a part of one sample stays whole).
     fn pieces<'b>(
         &self,
-        batches: &'b [T::Batch],
+        batches: &'b [(usize, T::Batch)],
         halvings: u32,
     ) -> Result<Vec<Piece<'b, T::Batch>>> {
         let mut out = Vec::new();
-        for (micro, b) in batches.iter().enumerate() {
+        for (micro, b) in batches.iter().map(|(m, b)| (*m, b)) {
             let mut parts = vec![Piece {
                 micro,
                 first: 0,
@@ -329,7 +388,13 @@ impl<T: Task> Loop<'_, T> {
     /// are single samples already (or the update had begun). When the step `stood` (its update
     /// applied before the budget was found passed), parts that cannot split further are left
     /// as they are: the run goes on, and the next step that passes the budget stops it.
-    fn halve(&mut self, batches: &[T::Batch], why: String, step: u64, stood: bool) -> Result<()> {
+    fn halve(
+        &mut self,
+        batches: &[(usize, T::Batch)],
+        why: String,
+        step: u64,
+        stood: bool,
+    ) -> Result<()> {
         let was_updating = std::mem::replace(&mut self.updating, false);
         drop(self.acc.take());
         self.ledger.remove(Category::Gradients, "model");
@@ -415,23 +480,118 @@ impl<T: Task> Loop<'_, T> {
         })
     }
 
-    /// One try at the step over `pieces`.
+    /// One try at the step over this rank's `pieces`: their forward and backward passes, then,
+    /// once the ranks agree that none ran out of memory and none had a non-finite loss, the
+    /// gradients summed over the ranks and the update.
     fn attempt(&mut self, pieces: &[Piece<'_, T::Batch>]) -> Result<StepReport> {
         let step = self.step;
-        let counts: Vec<(usize, usize)> = pieces
-            .iter()
-            .map(|p| self.task.counts(p.batch.get()))
-            .collect();
-        let units: Vec<usize> = counts.iter().map(|c| c.0).collect();
-        let samples: usize = counts.iter().map(|c| c.1).sum();
+        // The step's units and samples over all ranks: the loss is their mean.
+        let mut totals = [0u64; 2];
+        for p in pieces {
+            let (units, samples) = self.task.counts(p.batch.get());
+            totals[0] += units as u64;
+            totals[1] += samples as u64;
+        }
+        self.comm.all_reduce_sum(&mut totals)?;
         let norm = match self.cfg.units {
-            Units::Tokens => LossNorm::tokens(&units),
-            Units::Samples => LossNorm::samples(&units),
+            Units::Tokens => LossNorm::Tokens(totals[0] as usize),
+            Units::Samples => LossNorm::Samples(totals[0] as usize),
         };
         let lr = self.cfg.schedule.lr_at(step);
         let fused = self.cfg.mode.fused_backward();
-        let (mut loss_sum, mut updated_in_backward, mut bad_loss) = (0f64, 0usize, false);
-        let mut non_finite_grads = false;
+        let mut local = match self.forward_backward(pieces, norm, lr) {
+            Ok(l) => Ok(l),
+            // One process retries at once; ranks first agree that one of them must.
+            Err(e) if e.is_out_of_memory() && self.comm.world() > 1 => Err(e),
+            Err(e) => return Err(e),
+        };
+        if self.comm.world() > 1 {
+            let (oom, bad, loss) = match &local {
+                Ok(l) => (0.0, l.bad_loss as u8 as f64, l.loss_sum),
+                Err(_) => (1.0, 0.0, 0.0),
+            };
+            let mut shared = [oom, bad, loss];
+            self.comm.all_reduce_sum(&mut shared)?;
+            if shared[0] > 0.0 {
+                drop(self.acc.take());
+                return Err(match local {
+                    Err(e) => e,
+                    Ok(_) => Error::OutOfMemory {
+                        phase: "forward or backward".into(),
+                        step: step + 1,
+                        detail: format!(
+                            "{} of the {} ranks ran out of memory",
+                            shared[0],
+                            self.comm.world()
+                        ),
+                    },
+                });
+            }
+            if let Ok(l) = &mut local {
+                // A non-finite loss on any rank: no rank updates.
+                if shared[1] > 0.0 && !l.bad_loss {
+                    l.bad_loss = true;
+                    drop(self.acc.take());
+                }
+                l.loss_sum = shared[2];
+            }
+        }
+        let local = local?;
+        let outcome = if local.bad_loss {
+            StepOutcome::skipped_non_finite()
+        } else if fused {
+            StepOutcome {
+                non_finite: local.non_finite_grads,
+                ..StepOutcome::applied_without_norm()
+            }
+        } else {
+            let device = self.acc.device().clone();
+            let mut grads = self.acc.take();
+            if grads.is_empty() {
+                // A rank without micro-batches (a short last step of an epoch) adds zeros.
+                grads = vec![None; self.params.len()];
+            }
+            let grads = all_reduce_gradients(&self.comm, grads, &self.params, &device)?;
+            self.updating = true;
+            self.opt.step(grads, lr)?
+        };
+        self.ledger.remove(Category::Gradients, "model");
+        self.ledger
+            .remove(Category::Activations, "checkpoint inputs");
+        self.opt.account(self.ledger, "model");
+        self.step += 1;
+        self.task
+            .after_step(self.step, self.opt.weights(), self.ledger)
+            .map_err(Error::Task)?;
+        self.ledger.mark("step", self.step)?;
+        self.updating = false;
+        Ok(StepReport {
+            bad_loss: local.bad_loss,
+            loss: local.loss_sum,
+            lr,
+            samples: totals[1] as usize,
+            outcome,
+            updated_in_backward: local.updated_in_backward,
+            pieces: pieces.len(),
+        })
+    }
+
+    /// This rank's forward and backward passes over `pieces`, the loss normalised by `norm`;
+    /// with the fused backward, the last one updates the weights at `lr`.
+    fn forward_backward(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+        lr: f64,
+    ) -> Result<Local> {
+        let step = self.step;
+        let fused = self.cfg.mode.fused_backward();
+        let mut out = Local {
+            loss_sum: 0.0,
+            bad_loss: false,
+            updated_in_backward: 0,
+            non_finite_grads: false,
+        };
         for (i, piece) in pieces.iter().enumerate() {
             let ctx = StepCtx {
                 step,
@@ -447,7 +607,7 @@ impl<T: Task> Loop<'_, T> {
                 .map_err(Error::Task)?;
             let loss = norm.scale(&summed)?;
             let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            loss_sum += value;
+            out.loss_sum += value;
             // `--checkpointing full-host`: the tensors between segments, in host memory.
             let host = self.checkpointer.host_bytes();
             if host > 0 {
@@ -463,7 +623,7 @@ impl<T: Task> Loop<'_, T> {
             if !value.is_finite() {
                 // Nothing of this step reaches the weights: no backward, and the gradients of
                 // its earlier micro-batches are dropped.
-                bad_loss = true;
+                out.bad_loss = true;
                 drop(self.acc.take());
                 break;
             }
@@ -487,8 +647,8 @@ impl<T: Task> Loop<'_, T> {
                 let f =
                     self.opt
                         .backward_and_step(self.checkpointer, &scaled, lr, &mut self.acc)?;
-                updated_in_backward += f.updated_in_backward;
-                non_finite_grads |= f.non_finite > 0;
+                out.updated_in_backward += f.updated_in_backward;
+                out.non_finite_grads |= f.non_finite > 0;
             } else {
                 let grads = self.checkpointer.gradients(&scaled, &self.params)?;
                 drop(scaled);
@@ -500,56 +660,42 @@ impl<T: Task> Loop<'_, T> {
             self.ledger.mark("backward", step)?;
             self.watch_budget("backward", fused && last)?;
         }
-        let outcome = if bad_loss {
-            StepOutcome::skipped_non_finite()
-        } else if fused {
-            StepOutcome {
-                non_finite: non_finite_grads,
-                ..StepOutcome::applied_without_norm()
-            }
-        } else {
-            self.updating = true;
-            self.opt.step(self.acc.take(), lr)?
-        };
-        self.ledger.remove(Category::Gradients, "model");
-        self.ledger
-            .remove(Category::Activations, "checkpoint inputs");
-        self.opt.account(self.ledger, "model");
-        self.step += 1;
-        self.task
-            .after_step(self.step, self.opt.weights(), self.ledger)
-            .map_err(Error::Task)?;
-        self.ledger.mark("step", self.step)?;
-        self.updating = false;
-        Ok(StepReport {
-            bad_loss,
-            loss: loss_sum,
-            lr,
-            samples,
-            outcome,
-            updated_in_backward,
-            pieces: pieces.len(),
-        })
+        Ok(out)
     }
 
-    /// The step's micro-batches, gathered first: the loss is normalised by all of their units.
-    /// A short last step of an epoch stays short, like a DataLoader's last batch.
-    fn gather(&mut self) -> Result<Vec<T::Batch>> {
-        let want = self.cfg.mode.micro_batches();
-        let mut batches = Vec::with_capacity(want);
-        let mut fresh_epochs = 0;
-        while batches.len() < want {
-            match self.task.next_batch().map_err(Error::Task)? {
-                Some(b) => batches.push(b),
-                None if !batches.is_empty() => break,
-                None => {
-                    fresh_epochs += 1;
-                    if fresh_epochs > 1 {
-                        return Err(Error::Invalid("the training data yields no batch".into()));
+    /// The step's micro-batches of this rank, gathered first (the loss is normalised by all of
+    /// their units), each with its index in the step: of the step's `accum x world`
+    /// micro-batches, rank `r` takes the `r`-th, `r + world`-th, ...; the others are passed
+    /// over. A short last step of an epoch stays short, like a DataLoader's last batch (a rank
+    /// may then have none).
+    fn gather(&mut self) -> Result<Vec<(usize, T::Batch)>> {
+        let (rank, world) = (self.comm.rank(), self.comm.world());
+        let want = self.cfg.mode.micro_batches() * world;
+        let mut batches = Vec::with_capacity(want.div_ceil(world));
+        let (mut taken, mut fresh_epochs) = (0, 0);
+        while taken < want {
+            let got = if taken % world == rank {
+                match self.task.next_batch().map_err(Error::Task)? {
+                    Some(b) => {
+                        batches.push((taken, b));
+                        true
                     }
-                    self.epoch += 1;
-                    self.task.start_epoch(self.epoch).map_err(Error::Task)?;
+                    None => false,
                 }
+            } else {
+                self.task.skip_batch().map_err(Error::Task)?
+            };
+            if got {
+                taken += 1;
+            } else if taken > 0 {
+                break;
+            } else {
+                fresh_epochs += 1;
+                if fresh_epochs > 1 {
+                    return Err(Error::Invalid("the training data yields no batch".into()));
+                }
+                self.epoch += 1;
+                self.task.start_epoch(self.epoch).map_err(Error::Task)?;
             }
         }
         Ok(batches)
@@ -568,24 +714,40 @@ impl<T: Task> Loop<'_, T> {
         }
     }
 
-    /// Saves `checkpoint-{step}` and returns its folder.
+    /// Saves `checkpoint-{step}` (rank 0; the other ranks wait until it is written) and
+    /// returns its folder.
     fn save(&mut self, best: &Best) -> Result<std::path::PathBuf> {
         let dir = self
             .cfg
             .output_dir
             .join(format!("checkpoint-{}", self.step));
-        save_checkpoint(self.task, self.opt, &self.progress(best), &dir)?;
+        if self.comm.is_main() {
+            save_checkpoint(self.task, self.opt, &self.progress(best), &dir)?;
+        }
+        self.comm.barrier();
         Ok(dir)
     }
 }
 
-/// A line for the reader: above the progress bar, or on stderr when there is none (`--quiet`, or
-/// output piped to a file), so evaluations and warnings are never lost to a hidden bar.
-fn say(bar: &indicatif::ProgressBar, line: &str) {
-    if bar.is_hidden() {
-        eprintln!("{line}");
-    } else {
-        bar.println(line);
+/// Where the run speaks: the progress bar and the lines above it, on rank 0 only.
+struct Voice {
+    bar: indicatif::ProgressBar,
+    main: bool,
+}
+
+impl Voice {
+    /// A line for the reader: above the progress bar, or on stderr when there is none
+    /// (`--quiet`, or output piped to a file), so evaluations and warnings are never lost to a
+    /// hidden bar. Other ranks than 0 say nothing.
+    fn say(&self, line: &str) {
+        if !self.main {
+            return;
+        }
+        if self.bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            self.bar.println(line);
+        }
     }
 }
 

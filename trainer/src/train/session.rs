@@ -16,6 +16,7 @@ use ft_params::{ParamBuilder, ParamStore};
 use super::cli::CommonArgs;
 use super::lock::FolderLock;
 use super::plan::StatePlan;
+use super::ranks;
 use super::repo::ModelRepo;
 use super::settings::{BestConfig, LoopConfig, RunSummary};
 use super::task::{Task, Units};
@@ -48,6 +49,10 @@ impl<T: Task> Session<T> {
             &self.loop_config,
         );
         let dir = &self.loop_config.output_dir;
+        // Rank 0 draws its own timeline; the others keep none.
+        if !ranks::is_main()? {
+            return result;
+        }
         let title = format!(
             "memory above the baseline, {} ({})",
             dir.display(),
@@ -103,25 +108,29 @@ pub struct SessionBuilder {
     store: Arc<ParamStore>,
     /// The files the weights were read from, for errors.
     source: Option<String>,
-    lock: FolderLock,
+    /// Rank 0's (see [`ranks::lock_output`]).
+    lock: Option<FolderLock>,
 }
 
 impl SessionBuilder {
-    /// Takes the output folder for this run (one run at a time: [`FolderLock`]), opens
-    /// `--device`, picks the precision and starts the ledger (its timeline in `memory.jsonl`
-    /// there) at its baseline.
+    /// Takes the output folder for this run (one run at a time: [`FolderLock`], rank 0's in a
+    /// data-parallel run), opens `--device`, picks the precision and starts the ledger (its
+    /// timeline in `memory.jsonl` there, rank 0's) at its baseline.
     pub fn new(common: &CommonArgs) -> Result<Self> {
-        Self::with_lock(common, FolderLock::acquire(&common.output_dir)?)
+        Self::with_lock(common, ranks::lock_output(&common.output_dir)?)
     }
 
     /// [`SessionBuilder::new`] with the output folder's lock already taken: a binary that writes
     /// into the folder before the session starts (a demo's files) takes the lock first, so a
     /// second run never rewrites files the first is reading.
-    pub fn with_lock(common: &CommonArgs, lock: FolderLock) -> Result<Self> {
+    pub fn with_lock(common: &CommonArgs, lock: Option<FolderLock>) -> Result<Self> {
         let out = &common.output_dir;
         let device = common.device()?;
         let precision = common.precision(&device)?;
-        let mut ledger = Ledger::new(&device).with_timeline(out.join("memory.jsonl"))?;
+        let mut ledger = Ledger::new(&device);
+        if ranks::is_main()? {
+            ledger = ledger.with_timeline(out.join("memory.jsonl"))?;
+        }
         ledger.set_baseline();
         Ok(SessionBuilder {
             common: common.clone(),
@@ -184,6 +193,12 @@ impl SessionBuilder {
     /// inf or NaN: such a model would train to NaN at once, or worse, quietly.
     pub fn loaded(&mut self) -> Result<()> {
         let all = self.store.all();
+        // Every rank must hold the same model (names, shapes, dtypes) before the first step.
+        let shapes: String = all
+            .iter()
+            .map(|(n, t)| format!("{n} {:?} {:?}\n", t.dims(), t.dtype()))
+            .collect();
+        ranks::world()?.agree("the model's parameters", shapes.as_bytes())?;
         let named = all.iter().map(|(n, t)| (n.as_str(), t));
         if let Some(name) = crate::update::first_non_finite(named)? {
             return Err(Error::Invalid(format!(
@@ -201,7 +216,7 @@ impl SessionBuilder {
     /// Shows `plan` (the model states this run will hold), then builds the `--optim`
     /// optimizer over the store's trainable parameters.
     pub fn optimizer(&mut self, plan: &StatePlan) -> Result<MixedOptimizer> {
-        eprint!("{}", plan.report());
+        ranks::say(plan.report());
         self.ledger.set_predicted_peak(plan.device_bytes());
         self.common
             .optimizer(self.store.trainable()?, self.precision)
@@ -239,7 +254,7 @@ impl SessionBuilder {
             ledger: self.ledger,
             loop_config,
             checkpointer: Checkpointer::with_strategy(c.checkpoint_strategy()?),
-            lock: Some(self.lock),
+            lock: self.lock,
         })
     }
 }

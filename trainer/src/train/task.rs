@@ -15,7 +15,8 @@ pub type TaskResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send
 pub struct StepCtx<'a> {
     /// Optimizer steps done before this one.
     pub step: u64,
-    /// Index of the micro-batch within the step.
+    /// Index of the micro-batch within the step, counted over all ranks of a data-parallel
+    /// run (rank `r` of `w` gets `r`, `r + w`, ...): what one process would call it.
     pub micro: usize,
     /// Seed of this micro-batch's dropout masks: a function of (run seed, step, micro) only, so a
     /// resumed run draws the masks an uninterrupted one would have.
@@ -41,6 +42,12 @@ pub trait Task {
     fn start_epoch(&mut self, epoch: usize) -> TaskResult<()>;
     /// The next micro-batch of the epoch, `None` at its end.
     fn next_batch(&mut self) -> TaskResult<Option<Self::Batch>>;
+    /// Passes over the next micro-batch of the epoch without building it (another rank of a
+    /// data-parallel run trains on it); false at the epoch's end. By default it is built and
+    /// dropped.
+    fn skip_batch(&mut self) -> TaskResult<bool> {
+        Ok(self.next_batch()?.is_some())
+    }
     /// Loss units in a batch (label tokens for seq2seq, samples for images) and samples in it.
     fn counts(&self, batch: &Self::Batch) -> (usize, usize);
     /// The batch's loss *summed* over its units (the loop divides by the step's total units).

@@ -4,6 +4,7 @@
 //! - [`Precision`] (storage dtype, fp32 masters or stochastic rounding) and [`LossScaler`] (f16).
 //! - [`StepMode`]: plain, accumulated, or fused into the backward; decided once.
 //! - [`GradAccumulator`] and [`LossNorm`]: accumulation that equals one large batch.
+//! - [`all_reduce_gradients`]: a step's gradients summed over a data-parallel run's ranks.
 //! - `norm`: global and per-tensor gradient norms, clipping factors.
 //! - [`MixedOptimizer`]: masters, loss-scale check, clipping, the optimizer's update and the
 //!   write-back, with the state beside the model or on the host ([`StatePlacement`]); its
@@ -16,6 +17,7 @@ mod mode;
 mod norm;
 mod placement;
 mod precision;
+mod reduce;
 mod scaler;
 
 pub use accumulate::{GradAccumulator, LossNorm};
@@ -28,4 +30,5 @@ pub use norm::{
 };
 pub use placement::StatePlacement;
 pub use precision::Precision;
+pub use reduce::all_reduce_gradients;
 pub use scaler::LossScaler;

@@ -160,12 +160,17 @@ pub fn write_model(dir: &Path, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Writes the demo pipeline and images under `dir` (once: an existing demo is reused).
-pub fn write(dir: &Path, images: usize, seed: u64) -> Result<Demo> {
-    let demo = Demo {
+/// Where [`write`] puts the demo pipeline and images under `dir`.
+pub fn at(dir: &Path) -> Demo {
+    Demo {
         model: dir.join("model"),
         data: dir.join("images"),
-    };
+    }
+}
+
+/// Writes the demo pipeline and images under `dir` (once: an existing demo is reused).
+pub fn write(dir: &Path, images: usize, seed: u64) -> Result<Demo> {
+    let demo = at(dir);
     if !demo
         .model
         .join("unet/diffusion_pytorch_model.safetensors")

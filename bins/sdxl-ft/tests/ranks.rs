@@ -1,0 +1,83 @@
+//! Data-parallel sdxl-ft under `mpirun` (#20): 2 ranks of `--accum 1` and 3 of `--accum 1`
+//! train the UNet (and its EMA) that one process of `--accum 2` and `--accum 3` trains on the same
+//! images, noise, timesteps, flips and caption dropout (drawn per micro-batch of the whole step),
+//! within f32 rounding. Needs the `mpi` feature and `mpirun` (skipped, saying so, without one,
+//! unless FT_REQUIRE_MPI=1).
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::Path;
+
+use anyhow::{ensure, Result};
+use ft_params::weights::SafetensorsFiles;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sdxl-ft");
+
+/// The demo for 3 steps as `np` ranks of `--accum accum` in `out`: the step losses, `None`
+/// without mpirun.
+fn train(np: usize, accum: &str, out: &Path) -> Result<Option<Vec<f64>>> {
+    let Some(mut cmd) = ft_dist::ranks_of(np, BIN)? else {
+        eprintln!("skipped: no mpirun on PATH");
+        return Ok(None);
+    };
+    let r = cmd
+        .args([
+            "--demo",
+            "--max-steps",
+            "3",
+            "--accum",
+            accum,
+            "--num-samples",
+            "0",
+        ])
+        .args(["--eval-images", "4", "--quiet", "--output-dir"])
+        .arg(out)
+        .output()?;
+    ensure!(
+        r.status.success(),
+        "{np} ranks: {}\n{}",
+        r.status,
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let losses = ft_trainer::train::logged(&out.join("metrics.jsonl"), "loss")?;
+    Ok(Some(losses.iter().filter_map(|v| v.as_f64()).collect()))
+}
+
+#[test]
+fn ranks_train_the_unet_one_process_trains_on_the_combined_batch() -> Result<()> {
+    let dir = common::tmp("ranks");
+    for (np, whole) in [(2, "2"), (3, "3")] {
+        let (one, many) = (
+            dir.join(format!("one-{whole}")),
+            dir.join(format!("ranks-{np}")),
+        );
+        let Some(expected) = train(1, whole, &one)? else {
+            unreachable!("one process needs no mpirun")
+        };
+        let Some(got) = train(np, "1", &many)? else {
+            return Ok(());
+        };
+        assert_eq!(got.len(), 3);
+        for (a, b) in got.iter().zip(&expected) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{np} ranks: {got:?} vs {expected:?}"
+            );
+        }
+        for unet in ["unet", "unet_ema"] {
+            let file = |d: &Path| {
+                SafetensorsFiles::open(&[d.join(format!(
+                    "checkpoint-3/{unet}/diffusion_pytorch_model.safetensors"
+                ))])
+            };
+            let (diff, name) = file(&many)?.max_difference(&file(&one)?, |_| true)?;
+            assert!(
+                diff <= 1e-5,
+                "{np} ranks, {unet}: `{name}` differs by {diff}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

@@ -1,0 +1,235 @@
+//! Data-parallel t5-ft under `mpirun` (#20): N ranks of `--accum A` train the weights one
+//! process of `--accum N x A` trains on the same micro-batches (the same losses, the weights
+//! within f32 rounding), through a short last step where a rank has no micro-batch, with
+//! dropout drawn per micro-batch of the whole step; a resumed run continues the same curve; ranks
+//! that disagree, or a mode that cannot be data-parallel, stop every rank with one error. Needs
+//! the `mpi` feature and `mpirun` (skipped, saying so, without one, unless FT_REQUIRE_MPI=1).
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{ensure, Result};
+use ft_params::weights::SafetensorsFiles;
+
+const BIN: &str = env!("CARGO_BIN_EXE_t5-ft");
+
+/// Runs t5-ft as `np` ranks with `args`; `None` when there is no mpirun.
+fn run(np: usize, args: &[&str]) -> Result<Option<std::process::Output>> {
+    let Some(mut cmd) = ft_dist::ranks_of(np, BIN)? else {
+        eprintln!("skipped: no mpirun on PATH");
+        return Ok(None);
+    };
+    Ok(Some(cmd.args(args).arg("--quiet").output()?))
+}
+
+/// Trains as `np` ranks into `out` and returns the step losses; fails on a failed run.
+fn train(np: usize, out: &Path, args: &[&str]) -> Result<Option<Vec<f64>>> {
+    let o = out.display().to_string();
+    let mut all = vec!["--output-dir", &o];
+    all.extend_from_slice(args);
+    let Some(r) = run(np, &all)? else {
+        return Ok(None);
+    };
+    ensure!(
+        r.status.success(),
+        "{np} ranks, {args:?}: {}\n{}",
+        r.status,
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let losses = ft_trainer::train::logged(&out.join("metrics.jsonl"), "loss")?;
+    Ok(Some(losses.iter().filter_map(|v| v.as_f64()).collect()))
+}
+
+fn weights(dir: &Path) -> Result<SafetensorsFiles> {
+    Ok(SafetensorsFiles::open(&[dir.join("model.safetensors")])?)
+}
+
+/// The demo's model with dropout 0.1 (so that a micro-batch's masks matter), 10 short examples
+/// (5 micro-batches of 2 an epoch), under `dir`.
+fn model_and_data(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let demo = dir.join("demo");
+    let d = demo.display().to_string();
+    let plan = std::process::Command::new(BIN)
+        .args(["--demo", "--plan", "--output-dir", &d])
+        .output()?;
+    ensure!(
+        plan.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model)?;
+    std::fs::copy(
+        demo.join("demo-data/model/tokenizer.json"),
+        model.join("tokenizer.json"),
+    )?;
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(demo.join("demo-data/model/config.json"))?)?;
+    cfg["dropout_rate"] = 0.1.into();
+    std::fs::write(model.join("config.json"), cfg.to_string())?;
+    let text = std::fs::read_to_string(demo.join("demo-data/train.jsonl"))?;
+    let data = dir.join("small.jsonl");
+    let lines: Vec<&str> = text.lines().take(10).collect();
+    std::fs::write(&data, lines.join("\n") + "\n")?;
+    Ok((model, data))
+}
+
+#[test]
+fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
+    let dir = common::tmp("ranks-equal");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let args = |accum: &'static str| {
+        vec![
+            "--model",
+            &m,
+            "--from-scratch",
+            "--train-file",
+            &d,
+            "--eval-file",
+            &d,
+            "--batch-size",
+            "2",
+            "--accum",
+            accum,
+            "--max-steps",
+            "3",
+            "--lr",
+            "1e-3",
+        ]
+    };
+    // 2 ranks x 2 micro-batches against 4 in one process: step 2 is the epoch's last micro-batch
+    // alone, rank 1 has none. 3 ranks x 1 against 3.
+    for (np, per_rank, whole) in [(2, "2", "4"), (3, "1", "3")] {
+        let one = dir.join(format!("one-{whole}"));
+        let many = dir.join(format!("ranks-{np}"));
+        let Some(expected) = train(1, &one, &args(whole))? else {
+            unreachable!("one process needs no mpirun")
+        };
+        let Some(got) = train(np, &many, &args(per_rank))? else {
+            return Ok(());
+        };
+        assert_eq!(got.len(), 3);
+        for (a, b) in got.iter().zip(&expected) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "{np} ranks: {got:?} vs {expected:?}"
+            );
+        }
+        let (diff, name) = weights(&many.join("checkpoint-3"))?
+            .max_difference(&weights(&one.join("checkpoint-3"))?, |_| true)?;
+        assert!(diff <= 1e-6, "{np} ranks: `{name}` differs by {diff}");
+        // Rank 0 alone wrote the run's files.
+        assert!(many.join("memory.svg").is_file() && many.join("memory.jsonl").is_file());
+    }
+    // Rank 1 taking rank 0's micro-batches (or the same dropout masks) would show here: the
+    // loss of 2 ranks of 1 micro-batch is not the loss of one process of 1.
+    let single = dir.join("one-1");
+    let Some(alone) = train(1, &single, &args("1"))? else {
+        unreachable!()
+    };
+    let Some(two) = train(2, &dir.join("ranks-2b"), &args("1"))? else {
+        return Ok(());
+    };
+    assert!((alone[0] - two[0]).abs() > 1e-4, "{alone:?} vs {two:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+#[test]
+fn ranks_resume_the_same_curve() -> Result<()> {
+    let dir = common::tmp("ranks-resume");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let base = [
+        "--model",
+        &m,
+        "--from-scratch",
+        "--train-file",
+        &d,
+        "--batch-size",
+        "2",
+        "--accum",
+        "2",
+        "--save-every",
+        "2",
+        "--lr",
+        "1e-3",
+    ];
+    let steps = |n: &'static str| [&base[..], &["--max-steps", n]].concat();
+    let Some(whole) = train(2, &dir.join("whole"), &steps("4"))? else {
+        return Ok(());
+    };
+    // The run stopped at step 2 (as a kill after its checkpoint would), then resumed.
+    let first = dir.join("first");
+    train(2, &first, &steps("2"))?;
+    let ck = first.join("checkpoint-2").display().to_string();
+    let mut resume = steps("4");
+    resume.extend(["--resume", &ck]);
+    let Some(rest) = train(2, &first, &resume)? else {
+        return Ok(());
+    };
+    assert_eq!(
+        rest, whole,
+        "the resumed curve (with the first run's 2 steps)"
+    );
+    let (diff, name) = weights(&first.join("checkpoint-4"))?
+        .max_difference(&weights(&dir.join("whole/checkpoint-4"))?, |_| true)?;
+    assert_eq!(diff, 0.0, "`{name}`");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+#[test]
+fn ranks_that_disagree_or_cannot_run_stop_together() -> Result<()> {
+    let dir = common::tmp("ranks-refused");
+    let out = dir.display().to_string();
+    let Some(mut cmd) = ft_dist::mpirun(1)? else {
+        eprintln!("skipped: no mpirun on PATH");
+        return Ok(());
+    };
+    // Two ranks started with different learning rates (mpirun's `:` starts each its own way).
+    let common = [
+        "--demo",
+        "--max-steps",
+        "2",
+        "--quiet",
+        "--output-dir",
+        &out,
+    ];
+    let r = cmd
+        .arg(BIN)
+        .args(common)
+        .args(["--lr", "1e-4", ":", "-np", "1", BIN])
+        .args(common)
+        .args(["--lr", "2e-4"])
+        .output()?;
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success(), "{err}");
+    assert!(
+        err.contains("the ranks disagree on the configuration") && err.contains("rank 1 differs"),
+        "{err}"
+    );
+    // The fused backward updates before the ranks' gradients could be summed: refused on
+    // every rank, and the job ends instead of leaving a rank waiting.
+    let fused = [
+        "--demo",
+        "--max-steps",
+        "2",
+        "--fused-backward",
+        "--checkpointing",
+        "blocks",
+        "--output-dir",
+        &out,
+    ];
+    let Some(r) = run(2, &fused)? else {
+        return Ok(());
+    };
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success(), "{err}");
+    assert!(err.contains("--fused-backward with 2 ranks"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

@@ -1,0 +1,42 @@
+//! The system's `mpirun`, as tests and scripts start ranks on one machine with it.
+
+use std::process::Command;
+
+use crate::error::{DistError, Result};
+
+/// `mpirun -np {np}` (add the program and its arguments), with what Open MPI needs to start
+/// more ranks than the machine has cores and to run as root in a container. `None` when no
+/// `mpirun` is on PATH, unless `FT_REQUIRE_MPI=1` (CI) makes that an error.
+pub fn mpirun(np: usize) -> Result<Option<Command>> {
+    let version = match Command::new("mpirun").arg("--version").output() {
+        Ok(o) => String::from_utf8_lossy(&o.stdout).to_string(),
+        Err(e) => {
+            if std::env::var("FT_REQUIRE_MPI").is_ok_and(|v| v == "1") {
+                return Err(DistError::Launch(format!(
+                    "FT_REQUIRE_MPI=1 and no mpirun on PATH: {e}"
+                )));
+            }
+            return Ok(None);
+        }
+    };
+    let mut cmd = Command::new("mpirun");
+    if version.contains("Open MPI") {
+        cmd.arg("--oversubscribe")
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd.args(["-np", &np.to_string()]);
+    Ok(Some(cmd))
+}
+
+/// `program` started as `np` ranks: by itself for one, under [`mpirun`] for more (`None`
+/// without an `mpirun`, as there).
+pub fn ranks_of(np: usize, program: impl AsRef<std::ffi::OsStr>) -> Result<Option<Command>> {
+    if np == 1 {
+        return Ok(Some(Command::new(program)));
+    }
+    Ok(mpirun(np)?.map(|mut c| {
+        c.arg(program);
+        c
+    }))
+}

@@ -1,0 +1,98 @@
+//! This process's place among a data-parallel run's ranks, and what only one of them does.
+//!
+//! A binary started by `mpirun -np N` (or `srun`) is one of N ranks: each trains on its share of
+//! every step's micro-batches and the gradients are summed over the ranks before the update
+//! (the loop's part). Rank 0 alone holds the output folder's lock, writes the demo's files,
+//! metrics, the memory timeline and the checkpoints, evaluates and prints; the others wait for
+//! it where they must. A single process is a world of one, and everything here is then the
+//! identity.
+//!
+//! The communicator lives for the process (MPI is initialised once a process) and is finalised
+//! by [`main`], which also ends every rank when one fails: a rank left waiting in a collective
+//! its failed partner never joins would hang the job.
+
+use std::cell::RefCell;
+use std::fmt::Display;
+use std::path::Path;
+use std::rc::Rc;
+
+use ft_dist::Comm;
+
+use super::lock::FolderLock;
+use crate::error::Result;
+
+thread_local! {
+    /// The process's communicator, made at the first [`world`]. Per thread: MPI's handles are
+    /// not shared between threads, and only a binary's main thread (or one test's thread) asks.
+    static WORLD: RefCell<Option<Rc<Comm>>> = const { RefCell::new(None) };
+}
+
+/// The ranks of this run: the launcher's world under `mpirun`/`srun` (with the `mpi` feature),
+/// else one process.
+pub fn world() -> Result<Rc<Comm>> {
+    WORLD.with(|w| {
+        if let Some(c) = w.borrow().as_ref() {
+            return Ok(c.clone());
+        }
+        let c = Rc::new(Comm::from_env()?);
+        *w.borrow_mut() = Some(c.clone());
+        Ok(c)
+    })
+}
+
+/// Runs a binary's `body`. One process: returns what it returns. One rank of several: on
+/// success the ranks finish together (MPI finalised); on an error this rank prints it, naming
+/// itself, and ends every rank with exit status 1.
+pub fn main<E: Display>(
+    body: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let result = body();
+    let Some(comm) = WORLD.with(|w| w.borrow_mut().take()) else {
+        return result;
+    };
+    match result {
+        Err(e) if comm.world() > 1 => {
+            eprintln!("Error (rank {} of {}): {e}", comm.rank(), comm.world());
+            comm.abort(1)
+        }
+        other => {
+            // The last rank's drop finalises MPI.
+            drop(comm);
+            other
+        }
+    }
+}
+
+/// Whether this process is rank 0 (the one that writes and prints); true for one process.
+pub fn is_main() -> Result<bool> {
+    Ok(world()?.is_main())
+}
+
+/// Rank 0 runs `write` (the demo's files, a checkpoint) while the others wait for it; every
+/// rank returns once it is done. An error on rank 0 is returned there ([`main`] then ends the
+/// others).
+pub fn main_first<T, E: From<crate::error::Error>>(
+    write: impl FnOnce() -> std::result::Result<T, E>,
+) -> std::result::Result<Option<T>, E> {
+    let w = world()?;
+    let out = if w.is_main() { Some(write()?) } else { None };
+    w.barrier();
+    Ok(out)
+}
+
+/// The output folder's lock for this run: taken by rank 0, for every rank (the others write
+/// nothing there). See [`FolderLock`].
+pub fn lock_output(dir: &Path) -> Result<Option<FolderLock>> {
+    if is_main()? {
+        Ok(Some(FolderLock::acquire(dir)?))
+    } else {
+        Ok(None)
+    }
+}
+
+/// Prints `text` to stderr on rank 0 only.
+pub fn say(text: impl Display) {
+    if is_main().unwrap_or(true) {
+        eprint!("{text}");
+    }
+}
