@@ -8,39 +8,27 @@
 
 use std::path::Path;
 
-use anyhow::{ensure, Result};
+use anyhow::Result;
 use ft_params::weights::SafetensorsFiles;
+use ft_trainer::train::ranks::train_as_ranks;
 
 const BIN: &str = env!("CARGO_BIN_EXE_fewshot-ft");
 
 /// The demo for 3 steps as `np` ranks of `--accum accum` in `out`: the step losses, `None`
 /// without mpirun.
 fn train(np: usize, accum: &str, out: &Path) -> Result<Option<Vec<f64>>> {
-    let Some(mut cmd) = ft_dist::ranks_of(np, BIN)? else {
-        eprintln!("skipped: no mpirun on PATH");
-        return Ok(None);
-    };
-    let r = cmd
-        .args([
-            "--demo",
-            "--max-steps",
-            "3",
-            "--accum",
-            accum,
-            "--val-episodes",
-            "2",
-        ])
-        .args(["--test-episodes", "4", "--quiet", "--output-dir"])
-        .arg(out)
-        .output()?;
-    ensure!(
-        r.status.success(),
-        "{np} ranks: {}\n{}",
-        r.status,
-        String::from_utf8_lossy(&r.stderr)
-    );
-    let losses = ft_trainer::train::logged(&out.join("metrics.jsonl"), "loss")?;
-    Ok(Some(losses.iter().filter_map(|v| v.as_f64()).collect()))
+    let args = [
+        "--demo",
+        "--max-steps",
+        "3",
+        "--accum",
+        accum,
+        "--val-episodes",
+        "2",
+        "--test-episodes",
+        "4",
+    ];
+    Ok(train_as_ranks(np, BIN, &args, out)?)
 }
 
 #[test]

@@ -26,20 +26,9 @@ fn run(np: usize, args: &[&str]) -> Result<Option<std::process::Output>> {
 
 /// Trains as `np` ranks into `out` and returns the step losses; fails on a failed run.
 fn train(np: usize, out: &Path, args: &[&str]) -> Result<Option<Vec<f64>>> {
-    let o = out.display().to_string();
-    let mut all = vec!["--output-dir", &o];
-    all.extend_from_slice(args);
-    let Some(r) = run(np, &all)? else {
-        return Ok(None);
-    };
-    ensure!(
-        r.status.success(),
-        "{np} ranks, {args:?}: {}\n{}",
-        r.status,
-        String::from_utf8_lossy(&r.stderr)
-    );
-    let losses = ft_trainer::train::logged(&out.join("metrics.jsonl"), "loss")?;
-    Ok(Some(losses.iter().filter_map(|v| v.as_f64()).collect()))
+    Ok(ft_trainer::train::ranks::train_as_ranks(
+        np, BIN, args, out,
+    )?)
 }
 
 fn weights(dir: &Path) -> Result<SafetensorsFiles> {

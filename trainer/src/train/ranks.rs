@@ -96,3 +96,36 @@ pub fn say(text: impl Display) {
         eprint!("{text}");
     }
 }
+
+/// Runs `program` (one of the binaries) with `args`, `--output-dir out` and `--quiet` as `np`
+/// ranks (by itself for one, under `mpirun` for more) and returns the step losses rank 0 logged
+/// in `out/metrics.jsonl`: how a data-parallel run is set beside one process (the binaries'
+/// `tests/ranks.rs`). `None` when more ranks are asked for and there is no `mpirun` (see
+/// [`ft_dist::mpirun`]); a run that fails is an error carrying its stderr.
+pub fn train_as_ranks(
+    np: usize,
+    program: &str,
+    args: &[&str],
+    out: &Path,
+) -> Result<Option<Vec<f64>>> {
+    let Some(mut cmd) = ft_dist::ranks_of(np, program)? else {
+        eprintln!("skipped: no mpirun on PATH");
+        return Ok(None);
+    };
+    let r = cmd
+        .args(args)
+        .arg("--output-dir")
+        .arg(out)
+        .arg("--quiet")
+        .output()
+        .map_err(|e| crate::error::Error::io(Path::new(program), e))?;
+    if !r.status.success() {
+        return Err(crate::error::Error::Invalid(format!(
+            "{program} as {np} ranks, {args:?}: {}\n{}",
+            r.status,
+            String::from_utf8_lossy(&r.stderr)
+        )));
+    }
+    let losses = super::metrics::logged(&out.join("metrics.jsonl"), "loss")?;
+    Ok(Some(losses.iter().filter_map(|v| v.as_f64()).collect()))
+}
