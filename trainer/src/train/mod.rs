@@ -6,7 +6,7 @@
 //!   flags), [`binary`] (what a binary tells them).
 //! - [`session`]: one way from flags to a [`Session`]; [`plan`]: model-state bytes before a run;
 //!   [`fit`]: `--fit`'s search; [`fit_check`]: a run under `--fit` against its plan.
-//! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `eval` (best checkpoint,
+//! - [`task`] ([`Task`]: what a binary supplies), `run` (the loop), `step` (one step), `eval` (best checkpoint,
 //!   early stopping), `saved` (checkpoints, resume), [`metrics`], [`settings`], [`lock`] (one
 //!   run per output folder), [`ranks`] (a data-parallel run's ranks: what rank 0 alone does).
 //! - [`order`]: the epoch order of every binary's data; [`schedule`]: learning rates; [`ema`].
@@ -31,6 +31,7 @@ mod saved;
 pub mod schedule;
 pub mod session;
 pub mod settings;
+mod step;
 pub mod task;
 
 pub use binary::{parse_args, parse_args_from, Binary};
