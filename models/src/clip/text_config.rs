@@ -86,12 +86,7 @@ impl ClipTextConfig {
                 self.hidden_size, self.num_attention_heads
             ));
         }
-        if !matches!(self.hidden_act.as_str(), "quick_gelu" | "gelu") {
-            return Err(format!(
-                "hidden_act `{}` is not supported (quick_gelu, gelu)",
-                self.hidden_act
-            ));
-        }
+        super::encoder::Act::parse(&self.hidden_act)?;
         Ok(())
     }
 }
