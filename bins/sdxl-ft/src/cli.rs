@@ -102,6 +102,18 @@ pub struct Args {
     /// enable_tiling; e.g. 64 for 1024 px images); 0 decodes whole images.
     #[arg(long, default_value_t = 0)]
     pub vae_tile: usize,
+    /// At each evaluation, generate this many samples from held-out captions and report KID and
+    /// CMMD against as many held-out images (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub eval_mmd_samples: usize,
+    /// Held-out images with captions for --eval-mmd-samples (the --data-dir layout). Default:
+    /// the first images of --data-dir, which training also sees.
+    #[arg(long)]
+    pub eval_data_dir: Option<PathBuf>,
+    /// CLIP model (folder or hub id, e.g. openai/clip-vit-large-patch14) whose image embeddings
+    /// the metric compares. Default: the latents pooled to 4 x 4 per channel (`kid_latent`).
+    #[arg(long)]
+    pub eval_clip_model: Option<String>,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: CommonArgs,
@@ -148,6 +160,19 @@ impl Args {
             anyhow::bail!("--sample-steps must be at least 1");
         }
         self.sampler.parse::<ft_models::sampling::SamplerKind>()?;
+        if self.eval_mmd_samples == 1 {
+            anyhow::bail!("--eval-mmd-samples must be 0 (off) or at least 2 (KID's estimate)");
+        }
+        if self.eval_mmd_samples == 0 {
+            for (flag, set) in [
+                ("--eval-data-dir", self.eval_data_dir.is_some()),
+                ("--eval-clip-model", self.eval_clip_model.is_some()),
+            ] {
+                if set {
+                    anyhow::bail!("{flag} is for the MMD metric: give --eval-mmd-samples N too");
+                }
+            }
+        }
         // `--plan` reads the model's configs alone.
         if !self.common.demo && !self.common.plan && self.data_dir.is_none() {
             anyhow::bail!("--data-dir is required (or --demo for the bundled images)");

@@ -10,7 +10,7 @@ use ft_models::diffusion::Prediction;
 use ft_models::unet::UNet;
 use ft_params::bytes::format_bytes;
 use ft_params::ParamStore;
-use ft_trainer::ledger::Category;
+use ft_trainer::ledger::{Category, Ledger};
 use ft_trainer::train::ema::Ema;
 use ft_trainer::train::plan::StatePlan;
 use ft_trainer::train::{ranks, Binary, LoopPlan, ModelRepo, RunSummary, SessionBuilder, Units};
@@ -19,6 +19,7 @@ use ft_trainer::update::{MixedOptimizer, Precision};
 use crate::cache::{Cache, CacheSettings};
 use crate::cli::Args;
 use crate::data::{Crop, ImageFolder};
+use crate::mmd::{ClipSource, MmdEval};
 use crate::pipeline::Pipeline;
 use crate::task::{EvalSettings, Objective, SdxlTask};
 
@@ -37,6 +38,10 @@ fn resolved(args: &Args) -> Result<Args> {
         ranks::main_first(|| crate::demo::write(&dir, 48, args.common.seed))?;
         let demo = crate::demo::at(&dir);
         args.common.model = Some(demo.model.display().to_string());
+        // The demo's held-out shapes are the real set for the demo's images only.
+        if args.data_dir.is_none() && args.eval_mmd_samples > 0 {
+            args.eval_data_dir.get_or_insert(demo.held_out);
+        }
         args.data_dir.get_or_insert(demo.data);
     }
     Ok(args)
@@ -104,6 +109,11 @@ pub fn setup(args: &Args) -> Result<Setup> {
     let (device, precision) = (s.device().clone(), s.precision());
 
     let pipeline = open_pipeline(&args)?;
+    // The CLIP tower's files before the cache is built: a wrong name fails at once.
+    let clip = match (&args.eval_clip_model, args.eval_mmd_samples) {
+        (Some(spec), n) if n > 0 => Some(ClipSource::open(spec)?),
+        _ => None,
+    };
     let schedule = pipeline.schedule.clone();
     let data_dir: PathBuf = args
         .data_dir
@@ -144,7 +154,8 @@ pub fn setup(args: &Args) -> Result<Setup> {
             .set_on(Category::Ema, "unet", ema.bytes(), ema.device());
     }
     let dtype = precision.storage;
-    let task = SdxlTask::new(
+    let mmd = mmd_eval(&args, &pipeline, &settings, &cache, clip, s.ledger(), dtype)?;
+    let mut task = SdxlTask::new(
         unet,
         store,
         pipeline,
@@ -171,8 +182,71 @@ pub fn setup(args: &Args) -> Result<Setup> {
         args.common.batch_size,
         args.common.seed,
     );
+    task.mmd = mmd;
     let batches = task.batches_per_epoch();
     Ok(s.session(task, optimizer, LoopPlan::new(Units::Samples, batches))?)
+}
+
+/// With `--eval-mmd-samples N`, the held-out set: the first N images of `--eval-data-dir`
+/// (cached like the training images, without flips) or else of the training cache, and their
+/// features (`clip`'s, else pooled latents).
+fn mmd_eval(
+    args: &Args,
+    pipeline: &Pipeline,
+    settings: &CacheSettings,
+    train: &Cache,
+    clip: Option<ClipSource>,
+    ledger: &mut Ledger,
+    dtype: DType,
+) -> Result<Option<MmdEval>> {
+    let n = args.eval_mmd_samples;
+    if n == 0 {
+        return Ok(None);
+    }
+    let cache = match &args.eval_data_dir {
+        Some(dir) => {
+            let mut folder = ImageFolder::scan(dir, &args.caption_column)?;
+            folder.records.truncate(n);
+            let root = args
+                .cache_dir
+                .clone()
+                .unwrap_or_else(|| args.common.output_dir.join("cache"));
+            let settings = CacheSettings {
+                flip: false,
+                crop: Crop::Center,
+                ..settings.clone()
+            };
+            Cache::build_or_reuse(&root, pipeline, &folder, &[], &settings, ledger)?
+        }
+        None => {
+            ranks::say(format!(
+                "--eval-mmd-samples without --eval-data-dir: the real set is the first {n} training images, not held out\n"
+            ));
+            Cache::open(&train.dir, false)?
+        }
+    };
+    if cache.len() < n {
+        ranks::say(format!(
+            "--eval-mmd-samples {n}: {} holds {} readable images; comparing {} samples\n",
+            cache.dir.display(),
+            cache.len(),
+            cache.len()
+        ));
+    }
+    let mmd = MmdEval::new(
+        cache,
+        n,
+        clip,
+        pipeline.vae.scaling_factor,
+        &settings.device,
+        dtype,
+    )?;
+    ranks::say(format!(
+        "MMD: {n} generated samples against {n} real images, {f} features (kid_{f}, cmmd_{f})\n",
+        n = mmd.n,
+        f = mmd.features()
+    ));
+    Ok(Some(mmd))
 }
 
 /// The diffusers pipeline `--model` (or the default) names, with `--variant`, its scheduler's

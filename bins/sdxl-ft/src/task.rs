@@ -7,9 +7,8 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::diffusion::NoiseSchedule;
-use ft_models::sampling::{Sampler, SamplerKind};
+use ft_models::sampling::SamplerKind;
 use ft_models::unet::UNet;
-use ft_models::vae::VaeParts;
 use ft_params::checkpoint::Checkpointer;
 use ft_params::rng::SplitMix64;
 use ft_params::ParamStore;
@@ -18,6 +17,7 @@ use ft_trainer::train::ema::Ema;
 use ft_trainer::train::{EpochOrder, Epochs, Grouping, StepCtx, Task, TaskResult};
 
 use crate::cache::Cache;
+use crate::mmd::MmdEval;
 use crate::pipeline::Pipeline;
 
 /// The objective's settings.
@@ -54,6 +54,8 @@ pub struct SdxlTask {
     pub objective: Objective,
     pub eval: EvalSettings,
     pub ema: Option<Ema>,
+    /// `--eval-mmd-samples`: the held-out set whose KID and CMMD each evaluation reports.
+    pub mmd: Option<MmdEval>,
     pub device: Device,
     /// dtype of the UNet's weights and activations.
     pub dtype: DType,
@@ -68,7 +70,7 @@ pub struct SdxlTask {
 /// A micro-batch: indices into the cache.
 pub type Batch = Vec<usize>;
 
-fn normal(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+pub(crate) fn normal(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.normal() as f32).collect()
 }
 
@@ -106,6 +108,7 @@ impl SdxlTask {
             objective,
             eval,
             ema,
+            mmd: None,
             device,
             dtype,
             batch_size,
@@ -241,83 +244,24 @@ impl SdxlTask {
         Ok(total / n.max(1) as f64)
     }
 
-    /// Sample images for the cached prompts with classifier-free guidance, decoded in chunks of
-    /// `vae_decode_chunk` and moved to the host chunk by chunk. [N, 3, H, W] on the host.
-    pub fn sample_images(&self, ledger: &mut Ledger, step: u64) -> Result<Tensor> {
-        let prompts = &self.cache.manifest.prompts;
-        if prompts.is_empty() {
-            return Err(anyhow!("no sample prompts in the cache"));
+    /// What evaluation generates with the weights in place: the sample images (written under
+    /// `dir/step-N/`) and the MMD metrics.
+    fn generate(
+        &self,
+        write_samples: bool,
+        ledger: &mut Ledger,
+        step: u64,
+    ) -> Result<Vec<(String, f64)>> {
+        let mut metrics = Vec::new();
+        if write_samples {
+            let images = self.sample_images(ledger, step)?;
+            crate::data::write_pngs(&images, &self.eval.dir.join(format!("step-{step}")))?;
+            metrics.push(("samples".into(), images.dim(0)? as f64));
         }
-        let sampler = Sampler::new(self.eval.sampler, &self.schedule, self.eval.steps)?;
-        let [c, h, w] = self.cache.manifest.latent_shape;
-        let dev = &self.device;
-        let guided = self.eval.guidance_scale != 1.0;
-        let r = self.cache.manifest.res as f32;
-        let ids = Tensor::new(&[r, r, 0.0, 0.0, r, r], dev)?
-            .to_dtype(self.dtype)?
-            .unsqueeze(0)?;
-        let ck = Checkpointer::new(false);
-        let mut latents = Vec::with_capacity(prompts.len());
-        for (k, &p) in prompts.iter().enumerate() {
-            let (hs, pooled) = self.cache.text(p, self.dtype, dev)?;
-            let (uh, up) = if self.pipeline.force_zeros_for_empty_prompt {
-                (hs.zeros_like()?, pooled.zeros_like()?)
-            } else {
-                self.cache
-                    .text(self.cache.manifest.empty, self.dtype, dev)?
-            };
-            let (ctx, pool, tid) = if guided {
-                (
-                    Tensor::stack(&[&uh, &hs], 0)?,
-                    Tensor::stack(&[&up, &pooled], 0)?,
-                    Tensor::cat(&[&ids, &ids], 0)?,
-                )
-            } else {
-                (hs.unsqueeze(0)?, pooled.unsqueeze(0)?, ids.clone())
-            };
-            let mut rng = SplitMix64::new(self.seed ^ 0x5A3F ^ k as u64);
-            let noise = Tensor::from_vec(normal(&mut rng, c * h * w), (1, c, h, w), dev)?;
-            let mut x = (noise * sampler.init_noise_sigma())?;
-            for (i, &t) in sampler.timesteps().iter().enumerate() {
-                let xin = sampler.scale_input(&x, i)?.to_dtype(self.dtype)?;
-                let xin = if guided {
-                    Tensor::cat(&[&xin, &xin], 0)?
-                } else {
-                    xin
-                };
-                let n = xin.dim(0)?;
-                let out = self
-                    .unet
-                    .forward(&xin, &vec![t as f32; n], &ctx, Some((&pool, &tid)), &ck)?
-                    .to_dtype(DType::F32)?;
-                let out = if guided {
-                    let (u, cnd) = (out.get(0)?, out.get(1)?);
-                    (&u + ((cnd - &u)? * self.eval.guidance_scale)?)?.unsqueeze(0)?
-                } else {
-                    out
-                };
-                // Detached: otherwise each step's graph would keep every earlier step's
-                // activations alive through the UNet's trainable weights.
-                x = sampler.step(&out.detach(), i, &x)?.detach();
-            }
-            latents.push(x);
+        if let Some(mmd) = &self.mmd {
+            metrics.extend(mmd.evaluate(self, ledger, step)?);
         }
-        ledger.mark("eval/denoised", step)?;
-        let latents = Tensor::cat(&latents, 0)?;
-        let vae_dtype = if self.dtype == DType::F16 {
-            DType::F32 // SDXL's VAE overflows in f16
-        } else {
-            self.dtype
-        };
-        let vae = self.pipeline.vae(VaeParts::Decoder, vae_dtype, dev)?;
-        let images = vae.decode_chunked(
-            &latents.to_dtype(vae_dtype)?,
-            self.eval.vae_decode_chunk,
-            self.eval.vae_tile,
-        )?;
-        drop(vae);
-        ledger.mark("eval/decoded", step)?;
-        Ok(images.clamp(-1f32, 1f32)?)
+        Ok(metrics)
     }
 
     fn trainable(&self) -> Result<Vec<Var>> {
@@ -385,8 +329,9 @@ impl Task for SdxlTask {
         };
         let mut metrics: Vec<(String, f64)> =
             loss.map(|l| ("loss".to_string(), l)).into_iter().collect();
-        // No sample prompts (`--num-samples 0`): the validation loss alone.
-        if self.cache.manifest.prompts.is_empty() {
+        // No sample prompts (`--num-samples 0`) and no MMD: the validation loss alone.
+        let write_samples = !self.cache.manifest.prompts.is_empty();
+        if !write_samples && self.mmd.is_none() {
             return Ok(metrics);
         }
         let params = self.trainable()?;
@@ -398,14 +343,11 @@ impl Task for SdxlTask {
             }
             None => None,
         };
-        let images = self.sample_images(ledger, step);
+        let generated = self.generate(write_samples, ledger, step);
         if let Some(s) = stash {
             s.restore(&params)?;
         }
-        let images = images?;
-        let dir = self.eval.dir.join(format!("step-{step}"));
-        crate::data::write_pngs(&images, &dir)?;
-        metrics.push(("samples".into(), images.dim(0)? as f64));
+        metrics.extend(generated?);
         Ok(metrics)
     }
 

@@ -81,3 +81,57 @@ fn the_demo_vae_reconstructs_shapes() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// The MMD's flags are refused by name when they cannot work (one sample, a CLIP model or a
+/// held-out folder without samples, a CLIP folder that is not there); with the user's own
+/// --data-dir and no --eval-data-dir the first training images stand in as the real set, with
+/// pooled-latent features, and `--num-samples 0` still evaluates the metric.
+#[test]
+fn mmd_flags_and_the_training_set_standing_in_for_held_out_images() -> anyhow::Result<()> {
+    let out = tmp("edge-mmd");
+    let missing = out.join("no-such-clip").display().to_string();
+    for (extra, want) in [
+        (&["--eval-mmd-samples", "1"][..], "at least 2"),
+        (&["--eval-clip-model", "x"][..], "give --eval-mmd-samples"),
+        (&["--eval-data-dir", "x"][..], "give --eval-mmd-samples"),
+        (
+            &["--eval-mmd-samples", "3", "--eval-clip-model", &missing][..],
+            "no-such-clip",
+        ),
+    ] {
+        let e = setup(&args(&out.join("bad"), extra)?)
+            .err()
+            .map(|e| format!("{e:#}"))
+            .unwrap_or_default();
+        assert!(e.contains(want), "{extra:?}: {e}");
+    }
+    let images = out.join("images");
+    sdxl_ft::demo::write_images(&images, 6, 1)?;
+    let data = images.display().to_string();
+    let mut a = args(
+        &out.join("run"),
+        &[
+            "--data-dir",
+            &data,
+            "--eval-mmd-samples",
+            "3",
+            "--max-steps",
+            "1",
+        ],
+    )?;
+    (a.num_samples, a.eval_images) = (0, 0);
+    let mut s = setup(&a)?;
+    let mmd = s
+        .task
+        .mmd
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("no MMD"))?;
+    assert_eq!((mmd.n, mmd.features()), (3, "latent"));
+    assert_eq!(mmd.cache.dir, s.task.cache.dir);
+    let summary = s.train()?;
+    let keys: Vec<&str> = summary.last_eval.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["kid_latent", "cmmd_latent"]);
+    assert!(summary.last_eval.iter().all(|(_, v)| v.is_finite()));
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}

@@ -1,11 +1,12 @@
 //! sdxl-ft training on the bundled tiny pipeline, measured: the validation loss falls, every UNet
-//! parameter gets a gradient, evaluation writes samples with the EMA swapped in, and memory at
-//! `eval/after` does not grow from one evaluation to the next (seed 003). Alone in its test
-//! binary so the allocator's counts are this run's only.
+//! parameter gets a gradient, evaluation writes samples with the EMA swapped in and reports KID
+//! and CMMD over a CLIP tower's features of samples from the demo's held-out captions, and memory
+//! at the end of the MMD and at `eval/after` does not grow from one evaluation to the next (seed
+//! 003). Alone in its test binary so the allocator's counts are this run's only.
 
 mod common;
 
-use common::{args, tensors, tmp};
+use common::{args, tensors, tiny_clip, tmp};
 use ft_trainer::train;
 use sdxl_ft::run::setup;
 
@@ -15,6 +16,7 @@ static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::all
 #[test]
 fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> anyhow::Result<()> {
     let out = tmp("train");
+    let clip = tiny_clip(&out.join("clip"))?.display().to_string();
     let a = args(
         &out,
         &[
@@ -34,10 +36,22 @@ fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> 
             "4",
             "--vae-decode-chunk",
             "2",
+            "--eval-mmd-samples",
+            "5",
+            "--eval-clip-model",
+            &clip,
         ],
     )?;
     let mut s = setup(&a)?;
     assert!(s.task.cache.built);
+    // The demo's held-out images, not the training ones, are the real set.
+    let mmd = s
+        .task
+        .mmd
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("no MMD"))?;
+    assert_eq!((mmd.n, mmd.features()), (5, "clip"));
+    assert!(mmd.cache.manifest.entries[0].file.contains("held-out"));
     let before = s.task.validation_loss()?;
 
     // Every UNet parameter gets a nonzero gradient from the task's loss.
@@ -86,6 +100,25 @@ fn training_lowers_loss_writes_samples_and_evaluation_does_not_grow_memory() -> 
             .collect()
     };
     assert_eq!(live("eval/ema").len(), 2);
+    let m = live("eval/mmd");
+    assert_eq!(m.len(), 2);
+    assert!(
+        m[1] <= m[0] + 64 * 1024,
+        "the MMD ended at {} bytes, then at {}",
+        m[0],
+        m[1]
+    );
+    for name in ["kid_clip", "cmmd_clip"] {
+        let v = summary
+            .last_eval
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+            .ok_or_else(|| anyhow::anyhow!("no {name} in {:?}", summary.last_eval))?;
+        assert!(v.is_finite(), "{name} = {v}");
+    }
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    assert_eq!(metrics.matches("\"eval_kid_clip\"").count(), 2, "{metrics}");
     let (b, e) = (live("eval/before"), live("eval/after"));
     assert_eq!(e.len(), 2);
     assert!(

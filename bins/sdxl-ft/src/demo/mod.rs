@@ -28,6 +28,8 @@ use tokenizer::write_tokenizer;
 pub struct Demo {
     pub model: PathBuf,
     pub data: PathBuf,
+    /// Images the demo does not train on, one of each caption: the MMD's real set.
+    pub held_out: PathBuf,
 }
 
 pub(crate) fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
@@ -160,15 +162,19 @@ pub fn write_model(dir: &Path, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// Held-out images: one of each of the captions' colour, shape and background combinations.
+pub const HELD_OUT: usize = COLORS.len() * SHAPES.len() * BACKGROUNDS.len();
+
 /// Where [`write`] puts the demo pipeline and images under `dir`.
 pub fn at(dir: &Path) -> Demo {
     Demo {
         model: dir.join("model"),
         data: dir.join("images"),
+        held_out: dir.join("held-out"),
     }
 }
 
-/// Writes the demo pipeline and images under `dir` (once: an existing demo is reused).
+/// Writes the demo pipeline, training images and held-out images under `dir` (once: an existing demo is reused).
 pub fn write(dir: &Path, images: usize, seed: u64) -> Result<Demo> {
     let demo = at(dir);
     if !demo
@@ -182,6 +188,9 @@ pub fn write(dir: &Path, images: usize, seed: u64) -> Result<Demo> {
     }
     if !demo.data.join("metadata.jsonl").is_file() {
         write_images(&demo.data, images, seed)?;
+    }
+    if !demo.held_out.join("metadata.jsonl").is_file() {
+        write_images(&demo.held_out, HELD_OUT, seed ^ 0x4E1D)?;
     }
     Ok(demo)
 }

@@ -57,3 +57,27 @@ pub fn tensors(path: &Path) -> anyhow::Result<Vec<(String, Vec<f32>)>> {
         })
         .collect()
 }
+
+/// A tiny CLIP vision tower with seeded random weights as a folder `--eval-clip-model` loads
+/// (config.json, model.safetensors; no preprocessor_config.json, so OpenAI's normalisation).
+pub fn tiny_clip(dir: &Path) -> anyhow::Result<PathBuf> {
+    use ft_models::clip::{ClipVisionConfig, ClipVisionModel};
+    use ft_params::{ParamBuilder, ParamStore};
+    std::fs::create_dir_all(dir)?;
+    let cfg = serde_json::json!({
+        "model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 16, "patch_size": 8,
+        "projection_dim": 8, "hidden_act": "quick_gelu",
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string())?;
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(
+        store.clone(),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        5,
+    );
+    ClipVisionModel::new(&pb, &ClipVisionConfig::from_file(&dir.join("config.json"))?)?;
+    ft_params::fs::save_safetensors(&store.all(), &dir.join("model.safetensors"))?;
+    Ok(dir.to_path_buf())
+}
