@@ -129,6 +129,8 @@ impl ImageFolder {
 pub enum Crop {
     Center,
     Random,
+    /// At (top, left) of the resized image: where the cache cut an image before.
+    At(usize, usize),
 }
 
 /// An image ready for the VAE with SDXL's micro-conditioning values.
@@ -224,6 +226,7 @@ pub fn prepare(
             ((nw - tw) as f64 / 2.0).round() as usize,
         ),
         Crop::Random => (rng.below(nh - th + 1), rng.below(nw - tw + 1)),
+        Crop::At(top, left) => (top.min(nh - th), left.min(nw - tw)),
     };
     let mut cut =
         image::imageops::crop_imm(&resized, left as u32, top as u32, tw as u32, th as u32)
@@ -292,4 +295,32 @@ fn save_png(img: &image::RgbImage, path: &Path) -> Result<()> {
         .with_context(|| tmp.display().to_string())?;
     std::fs::rename(&tmp, path).with_context(|| path.display().to_string())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Crop::At` the corner a random crop drew cuts the same pixels (the MMD's real images are
+    /// cut where the cache cut them).
+    #[test]
+    fn a_crop_at_a_drawn_corner_repeats_the_random_crop() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("sdxl-crop-at-{}", std::process::id()));
+        crate::demo::write_images(&dir, 1, 3)?;
+        let path = dir.join("000.png");
+        let mut rng = SplitMix64::new(11);
+        let random = prepare(&path, (24, 16), Crop::Random, false, &mut rng)?;
+        let (top, left) = random.crop;
+        let again = prepare(&path, (24, 16), Crop::At(top, left), false, &mut rng)?;
+        assert_eq!(again.crop, random.crop);
+        let diff = (again.pixels - &random.pixels)?.abs()?.sum_all()?;
+        assert_eq!(diff.to_scalar::<f32>()?, 0.0);
+        let center = prepare(&path, (24, 16), Crop::Center, false, &mut rng)?;
+        assert_ne!(
+            center.crop, random.crop,
+            "the draw should differ from the center"
+        );
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
 }

@@ -73,12 +73,14 @@ pub struct MmdEval {
     pub cache: Cache,
     pub n: usize,
     clip: Option<ClipSource>,
+    /// The CLIP tower's dtype (the encoders').
+    dtype: DType,
     real: Features,
 }
 
 impl MmdEval {
     /// The first `n` images of `cache` as the real set, their features computed now (with the
-    /// CLIP tower from the images' files, cut as the cache cut them).
+    /// CLIP tower in `dtype`, from the images' files cut where the cache cut them, unflipped).
     pub fn new(
         cache: Cache,
         n: usize,
@@ -103,8 +105,8 @@ impl MmdEval {
                 let mut rng = SplitMix64::new(0);
                 for e in entries {
                     let path = PathBuf::from(&e.file);
-                    let img =
-                        prepare(&path, (e.size[0], e.size[1]), Crop::Center, false, &mut rng)?;
+                    let crop = Crop::At(e.crop[0], e.crop[1]);
+                    let img = prepare(&path, (e.size[0], e.size[1]), crop, false, &mut rng)?;
                     let img = img.pixels.to_device(device)?.unsqueeze(0)?;
                     values.extend(embed(&model, &c.norm, &img)?);
                 }
@@ -122,6 +124,7 @@ impl MmdEval {
             cache,
             n,
             clip,
+            dtype,
         })
     }
 
@@ -145,7 +148,7 @@ impl MmdEval {
     ) -> Result<Vec<(String, f64)>> {
         let sampler = task.sampler()?;
         let models = match &self.clip {
-            Some(c) => Some((task.decoder()?, c.load(task.dtype, &task.device)?, &c.norm)),
+            Some(c) => Some((task.decoder()?, c.load(self.dtype, &task.device)?, &c.norm)),
             None => None,
         };
         let entries = &self.cache.manifest.entries[..self.n];

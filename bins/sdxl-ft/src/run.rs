@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device};
 use ft_models::activations::{Target, UNetShape};
 use ft_models::diffusion::Prediction;
@@ -111,7 +111,7 @@ pub fn setup(args: &Args) -> Result<Setup> {
     let pipeline = open_pipeline(&args)?;
     // The CLIP tower's files before the cache is built: a wrong name fails at once.
     let clip = match (&args.eval_clip_model, args.eval_mmd_samples) {
-        (Some(spec), n) if n > 0 => Some(ClipSource::open(spec)?),
+        (Some(spec), n) if n > 0 && ranks::is_main()? => Some(ClipSource::open(spec)?),
         _ => None,
     };
     let schedule = pipeline.schedule.clone();
@@ -132,6 +132,8 @@ pub fn setup(args: &Args) -> Result<Setup> {
         s.ledger(),
     )?;
     report_cache(&cache);
+    // The held-out set before the UNet: its encoders and CLIP pass never sit beside training.
+    let mmd = mmd_eval(&args, &pipeline, &settings, &cache, clip, s.ledger())?;
 
     // The UNet: from the checkpoint being resumed, else the pipeline's weights.
     let files = match s.resumed_weights("unet/diffusion_pytorch_model")? {
@@ -154,7 +156,6 @@ pub fn setup(args: &Args) -> Result<Setup> {
             .set_on(Category::Ema, "unet", ema.bytes(), ema.device());
     }
     let dtype = precision.storage;
-    let mmd = mmd_eval(&args, &pipeline, &settings, &cache, clip, s.ledger(), dtype)?;
     let mut task = SdxlTask::new(
         unet,
         store,
@@ -197,15 +198,16 @@ fn mmd_eval(
     train: &Cache,
     clip: Option<ClipSource>,
     ledger: &mut Ledger,
-    dtype: DType,
 ) -> Result<Option<MmdEval>> {
     let n = args.eval_mmd_samples;
-    if n == 0 {
+    // Rank 0 alone evaluates.
+    if n == 0 || !ranks::is_main()? {
         return Ok(None);
     }
     let cache = match &args.eval_data_dir {
         Some(dir) => {
-            let mut folder = ImageFolder::scan(dir, &args.caption_column)?;
+            let flag = || format!("--eval-data-dir {}", dir.display());
+            let mut folder = ImageFolder::scan(dir, &args.caption_column).with_context(flag)?;
             folder.records.truncate(n);
             let root = args
                 .cache_dir
@@ -216,7 +218,8 @@ fn mmd_eval(
                 crop: Crop::Center,
                 ..settings.clone()
             };
-            Cache::build_or_reuse(&root, pipeline, &folder, &[], &settings, ledger)?
+            Cache::build_or_reuse(&root, pipeline, &folder, &[], &settings, ledger)
+                .with_context(flag)?
         }
         None => {
             ranks::say(format!(
@@ -227,8 +230,7 @@ fn mmd_eval(
     };
     if cache.len() < n {
         ranks::say(format!(
-            "--eval-mmd-samples {n}: {} holds {} readable images; comparing {} samples\n",
-            cache.dir.display(),
+            "--eval-mmd-samples {n}: {} of the first {n} images are readable; comparing {} samples\n",
             cache.len(),
             cache.len()
         ));
@@ -239,7 +241,7 @@ fn mmd_eval(
         clip,
         pipeline.vae.scaling_factor,
         &settings.device,
-        dtype,
+        settings.dtype,
     )?;
     ranks::say(format!(
         "MMD: {n} generated samples against {n} real images, {f} features (kid_{f}, cmmd_{f})\n",

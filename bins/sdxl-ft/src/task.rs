@@ -336,14 +336,18 @@ impl Task for SdxlTask {
         }
         let params = self.trainable()?;
         let stash = match &self.ema {
-            Some(ema) => {
-                let s = ema.swap_in(&params)?;
-                ledger.mark("eval/ema", step)?;
-                Some(s)
-            }
+            Some(ema) => Some(ema.swap_in(&params)?),
             None => None,
         };
-        let generated = self.generate(write_samples, ledger, step);
+        // Whatever fails from here, the weights are restored first.
+        let generated = match &stash {
+            Some(_) => ledger
+                .mark("eval/ema", step)
+                .map(|_| ())
+                .map_err(anyhow::Error::from),
+            None => Ok(()),
+        }
+        .and_then(|()| self.generate(write_samples, ledger, step));
         if let Some(s) = stash {
             s.restore(&params)?;
         }

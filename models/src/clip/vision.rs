@@ -93,13 +93,14 @@ impl ClipVisionModel {
             )));
         }
         let d = self.cfg.hidden_size;
+        let pixels = pixels.to_dtype(self.patch.dtype())?;
         // Patches as rows [B, g*g, C*P*P] in the kernel's (c, y, x) order.
         let rows = pixels
             .reshape((b, c, g, p, g, p))?
             .permute((0, 2, 4, 1, 3, 5))?
             .contiguous()?
             .reshape((b, g * g, c * p * p))?;
-        let patches = linear::linear(&rows, &self.patch.to_dtype(rows.dtype())?, None)?;
+        let patches = linear::linear(&rows, &self.patch, None)?;
         let class = self.class.reshape((1, 1, d))?.broadcast_as((b, 1, d))?;
         let x = Tensor::cat(&[&class.contiguous()?, &patches], 1)?
             .broadcast_add(&self.position.unsqueeze(0)?)?;
