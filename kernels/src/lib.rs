@@ -6,6 +6,7 @@
 //! in this workspace uses the ops of this crate instead, each of which has a test against f64
 //! central differences in `tests/`.
 
+pub mod activation;
 pub mod arch;
 pub mod attention;
 pub mod conv;

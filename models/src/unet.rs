@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{Tensor, Var, D};
+use ft_kernels::activation::{gelu_erf, silu};
 use ft_kernels::{attention, upsample};
 use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::ParamBuilder;
@@ -181,14 +182,14 @@ impl Resnet {
         })
     }
     fn forward(&self, x: &Tensor, temb: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.conv1.forward(&self.norm1.forward(x)?.silu()?)?;
+        let h = self.conv1.forward(&silu(&self.norm1.forward(x)?)?)?;
         let t = self
             .temb
-            .forward(&temb.silu()?)?
+            .forward(&silu(temb)?)?
             .unsqueeze(2)?
             .unsqueeze(3)?;
         let h = h.broadcast_add(&t)?;
-        let h = self.conv2.forward(&self.norm2.forward(&h)?.silu()?)?;
+        let h = self.conv2.forward(&silu(&self.norm2.forward(&h)?)?)?;
         let s = match &self.shortcut {
             Some(c) => c.forward(x)?,
             None => x.clone(),
@@ -263,7 +264,7 @@ impl TBlock {
         let x = (&x + self.a2.forward(&self.n2.forward(&x)?, ctx)?)?;
         let h = self.ff_in.forward(&self.n3.forward(&x)?)?;
         let half = h.dim(D::Minus1)? / 2;
-        let g = (h.narrow(D::Minus1, 0, half)? * h.narrow(D::Minus1, half, half)?.gelu_erf()?)?;
+        let g = (h.narrow(D::Minus1, 0, half)? * gelu_erf(&h.narrow(D::Minus1, half, half)?)?)?;
         x + self.ff_out.forward(&g)?
     }
 }
@@ -576,7 +577,7 @@ impl UNet {
         let dev = x.device();
         let dt = x.dtype();
         let t = timestep_embedding(timesteps, self.cfg.block_out_channels[0], dev)?.to_dtype(dt)?;
-        let mut temb = self.t2.forward(&self.t1.forward(&t)?.silu()?)?;
+        let mut temb = self.t2.forward(&silu(&self.t1.forward(&t)?)?)?;
         if let Some((l1, l2, tdim)) = &self.add {
             let (text_embeds, time_ids) = added.ok_or_else(|| {
                 ModelError::Invalid("SDXL's UNet needs text_embeds and time_ids".into())
@@ -590,7 +591,7 @@ impl UNet {
                 .reshape((b, ()))?
                 .to_dtype(dt)?;
             let a = Tensor::cat(&[text_embeds, &te], 1)?;
-            temb = (temb + l2.forward(&l1.forward(&a)?.silu()?)?)?;
+            temb = (temb + l2.forward(&silu(&l1.forward(&a)?)?)?)?;
         }
         let run = Runner {
             ck,
@@ -629,6 +630,6 @@ impl UNet {
                 h = c.forward(&upsample::upsample_nearest2x(&h)?)?;
             }
         }
-        Ok(self.conv_out.forward(&self.norm_out.forward(&h)?.silu()?)?)
+        Ok(self.conv_out.forward(&silu(&self.norm_out.forward(&h)?)?)?)
     }
 }

@@ -2,7 +2,7 @@
 //! a residual; the text tower passes a causal mask, the vision tower none.
 
 use candle_core::Tensor;
-use ft_kernels::attention;
+use ft_kernels::{activation, attention};
 use ft_params::{Init, ParamBuilder};
 
 use crate::error::{ModelError, Result};
@@ -29,8 +29,8 @@ impl Act {
     fn apply(self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             // x * sigmoid(1.702 x) = silu(1.702 x) / 1.702
-            Act::QuickGelu => (x * 1.702)?.silu()? / 1.702,
-            Act::Gelu => x.gelu_erf(),
+            Act::QuickGelu => activation::silu(&(x * 1.702)?)? / 1.702,
+            Act::Gelu => activation::gelu_erf(x),
         }
     }
 }

@@ -13,6 +13,7 @@
 //! tensor, i.e. across classes.
 
 use candle_core::{DType, Tensor, D};
+use ft_kernels::activation::gelu_erf;
 use ft_kernels::{linear, softmax};
 use ft_params::checkpoint::Checkpointer;
 use ft_params::{Init, ParamBuilder};
@@ -232,7 +233,7 @@ impl Fsct {
         let x = proto.broadcast_add(&self.attn_out.forward(&out)?)?; // [Q, n, d]
         let f = self
             .ffn2
-            .forward(&self.ffn1.forward(&self.ffn_ln.forward(&x)?)?.gelu_erf()?)?;
+            .forward(&gelu_erf(&self.ffn1.forward(&self.ffn_ln.forward(&x)?)?)?)?;
         let x = (x + f)?;
         let y = self.out_lin.forward(&self.out_ln.forward(&x)?)?; // [Q, n, dh]
         let scores = match (&self.cls_g, &self.cls_v, &self.cls_lin) {

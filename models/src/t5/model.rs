@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
 use ft_kernels::cross_entropy::linear_cross_entropy;
-use ft_kernels::{attention, linear, norm, softmax};
+use ft_kernels::{activation, attention, linear, norm, softmax};
 use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::{Init, ParamBuilder};
 
@@ -181,8 +181,8 @@ impl FeedForward {
     fn forward(&self, x: &Tensor, drop: &DropoutCtx, site: &str) -> candle_core::Result<Tensor> {
         let act = |t: Tensor| match self.act {
             FfAct::Relu => t.relu(),
-            FfAct::GeluNew => t.gelu(),
-            FfAct::Silu => t.silu(),
+            FfAct::GeluNew => activation::gelu_tanh(&t),
+            FfAct::Silu => activation::silu(&t),
         };
         let h = act(linear::linear(x, &self.wi[0], None)?)?;
         let h = match self.wi.get(1) {

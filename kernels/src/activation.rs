@@ -1,0 +1,299 @@
+//! GELU (tanh approximation and exact erf) and SiLU as single passes forward and backward.
+//!
+//! candle computes these activations' backward as a chain of ops (GELU: a cube by `powf`, a
+//! tanh, then `powf(2)` and five elementwise maps, each a fresh tensor and, on the CPU, a rayon
+//! dispatch however small the tensor): on the tiny T5 of t5-ft's demo that chain was about a
+//! tenth of the step (docs/benchmarks.md, #21). Here the forward is one pass and the backward one
+//! pass `g * f'(x)`, with exact derivatives (candle's GELU backward rounds its constants to six
+//! digits). On the CPU the pass runs on the calling thread below [`host::CHUNK`] elements and in
+//! chunks on rayon's threads above; f32, f16 and bf16 compute in f32, f64 in f64. On CUDA the
+//! candle ops run as before.
+
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::host;
+
+/// Which activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// transformers' `gelu_new`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    GeluTanh,
+    /// The exact GELU: 0.5 x (1 + erf(x / sqrt(2))).
+    GeluErf,
+    /// x sigmoid(x).
+    Silu,
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+/// A float type the passes compute in (f32 or f64).
+trait Real: Copy + Send + Sync {
+    fn f(x: f64) -> Self;
+    fn tanh(self) -> Self;
+    fn exp(self) -> Self;
+    fn erf(self) -> Self;
+    fn add(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+    fn div(self, o: Self) -> Self;
+}
+
+macro_rules! real {
+    ($t:ty, $erf:path) => {
+        impl Real for $t {
+            fn f(x: f64) -> Self {
+                x as $t
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn erf(self) -> Self {
+                $erf(self)
+            }
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            fn sub(self, o: Self) -> Self {
+                self - o
+            }
+            fn div(self, o: Self) -> Self {
+                self / o
+            }
+        }
+    };
+}
+real!(f32, candle_core::cpu::erf::erf_f32);
+real!(f64, candle_core::cpu::erf::erf_f64);
+
+impl Activation {
+    fn forward<R: Real>(self, x: R) -> R {
+        let (half, one) = (R::f(0.5), R::f(1.0));
+        match self {
+            Activation::GeluTanh => {
+                let inner = R::f(SQRT_2_OVER_PI)
+                    .mul(x)
+                    .mul(one.add(R::f(0.044715).mul(x).mul(x)));
+                half.mul(x).mul(one.add(inner.tanh()))
+            }
+            Activation::GeluErf => half
+                .mul(x)
+                .mul(one.add(x.mul(R::f(std::f64::consts::FRAC_1_SQRT_2)).erf())),
+            Activation::Silu => x.div(one.add(R::f(0.0).sub(x).exp())),
+        }
+    }
+
+    /// f'(x).
+    fn derivative<R: Real>(self, x: R) -> R {
+        let (half, one) = (R::f(0.5), R::f(1.0));
+        match self {
+            Activation::GeluTanh => {
+                let x2 = x.mul(x);
+                let t = R::f(SQRT_2_OVER_PI)
+                    .mul(x)
+                    .mul(one.add(R::f(0.044715).mul(x2)))
+                    .tanh();
+                let du = R::f(SQRT_2_OVER_PI).mul(one.add(R::f(3.0 * 0.044715).mul(x2)));
+                half.mul(one.add(t))
+                    .add(half.mul(x).mul(one.sub(t.mul(t))).mul(du))
+            }
+            Activation::GeluErf => {
+                let cdf = half.mul(one.add(x.mul(R::f(std::f64::consts::FRAC_1_SQRT_2)).erf()));
+                let pdf = R::f(FRAC_1_SQRT_2PI).mul(R::f(-0.5).mul(x).mul(x).exp());
+                cdf.add(x.mul(pdf))
+            }
+            Activation::Silu => {
+                let s = one.div(one.add(R::f(0.0).sub(x).exp()));
+                s.mul(one.add(x.mul(one.sub(s))))
+            }
+        }
+    }
+}
+
+/// Where the i-th element (row-major over the shape) of a tensor with `layout` sits in its
+/// storage: strided inputs (a `narrow` of GEGLU's projection) are read in place, not copied, so
+/// the graph keeps no extra tensor.
+struct Index<'a> {
+    start: usize,
+    contiguous: bool,
+    dims: &'a [usize],
+    strides: &'a [usize],
+}
+
+impl<'a> Index<'a> {
+    fn new(l: &'a Layout) -> Self {
+        Index {
+            start: l.start_offset(),
+            contiguous: l.is_contiguous(),
+            dims: l.dims(),
+            strides: l.stride(),
+        }
+    }
+
+    fn at(&self, i: usize) -> usize {
+        if self.contiguous {
+            return self.start + i;
+        }
+        let mut rem = i;
+        let mut off = self.start;
+        for (d, s) in self.dims.iter().zip(self.strides).rev() {
+            off += (rem % d) * s;
+            rem /= d;
+        }
+        off
+    }
+}
+
+/// `out[i] = f(i)` over `out`, on this thread when short, in chunks on rayon's when long.
+fn fill<T: Send>(out: &mut [T], f: impl Fn(usize) -> T + Sync) {
+    if out.len() <= host::CHUNK {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = f(i);
+        }
+    } else {
+        host::par_chunks(out, |at, c| {
+            for (j, o) in c.iter_mut().enumerate() {
+                *o = f(at + j);
+            }
+        });
+    }
+}
+
+struct Forward(Activation);
+
+impl CustomOp1 for Forward {
+    fn name(&self) -> &'static str {
+        "ft-activation"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, n, ix) = (self.0, l.shape().elem_count(), Index::new(l));
+        let out = match s {
+            CpuStorage::F32(x) => {
+                let mut o = vec![0f32; n];
+                fill(&mut o, |i| a.forward(x[ix.at(i)]));
+                CpuStorage::F32(o)
+            }
+            CpuStorage::F64(x) => {
+                let mut o = vec![0f64; n];
+                fill(&mut o, |i| a.forward(x[ix.at(i)]));
+                CpuStorage::F64(o)
+            }
+            CpuStorage::BF16(x) => {
+                let mut o = vec![bf16::ZERO; n];
+                fill(&mut o, |i| bf16::from_f32(a.forward(x[ix.at(i)].to_f32())));
+                CpuStorage::BF16(o)
+            }
+            CpuStorage::F16(x) => {
+                let mut o = vec![f16::ZERO; n];
+                fill(&mut o, |i| f16::from_f32(a.forward(x[ix.at(i)].to_f32())));
+                CpuStorage::F16(o)
+            }
+            _ => bail!(
+                "{:?}: a float tensor is required (f32, f64, f16, bf16)",
+                self.0
+            ),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            g.contiguous()?
+                .apply_op2_no_bwd(&arg.contiguous()?, &Backward(self.0))?,
+        ))
+    }
+}
+
+/// `g * f'(x)`.
+struct Backward(Activation);
+
+impl CustomOp2 for Backward {
+    fn name(&self) -> &'static str {
+        "ft-activation-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        xs: &CpuStorage,
+        xl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if gl.shape() != xl.shape() {
+            bail!(
+                "{:?} backward: gradient {:?} for input {:?}",
+                self.0,
+                gl.dims(),
+                xl.dims()
+            );
+        }
+        let (a, n) = (self.0, xl.shape().elem_count());
+        let (gi, xi) = (Index::new(gl), Index::new(xl));
+        let out = match (gs, xs) {
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => {
+                let mut o = vec![0f32; n];
+                fill(&mut o, |i| g[gi.at(i)] * a.derivative(x[xi.at(i)]));
+                CpuStorage::F32(o)
+            }
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => {
+                let mut o = vec![0f64; n];
+                fill(&mut o, |i| g[gi.at(i)] * a.derivative(x[xi.at(i)]));
+                CpuStorage::F64(o)
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                let mut o = vec![bf16::ZERO; n];
+                fill(&mut o, |i| {
+                    bf16::from_f32(g[gi.at(i)].to_f32() * a.derivative(x[xi.at(i)].to_f32()))
+                });
+                CpuStorage::BF16(o)
+            }
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                let mut o = vec![f16::ZERO; n];
+                fill(&mut o, |i| {
+                    f16::from_f32(g[gi.at(i)].to_f32() * a.derivative(x[xi.at(i)].to_f32()))
+                });
+                CpuStorage::F16(o)
+            }
+            _ => bail!(
+                "{:?} backward: the gradient and input differ in dtype",
+                self.0
+            ),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+/// `act` of `x` with its backward: this crate's passes on the CPU, candle's ops elsewhere.
+pub fn activate(x: &Tensor, act: Activation) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return match act {
+            Activation::GeluTanh => x.gelu(),
+            Activation::GeluErf => x.gelu_erf(),
+            Activation::Silu => x.silu(),
+        };
+    }
+    x.apply_op1(Forward(act))
+}
+
+/// transformers' `gelu_new` (T5's gated-gelu).
+pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    activate(x, Activation::GeluTanh)
+}
+
+/// The exact GELU (diffusers' GEGLU, the FSCT's MLP, OpenCLIP's `gelu`).
+pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    activate(x, Activation::GeluErf)
+}
+
+/// SiLU (the UNet's and VAE's nonlinearity).
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    activate(x, Activation::Silu)
+}
