@@ -7,11 +7,13 @@ use ft_trainer::ledger::{Category, Ledger};
 #[global_allocator]
 static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
-/// Tests that read the process-wide counters run one at a time.
+/// Tests that read the process-wide counters run one at a time, and so do the others that
+/// allocate (a tensor freed on another thread between two marks lowers the delta read).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn told_bytes_are_exact_per_category() -> anyhow::Result<()> {
+    let _g = SERIAL.lock();
     let dev = Device::Cpu;
     let mut l = Ledger::new(&dev);
     let w = Tensor::zeros((3, 5), DType::BF16, &dev)?;
