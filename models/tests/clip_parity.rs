@@ -21,13 +21,8 @@ fn check(name: &str, with_projection: bool) -> anyhow::Result<()> {
     let files = Arc::new(SafetensorsFiles::open(&[dir.join("model.safetensors")])?);
     let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0).with_source(files);
     let model = ClipTextModel::new(&pb, &cfg, with_projection)?;
-    let outputs = candle_core::safetensors::load(dir.join("outputs.safetensors"), &dev)?;
-    let get = |k: &str| {
-        outputs
-            .get(k)
-            .cloned()
-            .ok_or_else(|| anyhow::anyhow!("fixture lacks {k}"))
-    };
+    let outputs = common::Fixture::load(&dir.join("outputs.safetensors"))?;
+    let get = |k: &str| outputs.get(k);
     let ids = get("input_ids")?.to_dtype(DType::U32)?;
     let out = model.forward(&ids)?;
     assert_eq!(out.hidden_states.len(), cfg.num_hidden_layers + 1);
@@ -45,11 +40,7 @@ fn check(name: &str, with_projection: bool) -> anyhow::Result<()> {
     let penultimate = &out.hidden_states[out.hidden_states.len() - 2];
     let loss = ((&out.pooled * get("w1")?)?.sum_all()? + (penultimate * get("w2")?)?.sum_all()?)?;
     let grads = loss.backward()?;
-    let ours: Vec<(String, Option<Tensor>)> = store
-        .trainable()?
-        .into_iter()
-        .map(|(n, v)| (n, grads.get(v.as_tensor()).cloned()))
-        .collect();
+    let ours = common::store_gradients(&store, &grads)?;
     common::compare_gradients(&dir.join("grads.safetensors"), &ours, 1e-4, name)?;
     Ok(())
 }
@@ -73,13 +64,8 @@ fn clip_vision_tower_and_its_preprocessing_match_transformers_and_torch() -> any
     let files = Arc::new(SafetensorsFiles::open(&[dir.join("model.safetensors")])?);
     let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0).with_source(files);
     let model = ClipVisionModel::new(&pb, &cfg)?;
-    let outputs = candle_core::safetensors::load(dir.join("outputs.safetensors"), &dev)?;
-    let get = |k: &str| {
-        outputs
-            .get(k)
-            .cloned()
-            .ok_or_else(|| anyhow::anyhow!("fixture lacks {k}"))
-    };
+    let outputs = common::Fixture::load(&dir.join("outputs.safetensors"))?;
+    let get = |k: &str| outputs.get(k);
     // A wider-than-tall pair shrunk (antialiased) and a small image enlarged, as torch does.
     let norm = ClipImageNorm::default();
     let pixels = Tensor::cat(
@@ -101,11 +87,7 @@ fn clip_vision_tower_and_its_preprocessing_match_transformers_and_torch() -> any
     let loss = ((&out.image_embeds * get("w1")?)?.sum_all()?
         + (&out.last_hidden_state * get("w2")?)?.sum_all()?)?;
     let grads = loss.backward()?;
-    let ours: Vec<(String, Option<Tensor>)> = store
-        .trainable()?
-        .into_iter()
-        .map(|(n, v)| (n, grads.get(v.as_tensor()).cloned()))
-        .collect();
+    let ours = common::store_gradients(&store, &grads)?;
     common::compare_gradients(&dir.join("grads.safetensors"), &ours, 1e-4, "vision")?;
     Ok(())
 }

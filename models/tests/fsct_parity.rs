@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
 use ft_params::checkpoint::Checkpointer;
 use ft_params::weights::SafetensorsFiles;
@@ -41,11 +41,7 @@ fn check(variant: &str, method: Method) -> anyhow::Result<()> {
     let e = common::rel(&loss, &want)?;
     assert!(e < 1e-4, "{variant}: loss differs by {e} relative");
     let grads = loss.backward()?;
-    let ours: Vec<(String, Option<Tensor>)> = store
-        .trainable()?
-        .into_iter()
-        .map(|(n, v)| (n, grads.get(v.as_tensor()).cloned()))
-        .collect();
+    let ours = common::store_gradients(&store, &grads)?;
     common::compare_gradients(&dir.join("grads.safetensors"), &ours, 1e-4, variant)?;
     Ok(())
 }

@@ -71,3 +71,32 @@ pub fn compare_gradients(
     );
     Ok(())
 }
+
+/// The tensors of a fixture file, each fetched by name with an error naming a missing one.
+pub struct Fixture(std::collections::HashMap<String, Tensor>);
+
+impl Fixture {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        Ok(Fixture(candle_core::safetensors::load(path, &Device::Cpu)?))
+    }
+
+    pub fn get(&self, k: &str) -> anyhow::Result<Tensor> {
+        self.0
+            .get(k)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("fixture lacks {k}"))
+    }
+}
+
+/// The gradient `grads` holds for each trainable parameter of `store`, by name (what
+/// [`compare_gradients`] takes).
+pub fn store_gradients(
+    store: &ft_params::ParamStore,
+    grads: &candle_core::backprop::GradStore,
+) -> anyhow::Result<Vec<(String, Option<Tensor>)>> {
+    Ok(store
+        .trainable()?
+        .into_iter()
+        .map(|(n, v)| (n, grads.get(v.as_tensor()).cloned()))
+        .collect())
+}
