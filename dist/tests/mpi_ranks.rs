@@ -58,6 +58,10 @@ fn rank_body() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("rank {r}: a disagreement passed"))?
         .to_string();
     assert!(e.contains("rank 1 differs from rank 0"), "{e}");
+    // Each rank that got here says so with a file of its own (their stdout lines interleave).
+    if let Ok(dir) = std::env::var("FT_MPI_RANKS_DIR") {
+        std::fs::write(std::path::Path::new(&dir).join(format!("rank-{r}")), b"ok")?;
+    }
     Ok(())
 }
 
@@ -69,7 +73,11 @@ fn collectives_over_mpi_on_2_and_3_ranks() -> anyhow::Result<()> {
             eprintln!("skipped: no mpirun on PATH");
             return Ok(());
         };
+        let dir = std::env::temp_dir().join(format!("ft-mpi-ranks-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
         let out = cmd
+            .env("FT_MPI_RANKS_DIR", &dir)
             .arg(&exe)
             .args([
                 "--ignored",
@@ -86,9 +94,14 @@ fn collectives_over_mpi_on_2_and_3_ranks() -> anyhow::Result<()> {
             "mpirun -np {n} failed ({}):\n{stdout}\n{stderr}",
             out.status
         );
-        // One summary line a rank (their other lines interleave).
-        let passed = stdout.matches("test result: ok. 1 passed").count();
-        assert_eq!(passed, n, "{stdout}\n{stderr}");
+        // Every rank ran the whole body (its file written after the last check).
+        for r in 0..n {
+            assert!(
+                dir.join(format!("rank-{r}")).is_file(),
+                "rank {r} of {n} did not finish:\n{stdout}\n{stderr}"
+            );
+        }
+        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }
