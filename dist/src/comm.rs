@@ -105,6 +105,21 @@ impl Comm {
         }
     }
 
+    /// `buf` summed element by element over the ranks, into rank `root`'s `buf` alone (the other
+    /// ranks' are left as they were): ZeRO-2's gradient sum, each shard to the rank that steps it.
+    pub fn reduce_sum<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root("reduce_sum", root)?;
+        match &self.inner {
+            // One rank: it is the root, and `buf` is the sum already.
+            Inner::Solo => {
+                let _ = buf;
+                Ok(())
+            }
+            #[cfg(feature = "mpi")]
+            Inner::Mpi(m) => m.reduce_sum(buf, root, self.rank()),
+        }
+    }
+
     /// `send` (the world's chunks, one per rank, in rank order) summed over the ranks, each rank
     /// receiving its own chunk's sum in `recv`: ZeRO's gradient reduction.
     pub fn reduce_scatter_sum<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
@@ -134,12 +149,7 @@ impl Comm {
 
     /// Rank `root`'s `buf` in every rank's.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        if root >= self.world() {
-            return Err(DistError::Shape(format!(
-                "broadcast from rank {root} in a world of {}",
-                self.world()
-            )));
-        }
+        self.check_root("broadcast", root)?;
         match &self.inner {
             // One rank: it is the root.
             Inner::Solo => {
@@ -193,6 +203,16 @@ impl Comm {
         )))
     }
 
+    fn check_root(&self, op: &str, root: usize) -> Result<()> {
+        if root >= self.world() {
+            return Err(DistError::Shape(format!(
+                "{op} to or from rank {root} in a world of {}",
+                self.world()
+            )));
+        }
+        Ok(())
+    }
+
     fn check(&self, op: &str, have: usize, want: usize) -> Result<()> {
         if have != want {
             return Err(DistError::Shape(format!(
@@ -229,6 +249,9 @@ mod tests {
         assert_eq!(r, [5, 6]);
         c.broadcast(&mut r, 0)?;
         assert!(c.broadcast(&mut r, 1).is_err());
+        c.reduce_sum(&mut r, 0)?;
+        assert_eq!(r, [5, 6]);
+        assert!(c.reduce_sum(&mut r, 1).is_err());
         let e = c.reduce_scatter_sum(&[1u8, 2, 3], &mut [0u8; 2]);
         assert!(e.is_err_and(|e| e.to_string().contains("3 elements")));
         c.barrier();

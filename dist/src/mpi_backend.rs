@@ -45,6 +45,17 @@ impl Mpi {
         Ok(())
     }
 
+    pub fn reduce_sum<T: Element>(&self, buf: &mut [T], root: usize, me: usize) -> Result<()> {
+        let at = self.world.process_at_rank(root as i32);
+        if me == root {
+            let send = buf.to_vec();
+            at.reduce_into_root(&send[..], buf, SystemOperation::sum());
+        } else {
+            at.reduce_into(&buf[..], SystemOperation::sum());
+        }
+        Ok(())
+    }
+
     pub fn reduce_scatter_sum<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.world
             .reduce_scatter_block_into(send, recv, SystemOperation::sum());

@@ -40,6 +40,16 @@ fn rank_body() -> anyhow::Result<()> {
         [((2 * r + 1) * tri(w)) as f32, ((2 * r + 2) * tri(w)) as f32]
     );
 
+    // Summed into the last rank's buffer alone.
+    let mut z = [r as f32 + 1.0, 2.0];
+    c.reduce_sum(&mut z, w - 1)?;
+    let want = if r == w - 1 {
+        [tri(w) as f32, 2.0 * w as f32]
+    } else {
+        [r as f32 + 1.0, 2.0]
+    };
+    assert_eq!(z, want);
+
     let mut all = vec![0u64; 2 * w];
     c.all_gather(&[10 * r as u64, 10 * r as u64 + 1], &mut all)?;
     let want: Vec<u64> = (0..w as u64).flat_map(|q| [10 * q, 10 * q + 1]).collect();

@@ -372,3 +372,50 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
     }
     Ok(())
 }
+
+/// ZeRO's plan of one rank: the optimizer state of the rank that owns the most of it, and under
+/// stage 2 the fp32 sums of its parameters' gradients alone; the rest stays whole.
+#[test]
+fn plan_per_rank_counts_the_largest_share() {
+    use ft_trainer::train::plan::state_plan;
+    let precision = Precision::for_dtype(DType::BF16);
+    // Largest first to the emptier rank: 10 and 4 to rank 0, 8 and 6 to rank 1 (14 each);
+    // as 3 ranks: 10, 8, 6 + 4 (the most: 10).
+    let shapes = [vec![4usize], vec![8], vec![2, 5], vec![6]];
+    let adamw = &ft_trainer::optim::adamw::SPEC;
+    let plan = |accum, placement| state_plan(&shapes, &precision, placement, adamw, accum, true);
+    let row = |p: &ft_trainer::train::plan::StatePlan, what: &str| {
+        p.rows
+            .iter()
+            .filter(|r| r.component.contains(what))
+            .map(|r| (r.bytes, r.on_host))
+            .collect::<Vec<_>>()
+    };
+    let whole = plan(4, StatePlacement::WithModel);
+    assert_eq!(whole.clone().per_rank(2, 0, &shapes, adamw, false), whole);
+    assert_eq!(whole.clone().per_rank(1, 2, &shapes, adamw, false), whole);
+    let z1 = whole.clone().per_rank(2, 1, &shapes, adamw, true);
+    assert_eq!(row(&z1, "AdamW moments"), [(8 * 14, false)]);
+    assert_eq!(row(&z1, "gradient sums"), [(4 * 28, false)]);
+    // Masters kept whole (an EMA reads them), else each rank's share.
+    assert_eq!(row(&z1, "master weights"), [(4 * 28, false)]);
+    assert_eq!(
+        row(
+            &whole.clone().per_rank(2, 1, &shapes, adamw, false),
+            "master weights"
+        ),
+        [(4 * 14, false)]
+    );
+    let z2 = whole.clone().per_rank(3, 2, &shapes, adamw, false);
+    assert_eq!(row(&z2, "AdamW moments"), [(8 * 10, false)]);
+    assert_eq!(row(&z2, "gradient sums"), [(4 * 10, false)]);
+    assert_eq!(row(&z2, "master weights"), [(4 * 10, false)]);
+    // One micro-batch a step, offloaded: its bf16 gradients, then this rank's fp32 sums on
+    // the host beside its state.
+    let off = plan(1, StatePlacement::Host).per_rank(2, 2, &shapes, adamw, false);
+    assert_eq!(row(&off, "gradient sums"), [(4 * 14, true)]);
+    assert_eq!(row(&off, "AdamW moments"), [(8 * 14, true)]);
+    assert_eq!(row(&off, "master weights"), [(4 * 14, true)]);
+    assert_eq!(row(&off, "one micro-batch's gradients"), [(2 * 28, false)]);
+    assert!(off.table().contains("ZeRO-2, 2 ranks"));
+}

@@ -31,6 +31,9 @@ pub type Setup = ft_trainer::train::Session<SdxlTask>;
 fn resolved(args: &Args) -> Result<Args> {
     let mut args = args.clone();
     args.validate()?;
+    // Rank 0's EMA averages every fp32 master: under --zero rank 0 keeps them all (its
+    // optimizer state and gradient sums are still its share).
+    args.common.masters_on_main = args.ema;
     let out = args.common.create_output_dir()?;
     if args.common.demo {
         // Rank 0 writes the demo; the other ranks of a data-parallel run read it.
@@ -337,7 +340,8 @@ fn cache_settings(
 /// With `--ema`, the average of the optimizer's weights (its fp32 masters where it has them) on
 /// the host or the device, restored from the checkpoint being resumed.
 fn ema(args: &Args, optimizer: &MixedOptimizer, device: &Device) -> Result<Option<Ema>> {
-    if !args.ema {
+    // Rank 0 alone evaluates with the average and saves it: the other ranks keep none.
+    if !args.ema || !ranks::is_main()? {
         return Ok(None);
     }
     let ema_device = if args.ema_device == "cpu" {

@@ -15,9 +15,9 @@ use ft_trainer::train::ranks::train_as_ranks;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sdxl-ft");
 
-/// The demo for 3 steps as `np` ranks of `--accum accum` in `out`: the step losses, `None`
-/// without mpirun.
-fn train(np: usize, accum: &str, out: &Path) -> Result<Option<Vec<f64>>> {
+/// The demo for 3 steps as `np` ranks of `--accum accum` with `extra` flags in `out`: the step
+/// losses, `None` without mpirun.
+fn train(np: usize, accum: &str, extra: &[&str], out: &Path) -> Result<Option<Vec<f64>>> {
     let args = [
         "--demo",
         "--max-steps",
@@ -29,28 +29,43 @@ fn train(np: usize, accum: &str, out: &Path) -> Result<Option<Vec<f64>>> {
         "--eval-images",
         "4",
     ];
+    let args = [&args[..], extra].concat();
     Ok(train_as_ranks(np, BIN, &args, out)?)
 }
 
 #[test]
 fn ranks_train_the_unet_one_process_trains_on_the_combined_batch() -> Result<()> {
     let dir = common::tmp("ranks");
-    for (np, whole) in [(2, "2"), (3, "3")] {
+    // Then 2 ranks under ZeRO-2: each rank updates half of the UNet's tensors and rank 0's
+    // EMA averages the weights the ranks sent; in bf16, each rank keeps the fp32 masters of
+    // its half, rank 0 all of them for its EMA.
+    let mut one_process = std::collections::HashMap::new();
+    for (np, whole, zero, precision) in [
+        (2, "2", "0", "f32"),
+        (3, "3", "0", "f32"),
+        (2, "2", "2", "f32"),
+        (2, "2", "2", "bf16"),
+    ] {
         let (one, many) = (
-            dir.join(format!("one-{whole}")),
-            dir.join(format!("ranks-{np}")),
+            dir.join(format!("one-{whole}-{precision}")),
+            dir.join(format!("ranks-{np}-zero-{zero}-{precision}")),
         );
-        let Some(expected) = train(1, whole, &one)? else {
-            unreachable!("one process needs no mpirun")
-        };
-        let Some(got) = train(np, "1", &many)? else {
+        if !one_process.contains_key(&(whole, precision)) {
+            let Some(losses) = train(1, whole, &["--precision", precision], &one)? else {
+                unreachable!("one process needs no mpirun")
+            };
+            one_process.insert((whole, precision), losses);
+        }
+        let expected = &one_process[&(whole, precision)];
+        let extra = ["--zero", zero, "--precision", precision];
+        let Some(got) = train(np, "1", &extra, &many)? else {
             return Ok(());
         };
         assert_eq!(got.len(), 3);
-        for (a, b) in got.iter().zip(&expected) {
+        for (a, b) in got.iter().zip(expected) {
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs(),
-                "{np} ranks: {got:?} vs {expected:?}"
+                "{np} ranks, ZeRO-{zero}, {precision}: {got:?} vs {expected:?}"
             );
         }
         for unet in ["unet", "unet_ema"] {
@@ -62,7 +77,7 @@ fn ranks_train_the_unet_one_process_trains_on_the_combined_batch() -> Result<()>
             let (diff, name) = file(&many)?.max_difference(&file(&one)?, |_| true)?;
             assert!(
                 diff <= 1e-5,
-                "{np} ranks, {unet}: `{name}` differs by {diff}"
+                "{np} ranks, ZeRO-{zero}, {precision}, {unet}: `{name}` differs by {diff}"
             );
         }
     }

@@ -342,6 +342,33 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     // (38.26 + 9.56 GiB) on the host.
     assert!((gib(plan.state_device_bytes()) - 9.56).abs() < 0.01);
     assert!((gib(plan.host_bytes()) - 47.82).abs() < 0.01);
+    // Seed 001's five GPUs under ZeRO-2 (`--plan --plan-ranks 5 --zero 2`): rank 0 keeps a
+    // fifth of the moments and gradient sums, and every master for its EMA; the GPU holds
+    // what it held.
+    let mut z2 = a.clone();
+    z2.common.plan_ranks = Some(5);
+    z2.common.zero = 2;
+    let z2 = sdxl_ft::run::plan(&z2)?;
+    eprintln!("{}", z2.table());
+    assert!((gib(z2.state_device_bytes()) - 9.56).abs() < 0.01);
+    let share = |what: &str| {
+        z2.rows
+            .iter()
+            .find(|r| r.component.contains(what))
+            .map_or(0.0, |r| gib(r.bytes))
+    };
+    assert!(
+        (share("AdamW moments") - 19.13 / 5.0).abs() < 0.02,
+        "{}",
+        z2.table()
+    );
+    assert!((share("gradient sums") - 9.56 / 5.0).abs() < 0.01);
+    assert!((share("master weights") - 9.56).abs() < 0.01);
+    assert!(
+        (gib(z2.host_bytes()) - 24.87).abs() < 0.02,
+        "{}",
+        z2.table()
+    );
     // 8-bit moments beside the model (the CUDA kernel's layout): 14.3 GiB less than 32-bit
     // AdamW's 47.8 on the GPU, the EMA still on the host.
     let mut q8 = a.clone();

@@ -46,15 +46,21 @@ pub(crate) fn kernel_seed(p: &Var, sr: Option<u64>, t: u64, i: usize) -> u64 {
 /// Only parameters that got a gradient were updated, and only they are written.
 pub(crate) fn write_back(params: &[Var], model: &[Var], grads: &[Option<Tensor>]) -> Result<()> {
     for ((m, p), g) in model.iter().zip(params).zip(grads) {
-        if g.is_none() {
-            continue;
+        if g.is_some() {
+            write_master(p, m)?;
         }
-        let w = match ft_kernels::host::narrowed(p, m.dtype()) {
-            Some(w) => w?,
-            None => p.as_tensor().to_dtype(m.dtype())?,
-        };
-        m.set(&w.to_device(m.device())?)?;
     }
+    Ok(())
+}
+
+/// Writes the master `p` (fp32 values) into the model weight `m` it shadows (see
+/// [`write_back`]).
+pub(crate) fn write_master(p: &Tensor, m: &Var) -> Result<()> {
+    let w = match ft_kernels::host::narrowed(p, m.dtype()) {
+        Some(w) => w?,
+        None => p.to_dtype(m.dtype())?,
+    };
+    m.set(&w.to_device(m.device())?)?;
     Ok(())
 }
 

@@ -128,6 +128,19 @@ pub struct CommonArgs {
     /// --gradient-checkpointing); works with --accum; clipping is per tensor.
     #[arg(long)]
     pub fused_backward: bool,
+    /// ZeRO over the ranks of a data-parallel run (DeepSpeed's zero_optimization.stage): 0
+    /// off; 1 partitions the optimizer state (each rank keeps and updates its share of the
+    /// parameters, then sends the updated weights to the others); 2 also the summed gradients
+    /// (each parameter's reaches only the rank that updates it). The fp32 master weights stay
+    /// whole on every rank. Checkpoints hold the whole state and resume at any number of
+    /// ranks. Same updates as without.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Under --zero, rank 0 keeps every fp32 master weight, not only its share: set by a
+    /// binary whose task reads them all after each step there (sdxl-ft's EMA), not a flag.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub masters_on_main: bool,
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -135,6 +148,11 @@ pub struct CommonArgs {
     /// shapes; no weights loaded) and exit without training.
     #[arg(long)]
     pub plan: bool,
+    /// With --plan: plan one rank of this many data-parallel ranks (what each GPU and its
+    /// host process needs under --zero), without launching them; by default the ranks this
+    /// process was launched among.
+    #[arg(long)]
+    pub plan_ranks: Option<usize>,
     /// Fit the run in this much memory on the training device (e.g. 24GiB, 300MiB): before
     /// training, choose the checkpointing, the optimizer state's form and place, the fused
     /// backward and the micro-batch (keeping batch size x accumulation) that the plan predicts
@@ -175,6 +193,22 @@ impl CommonArgs {
             return bad(
                 "--full-bf16 keeps no fp32 master weights, and --offload-optimizer keeps them on \
                  the host: use one of the two",
+            );
+        }
+        if self.zero > 2 {
+            return bad("--zero must be 0 (off), 1 (optimizer state) or 2 (and gradients)");
+        }
+        if self.plan_ranks.is_some() && !self.plan {
+            return bad("--plan-ranks plans a data-parallel run: it goes with --plan");
+        }
+        if self.plan_ranks == Some(0) {
+            return bad("--plan-ranks must be at least 1");
+        }
+        if self.zero > 0 && self.fused_backward {
+            return bad(
+                "--zero with --fused-backward: the fused backward updates each segment as its \
+                 backward ends, before the ranks' gradients could be summed and sent to their \
+                 owners; use one of the two",
             );
         }
         self.schedule.parse::<ScheduleKind>()?;
@@ -355,6 +389,9 @@ impl CommonArgs {
             let seed = ft_params::rng::SplitMix64::new(self.seed ^ 0x5EED_0B16).next_u64();
             opt.optimizer_mut().set_stochastic_rounding(Some(seed));
         }
+        if self.zero > 0 {
+            opt.shard(self.zero, super::ranks::world()?, self.masters_on_main)?;
+        }
         Ok(opt)
     }
 
@@ -368,13 +405,25 @@ impl CommonArgs {
         segments: &[Vec<candle_core::Tensor>],
         precision: Precision,
     ) -> Result<StatePlan> {
+        let shapes = store.shapes(true);
+        let world = match self.plan_ranks {
+            Some(n) => n,
+            None => super::ranks::world()?.world(),
+        };
         let plan = state_plan(
-            &store.shapes(true),
+            &shapes,
             &precision,
             StatePlacement::offload(self.offload_optimizer),
             self.optim_spec()?,
             self.accum,
             self.device != "cpu",
+        )
+        .per_rank(
+            world,
+            self.zero,
+            &shapes,
+            self.optim_spec()?,
+            self.masters_on_main,
         );
         Ok(if self.fused_backward {
             plan.under_fused_backward(store.segments(segments))

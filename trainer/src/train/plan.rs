@@ -41,6 +41,11 @@ pub struct StatePlan {
     grad_size: u64,
     /// What the activation rows count, once added.
     activations: Option<Held>,
+    /// The rows of the optimizer state and of the fp32 gradient sums (with accumulation):
+    /// what ZeRO partitions ([`StatePlan::per_rank`]).
+    state_row: usize,
+    sums_row: Option<usize>,
+    masters_row: Option<usize>,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -73,9 +78,11 @@ pub fn state_plan(
         (format!("one micro-batch's gradients ({dt})"), w * n, false),
     ];
     let mut grad_rows = vec![1];
+    let mut sums_row = None;
     // One micro-batch a step: its gradients are what the optimizer reads (`GradAccumulator`
     // widens only from the second), moved to the host in their dtype when the state is there.
     if accum > 1 {
+        sums_row = Some(rows.len());
         rows.push((
             "gradient sums (fp32, accumulated across micro-batches)".into(),
             4 * n,
@@ -89,10 +96,13 @@ pub fn state_plan(
             true,
         ));
     }
+    let mut masters_row = None;
     if host || (precision.master_weights && precision.storage != DType::F32) {
+        masters_row = Some(rows.len());
         rows.push(("fp32 master weights".into(), 4 * n, host));
     }
     let moments = shapes.iter().map(|s| (optim.state_bytes)(s)).sum();
+    let state_row = rows.len();
     rows.push((optim.state_label.into(), moments, host));
     StatePlan {
         params: n,
@@ -109,6 +119,9 @@ pub fn state_plan(
         grad_rows,
         grad_size: w,
         activations: None,
+        state_row,
+        sums_row,
+        masters_row,
     }
 }
 
@@ -129,6 +142,81 @@ impl StatePlan {
                 fmt(self.grad_size * outside),
                 fmt(self.grad_size * s.largest)
             );
+        }
+        self
+    }
+
+    /// The plan of one rank of `world` under ZeRO `stage` (0: none, the plan unchanged), for
+    /// the trainable tensors of `shapes` trained with `optim`: the optimizer state and fp32
+    /// masters of the rank that owns the most (parameters assigned as
+    /// [`crate::update::zero::partition`] assigns them; every master with `masters_on_main`,
+    /// rank 0 keeping them all), and under stage 2 the fp32 gradient sums of its parameters
+    /// alone (with one micro-batch a step they come on top of that micro-batch's gradients,
+    /// which the reduce turns into them).
+    pub fn per_rank(
+        mut self,
+        world: usize,
+        stage: u8,
+        shapes: &[Vec<usize>],
+        optim: &OptimSpec,
+        masters_on_main: bool,
+    ) -> Self {
+        if stage == 0 || world < 2 {
+            return self;
+        }
+        let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+        let owner = crate::update::zero::partition(&sizes, world);
+        let most = |bytes: &dyn Fn(usize) -> u64| {
+            (0..world)
+                .map(|r| {
+                    (0..sizes.len())
+                        .filter(|&i| owner[i] == r)
+                        .map(bytes)
+                        .sum::<u64>()
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        let state = most(&|i| (optim.state_bytes)(&shapes[i]));
+        let r = &mut self.rows[self.state_row];
+        r.bytes = state;
+        r.component = format!(
+            "{}: this rank's share (ZeRO-{stage}, {world} ranks)",
+            r.component
+        );
+        let fp32_share = most(&|i| 4 * sizes[i] as u64);
+        if let Some(i) = self.masters_row {
+            let r = &mut self.rows[i];
+            if masters_on_main {
+                r.component = format!(
+                    "{}: all of them on rank 0, which reads them (the other ranks: {} each)",
+                    r.component,
+                    fmt(fp32_share)
+                );
+            } else {
+                r.bytes = fp32_share;
+                r.component = format!("{}: this rank's share ({world} ranks)", r.component);
+            }
+        }
+        if stage == 2 {
+            let sums = fp32_share;
+            let label =
+                format!("gradient sums of this rank's parameters (fp32, ZeRO-2, {world} ranks)");
+            match self.sums_row {
+                Some(i) => {
+                    self.rows[i].bytes = sums;
+                    self.rows[i].component = label;
+                }
+                None => {
+                    let on_host = self.rows[self.state_row].on_host;
+                    self.rows.push(PlanRow {
+                        component: label,
+                        bytes: sums,
+                        on_host,
+                        activation: false,
+                    });
+                }
+            }
         }
         self
     }

@@ -16,7 +16,7 @@ use ft_params::checkpoint::Checkpointer;
 use super::eval::Best;
 use super::metrics::{progress_bar, Metrics};
 use super::ranks;
-use super::saved::{load_checkpoint_state, save_checkpoint};
+use super::saved::load_checkpoint_state;
 use super::settings::{LoopConfig, RunSummary};
 use super::step::Loop;
 use super::task::Task;
@@ -195,7 +195,8 @@ pub fn run<T: Task>(
         if (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) || last {
             // Rank 0 evaluates (and keeps the best checkpoint); it tells the others whether to
             // stop early.
-            let mut stop = [0u8];
+            // [stop early, a new best to save]
+            let mut stop = [0u8; 2];
             if main {
                 l.ledger.mark("eval/before", step)?;
                 let m = l.task.evaluate(step, l.ledger).map_err(Error::Task)?;
@@ -205,9 +206,8 @@ pub fn run<T: Task>(
                     bar.say(&format!("step {step}: {}", eval_text(&m)));
                 }
                 if let Some(v) = best.improved(&m) {
-                    let dir = cfg.output_dir.join("best");
-                    save_checkpoint(l.task, l.opt, &l.progress(&best), &dir)?;
-                    summary.best = Some((v, dir));
+                    summary.best = Some((v, cfg.output_dir.join("best")));
+                    stop[1] = 1;
                 }
                 summary.last_eval = m;
                 if best.should_stop() && !last {
@@ -219,6 +219,9 @@ pub fn run<T: Task>(
                 }
             }
             comm.broadcast(&mut stop, 0)?;
+            if stop[1] == 1 {
+                l.save_as(&best, "best")?;
+            }
             if stop[0] == 1 {
                 summary.final_dir = Some(l.save(&best)?);
                 summary.stopped_early = true;

@@ -8,7 +8,7 @@ use std::path::Path;
 use super::eval::BestState;
 use super::task::Task;
 use crate::error::{Error, Result};
-use crate::update::MixedOptimizer;
+use crate::update::{MixedOptimizer, OptimizerState};
 
 /// Where a run is: what a checkpoint records besides the model and the optimizer.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,6 +46,18 @@ pub fn save_checkpoint<T: Task>(
     at: &Progress,
     dir: &Path,
 ) -> Result<()> {
+    save_with_state(task, opt, opt.state(), at, dir)
+}
+
+/// [`save_checkpoint`] with the optimizer's `state` given (gathered from the ranks under ZeRO:
+/// [`MixedOptimizer::gathered_state`]).
+pub(super) fn save_with_state<T: Task>(
+    task: &T,
+    opt: &MixedOptimizer,
+    state: OptimizerState,
+    at: &Progress,
+    dir: &Path,
+) -> Result<()> {
     if let Some(name) = opt.non_finite_weight()? {
         return Err(Error::Diverged(format!(
             "refusing to save {}: weight `{name}` holds inf or NaN (the last good checkpoint is \
@@ -54,7 +66,7 @@ pub fn save_checkpoint<T: Task>(
         )));
     }
     let tmp = dir.with_extension("tmp");
-    let written = write_into(task, opt, at, &tmp).and_then(|_| replace(&tmp, dir));
+    let written = write_into(task, state, at, &tmp).and_then(|_| replace(&tmp, dir));
     written.map_err(|e| {
         let _ = std::fs::remove_dir_all(&tmp);
         Error::Invalid(format!(
@@ -67,13 +79,13 @@ pub fn save_checkpoint<T: Task>(
 }
 
 /// Everything of a checkpoint, into the folder `tmp`.
-fn write_into<T: Task>(task: &T, opt: &MixedOptimizer, at: &Progress, tmp: &Path) -> Result<()> {
+fn write_into<T: Task>(task: &T, state: OptimizerState, at: &Progress, tmp: &Path) -> Result<()> {
     if tmp.exists() {
         std::fs::remove_dir_all(tmp).map_err(|e| Error::io(tmp, e))?;
     }
     std::fs::create_dir_all(tmp).map_err(|e| Error::io(tmp, e))?;
     task.save_model(tmp).map_err(Error::Task)?;
-    let (opt_step, loss_scale, tensors) = opt.state();
+    let (opt_step, loss_scale, tensors) = state;
     ft_params::fs::save_safetensors(&tensors, &tmp.join("optimizer.safetensors"))?;
     let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
     let state = serde_json::json!({

@@ -6,18 +6,18 @@
 
 use std::rc::Rc;
 
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
 use ft_dist::Comm;
 use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::Checkpointer;
 
 use super::eval::Best;
-use super::saved::{save_checkpoint, Progress, Split};
+use super::saved::{save_with_state, Progress, Split};
 use super::settings::LoopConfig;
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
 use crate::ledger::{measure, Category, Ledger};
-use crate::update::{all_reduce_gradients, GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
+use crate::update::{GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
 /// The seed of one micro-batch's dropout masks: a function of (run seed, step, micro) only.
 fn mix(seed: u64, step: u64, micro: usize) -> u64 {
     let mut r = ft_params::rng::SplitMix64::new(
@@ -41,6 +41,7 @@ pub(super) struct StepReport {
 }
 
 /// What one rank's forward and backward passes of a step gave.
+#[derive(Default)]
 struct Local {
     loss_sum: f64,
     bad_loss: bool,
@@ -297,15 +298,7 @@ impl<T: Task> Loop<'_, T> {
                 drop(self.acc.take());
                 return Err(match local {
                     Err(e) => e,
-                    Ok(_) => Error::OutOfMemory {
-                        phase: "forward or backward".into(),
-                        step: step + 1,
-                        detail: format!(
-                            "{} of the {} ranks ran out of memory",
-                            shared[0],
-                            self.comm.world()
-                        ),
-                    },
+                    Ok(_) => self.others_out_of_memory(shared[0] as u64),
                 });
             }
             if let Ok(l) = &mut local {
@@ -332,7 +325,7 @@ impl<T: Task> Loop<'_, T> {
                 // A rank without micro-batches (a short last step of an epoch) adds zeros.
                 grads = vec![None; self.params.len()];
             }
-            let grads = all_reduce_gradients(&self.comm, grads, &self.params, &device)?;
+            let grads = self.opt.reduce_gradients(&self.comm, grads, &device)?;
             self.updating = true;
             self.opt.step(grads, lr)?
         };
@@ -365,53 +358,19 @@ impl<T: Task> Loop<'_, T> {
         norm: LossNorm,
         lr: f64,
     ) -> Result<Local> {
+        if self.opt.reduces_each_micro_batch() {
+            return self.forward_backward_sharded(pieces, norm);
+        }
         let step = self.step;
         let fused = self.cfg.mode.fused_backward();
-        let mut out = Local {
-            loss_sum: 0.0,
-            bad_loss: false,
-            updated_in_backward: 0,
-            non_finite_grads: false,
-        };
+        let mut out = Local::default();
         for (i, piece) in pieces.iter().enumerate() {
-            let ctx = StepCtx {
-                step,
-                micro: piece.micro,
-                dropout_seed: mix(self.cfg.seed, step, piece.micro),
-                first_sample: piece.first,
-                checkpointer: self.checkpointer,
-            };
-            self.checkpointer.begin_forward();
-            let summed = self
-                .task
-                .summed_loss(piece.batch.get(), &ctx)
-                .map_err(Error::Task)?;
-            let loss = norm.scale(&summed)?;
-            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            out.loss_sum += value;
-            // `--checkpointing full-host`: the tensors between segments, in host memory.
-            let host = self.checkpointer.host_bytes();
-            if host > 0 {
-                self.ledger.set_on(
-                    Category::Activations,
-                    "checkpoint inputs",
-                    host,
-                    &candle_core::Device::Cpu,
-                );
-            }
-            self.ledger.mark("forward", step)?;
-            self.watch_budget("forward", false)?;
-            if !value.is_finite() {
+            let Some(scaled) = self.forward(piece, norm, &mut out)? else {
                 // Nothing of this step reaches the weights: no backward, and the gradients of
                 // its earlier micro-batches are dropped.
                 out.bad_loss = true;
                 drop(self.acc.take());
                 break;
-            }
-            let scaled = if self.opt.loss_scale() != 1.0 {
-                (loss * self.opt.loss_scale())?
-            } else {
-                loss
             };
             let last = i + 1 == pieces.len();
             if fused && !last {
@@ -419,9 +378,7 @@ impl<T: Task> Loop<'_, T> {
                 self.opt
                     .backward_and_accumulate(self.checkpointer, &scaled, &mut self.acc)?;
                 drop(scaled);
-                let (bytes, device) = (self.acc.bytes(), self.acc.device().clone());
-                self.ledger
-                    .set_on(Category::Gradients, "model", bytes, &device);
+                self.account_gradients();
             } else if fused {
                 // Backward and update together: no gradients of the whole model at once.
                 self.updating = true;
@@ -434,14 +391,144 @@ impl<T: Task> Loop<'_, T> {
                 let grads = self.checkpointer.gradients(&scaled, &self.params)?;
                 drop(scaled);
                 self.acc.add(grads)?;
-                let (bytes, device) = (self.acc.bytes(), self.acc.device().clone());
-                self.ledger
-                    .set_on(Category::Gradients, "model", bytes, &device);
+                self.account_gradients();
             }
             self.ledger.mark("backward", step)?;
             self.watch_budget("backward", fused && last)?;
         }
         Ok(out)
+    }
+
+    /// [`Self::forward_backward`] under ZeRO-2 with several ranks: each micro-batch's
+    /// gradients go to their owners as its backward ends, and this rank's accumulator sums
+    /// its own parameters' alone. The ranks go in rounds, one micro-batch each (a rank out of
+    /// micro-batches sends zeros), and agree after each round's backward, before its reduce,
+    /// whether one ran out of memory or met a non-finite loss: all then stop the step together.
+    fn forward_backward_sharded(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+    ) -> Result<Local> {
+        let step = self.step;
+        self.opt.discard_reduced();
+        let mut counts = vec![0u64; self.comm.world()];
+        self.comm.all_gather(&[pieces.len() as u64], &mut counts)?;
+        let rounds = counts.iter().copied().max().unwrap_or(0) as usize;
+        let device = self
+            .acc
+            .pinned()
+            .or_else(|| self.params.first().map(|p| p.device()))
+            .cloned()
+            .unwrap_or(candle_core::Device::Cpu);
+        let mut out = Local::default();
+        for round in 0..rounds {
+            let grads = match pieces.get(round) {
+                None => Ok(Some(vec![None; self.params.len()])),
+                Some(piece) => self.forward(piece, norm, &mut out).and_then(|scaled| {
+                    let Some(scaled) = scaled else {
+                        return Ok(None);
+                    };
+                    let grads = self.checkpointer.gradients(&scaled, &self.params)?;
+                    drop(scaled);
+                    self.ledger.mark("backward", step)?;
+                    self.watch_budget("backward", false)?;
+                    Ok(Some(grads))
+                }),
+            };
+            let (oom, bad) = match &grads {
+                Err(e) if e.is_out_of_memory() => (1u64, 0u64),
+                Err(_) => return grads.map(|_| out),
+                Ok(g) => (0, g.is_none() as u64),
+            };
+            let mut shared = [oom, bad];
+            self.comm.all_reduce_sum(&mut shared)?;
+            if shared[0] > 0 || shared[1] > 0 {
+                self.opt.discard_reduced();
+                drop(self.acc.take());
+            }
+            if shared[0] > 0 {
+                return Err(match grads {
+                    Err(e) => e,
+                    Ok(_) => self.others_out_of_memory(shared[0]),
+                });
+            }
+            if shared[1] > 0 {
+                // A non-finite loss on some rank: nothing of this step reaches the weights.
+                out.bad_loss = true;
+                break;
+            }
+            let grads = grads?.unwrap_or_default();
+            let mine = self.opt.reduce_micro_batch(grads, &device)?;
+            self.acc.add(mine)?;
+            self.account_gradients();
+        }
+        Ok(out)
+    }
+
+    /// One piece's forward pass: its loss, normalised by `norm` and added to `out`, scaled by
+    /// the loss scale for its backward; `None` when the loss is not finite.
+    fn forward(
+        &mut self,
+        piece: &Piece<'_, T::Batch>,
+        norm: LossNorm,
+        out: &mut Local,
+    ) -> Result<Option<Tensor>> {
+        let step = self.step;
+        let ctx = StepCtx {
+            step,
+            micro: piece.micro,
+            dropout_seed: mix(self.cfg.seed, step, piece.micro),
+            first_sample: piece.first,
+            checkpointer: self.checkpointer,
+        };
+        self.checkpointer.begin_forward();
+        let summed = self
+            .task
+            .summed_loss(piece.batch.get(), &ctx)
+            .map_err(Error::Task)?;
+        let loss = norm.scale(&summed)?;
+        let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        out.loss_sum += value;
+        // `--checkpointing full-host`: the tensors between segments, in host memory.
+        let host = self.checkpointer.host_bytes();
+        if host > 0 {
+            self.ledger.set_on(
+                Category::Activations,
+                "checkpoint inputs",
+                host,
+                &candle_core::Device::Cpu,
+            );
+        }
+        self.ledger.mark("forward", step)?;
+        self.watch_budget("forward", false)?;
+        if !value.is_finite() {
+            return Ok(None);
+        }
+        Ok(Some(if self.opt.loss_scale() != 1.0 {
+            (loss * self.opt.loss_scale())?
+        } else {
+            loss
+        }))
+    }
+
+    /// The error of a rank that did not run out of memory when `ranks` others did: every rank
+    /// then drops the step and splits it alike.
+    fn others_out_of_memory(&self, ranks: u64) -> Error {
+        Error::OutOfMemory {
+            phase: "forward or backward".into(),
+            step: self.step + 1,
+            detail: format!(
+                "{ranks} of the {} ranks ran out of memory",
+                self.comm.world()
+            ),
+        }
+    }
+
+    /// The accumulator's bytes, as the ledger's gradients.
+    fn account_gradients(&mut self) {
+        let (bytes, device) = (self.acc.bytes(), self.acc.device().clone());
+        self.ledger
+            .set_on(Category::Gradients, "model", bytes, &device);
     }
 
     /// The step's micro-batches of this rank, gathered first (the loss is normalised by all of
@@ -495,15 +582,19 @@ impl<T: Task> Loop<'_, T> {
         }
     }
 
-    /// Saves `checkpoint-{step}` (rank 0; the other ranks wait until it is written) and
-    /// returns its folder.
+    /// Saves `checkpoint-{step}` and returns its folder.
     pub(super) fn save(&mut self, best: &Best) -> Result<std::path::PathBuf> {
-        let dir = self
-            .cfg
-            .output_dir
-            .join(format!("checkpoint-{}", self.step));
-        if self.comm.is_main() {
-            save_checkpoint(self.task, self.opt, &self.progress(best), &dir)?;
+        let name = format!("checkpoint-{}", self.step);
+        self.save_as(best, &name)
+    }
+
+    /// Saves the checkpoint folder `name` in the output folder: every rank calls it (under ZeRO
+    /// each sends its share of the optimizer state), rank 0 writes it and the others wait until
+    /// it is written.
+    pub(super) fn save_as(&mut self, best: &Best, name: &str) -> Result<std::path::PathBuf> {
+        let dir = self.cfg.output_dir.join(name);
+        if let Some(state) = self.opt.gathered_state(self.comm.rank())? {
+            save_with_state(self.task, self.opt, state, &self.progress(best), &dir)?;
         }
         self.comm.barrier();
         Ok(dir)

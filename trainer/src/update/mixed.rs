@@ -1,11 +1,15 @@
 //! The optimizer step as trainers see it: fp32 master weights, loss-scale check, clipping, update,
 //! and the rounded write-back into the model's bf16/f16 weights.
 
+use std::rc::Rc;
+
 use candle_core::{DType, Device, Tensor, Var};
+use ft_dist::Comm;
 use ft_params::bytes::tensor_bytes;
 
 use super::norm::{clip_factor, sum_of_squares};
-use super::{LossScaler, Precision, StatePlacement};
+use super::zero::Zero;
+use super::{all_reduce_gradients, LossScaler, Precision, StatePlacement};
 use crate::error::Result;
 use crate::ledger::{Category, Ledger};
 use crate::optim::Optimizer;
@@ -55,7 +59,13 @@ pub struct MixedOptimizer {
     pub(super) optimizer: Box<dyn Optimizer>,
     pub(super) scaler: Option<LossScaler>,
     pub(super) max_grad_norm: Option<f64>,
+    /// ZeRO's partition of the state over a data-parallel run's ranks, when sharded.
+    zero: Option<Zero>,
 }
+
+/// What a checkpoint keeps of the optimizer ([`MixedOptimizer::state`]): its step count, the
+/// loss scale and the state tensors by name.
+pub type OptimizerState = (u64, f64, Vec<(String, Tensor)>);
 
 /// Seed of the stochastic rounding of bf16 weights trained without masters.
 const STOCHASTIC_ROUNDING_SEED: u64 = 0x5EED_0B16;
@@ -122,7 +132,76 @@ impl MixedOptimizer {
             optimizer,
             scaler: precision.loss_scaling.then(LossScaler::default),
             max_grad_norm,
+            zero: None,
         })
+    }
+
+    /// Partitions the optimizer state and the fp32 masters over the ranks of `comm` (ZeRO
+    /// `stage` 1, or 2 with the summed gradients too; see [`super::zero`]), rank 0 keeping
+    /// every master with `masters_on_main` (for a task of its own that reads them all after
+    /// each step). Before any step or restored state: each rank then keeps and updates only
+    /// its parameters' state, and frees the masters it does not keep.
+    pub fn shard(&mut self, stage: u8, comm: Rc<Comm>, masters_on_main: bool) -> Result<()> {
+        let sizes: Vec<usize> = self.model.iter().map(|v| v.elem_count()).collect();
+        let zero = Zero::new(stage, comm, &sizes, masters_on_main)?;
+        for (i, m) in self.masters.iter_mut().enumerate() {
+            if !zero.keeps_master(i) {
+                // An empty stand-in keeps the lists aligned: no update, state or write ever
+                // reads it (this rank never holds the parameter's summed gradient).
+                *m = Var::from_tensor(&Tensor::zeros(0, DType::F32, m.device())?)?;
+            }
+        }
+        self.zero = Some(zero);
+        Ok(())
+    }
+
+    /// The ZeRO stage (0: the state whole on every rank).
+    pub fn zero_stage(&self) -> u8 {
+        self.zero.as_ref().map_or(0, Zero::stage)
+    }
+
+    /// Whether each micro-batch's gradients are reduced to their owners as its backward ends
+    /// (ZeRO-2 over several ranks: [`MixedOptimizer::reduce_micro_batch`]), rather than the
+    /// step's sums once before the update.
+    pub fn reduces_each_micro_batch(&self) -> bool {
+        self.zero
+            .as_ref()
+            .is_some_and(Zero::reduces_each_micro_batch)
+    }
+
+    /// ZeRO-2: one micro-batch's gradients summed over the ranks onto their owners; this rank's
+    /// share comes back (`None` for the parameters of others) for its accumulator. Every rank
+    /// calls it once a round (see [`super::zero`]).
+    pub fn reduce_micro_batch(
+        &mut self,
+        grads: Vec<Option<Tensor>>,
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        match self.zero.as_mut() {
+            Some(z) => z.reduce_micro_batch(grads, &self.model, device),
+            None => Ok(grads),
+        }
+    }
+
+    /// Forgets the micro-batches of a step that starts again or is skipped.
+    pub fn discard_reduced(&mut self) {
+        if let Some(z) = self.zero.as_mut() {
+            z.discard_reduced();
+        }
+    }
+
+    /// A step's accumulated `grads` summed over the ranks of `comm`, on `device`: whole on
+    /// every rank, or under ZeRO each rank's share (`None` for parameters it does not own).
+    pub fn reduce_gradients(
+        &mut self,
+        comm: &Comm,
+        grads: Vec<Option<Tensor>>,
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        match self.zero.as_mut() {
+            Some(z) => z.reduce(grads, &self.model, device),
+            None => all_reduce_gradients(comm, grads, &self.model, device),
+        }
     }
 
     /// The model's trainable parameters, in optimizer order.
@@ -173,7 +252,9 @@ impl MixedOptimizer {
     }
 
     /// The weights the optimizer updates: the fp32 masters where there are some, else the
-    /// model's own (what an EMA averages).
+    /// model's own (what an EMA averages). Under ZeRO the masters this rank does not keep are
+    /// empty here: a task that reads them all has rank 0 keep them ([`MixedOptimizer::shard`])
+    /// and reads them there.
     pub fn weights(&self) -> &[Var] {
         if self.masters.is_empty() {
             &self.model
@@ -224,12 +305,30 @@ impl MixedOptimizer {
 
     /// Everything needed to resume exactly: fp32 masters (the bf16 weights alone lose the bits
     /// below their precision), optimizer moments, the optimizer's step count and the loss scale.
-    pub fn state(&self) -> (u64, f64, Vec<(String, Tensor)>) {
+    pub fn state(&self) -> OptimizerState {
         let (t, mut tensors) = self.optimizer.state();
         for (i, m) in self.masters.iter().enumerate() {
             tensors.push((format!("master.{i}"), m.as_tensor().clone()));
         }
         (t, self.loss_scale(), tensors)
+    }
+
+    /// [`MixedOptimizer::state`] whole on rank 0 for its checkpoint, `None` on the others:
+    /// under ZeRO every rank must call it (each sends its share of the optimizer state); else
+    /// only rank 0 needs to.
+    pub fn gathered_state(&self, rank: usize) -> Result<Option<OptimizerState>> {
+        let Some(z) = &self.zero else {
+            return Ok((rank == 0).then(|| self.state()));
+        };
+        let (t, mut local) = self.optimizer.state();
+        let masters = self.masters.iter().enumerate();
+        // Rank 0 has every master when it keeps them, else each owner sends its own.
+        let send = |i: usize| !z.masters_on_main() && z.owns(i) || z.masters_on_main() && rank == 0;
+        for (i, m) in masters.filter(|(i, _)| send(*i)) {
+            local.push((format!("master.{i}"), m.as_tensor().clone()));
+        }
+        let tensors = z.gather_state(local)?;
+        Ok((rank == 0).then(|| (t, self.loss_scale(), tensors)))
     }
 
     /// Restores what [`MixedOptimizer::state`] returned (the model weights are loaded separately).
@@ -239,6 +338,14 @@ impl MixedOptimizer {
         loss_scale: f64,
         tensors: &[(String, Tensor)],
     ) -> Result<()> {
+        let own;
+        let tensors = match &self.zero {
+            Some(z) => {
+                own = z.own_state(tensors);
+                &own[..]
+            }
+            None => tensors,
+        };
         self.optimizer.load_state(step, tensors)?;
         for (name, t) in tensors {
             if let Some(i) = name.strip_prefix("master.") {
@@ -273,7 +380,10 @@ impl MixedOptimizer {
         // f16/bf16 ones, or of the sums). One read-only sum of squares is the overflow check and
         // the norm; with a loss scale, a power of two, the norm and the factor have the bits of
         // unscaling first.
-        let sq = sum_of_squares(&grads)?;
+        let sq = match &self.zero {
+            Some(z) => z.sum_of_squares(&grads)?,
+            None => sum_of_squares(&grads)?,
+        };
         let mut grad_mul = 1.0;
         let norm = if let Some(scaler) = self.scaler.as_mut() {
             let inv = 1.0 / scaler.scale;
@@ -303,6 +413,13 @@ impl MixedOptimizer {
         } else {
             self.optimizer
                 .update(&self.masters, &grads, lr, coef, Some(&self.model))?;
+        }
+        if let Some(z) = &self.zero {
+            if self.masters.is_empty() {
+                z.share_updates(&self.model, None)?;
+            } else {
+                z.share_updates(&self.masters, Some(&self.model))?;
+            }
         }
         Ok(StepOutcome {
             applied: true,

@@ -5,6 +5,7 @@
 //! - [`StepMode`]: plain, accumulated, or fused into the backward; decided once.
 //! - [`GradAccumulator`] and [`LossNorm`]: accumulation that equals one large batch.
 //! - [`all_reduce_gradients`]: a step's gradients summed over a data-parallel run's ranks.
+//! - [`zero`]: ZeRO-1/2, the optimizer state (and the summed gradients) partitioned over ranks.
 //! - `norm`: global and per-tensor gradient norms, clipping factors.
 //! - [`MixedOptimizer`]: masters, loss-scale check, clipping, the optimizer's update and the
 //!   write-back, with the state beside the model or on the host ([`StatePlacement`]); its
@@ -19,10 +20,11 @@ mod placement;
 mod precision;
 mod reduce;
 mod scaler;
+pub mod zero;
 
 pub use accumulate::{GradAccumulator, LossNorm};
 pub use fused_backward::FusedOutcome;
-pub use mixed::{MixedOptimizer, StepOutcome};
+pub use mixed::{MixedOptimizer, OptimizerState, StepOutcome};
 pub use mode::{StepMode, StepModeRequest};
 pub use norm::{
     all_finite, clip_coefficient, clip_factor, clip_grad_norm, first_non_finite, global_norm,

@@ -1,4 +1,5 @@
-//! A step's gradients summed over the ranks of a data-parallel run, before the update.
+//! A step's gradients summed over the ranks of a data-parallel run, before the update: on every
+//! rank (all-reduce), or each parameter's on the rank that steps it alone (ZeRO-2, [`super::zero`]).
 //!
 //! Each rank's accumulator holds the sum over its own micro-batches, each already divided by the
 //! units (tokens or samples) of the whole step on all ranks, so the sum over the ranks is the
@@ -12,7 +13,7 @@ use ft_dist::Comm;
 use crate::error::{Error, Result};
 
 /// Values a message carries at most (16 MiB of fp32) unless one tensor is larger.
-const BUCKET: usize = 4 << 20;
+pub(super) const BUCKET: usize = 4 << 20;
 
 /// `grads` (one entry per parameter of `params`, `None` for a parameter without a gradient)
 /// summed over the ranks of `comm`, as fp32 tensors on `device`. A parameter keeps `None` only
@@ -27,7 +28,37 @@ pub fn all_reduce_gradients(
     if comm.world() == 1 {
         return Ok(grads);
     }
-    if grads.len() != params.len() {
+    Ok(sum_gradients(comm, grads, params, device, None)?.0)
+}
+
+/// As [`all_reduce_gradients`], but each parameter's sum reaches only the rank `owner[i]` (the
+/// others get `None` for it): ZeRO-2's partitioned gradients. Also returns which parameters had
+/// a gradient on some rank (what the owners then update).
+pub(super) fn reduce_gradients_to_owners(
+    comm: &Comm,
+    grads: Vec<Option<Tensor>>,
+    params: &[Var],
+    device: &Device,
+    owner: &[usize],
+) -> Result<(Vec<Option<Tensor>>, Vec<bool>)> {
+    if comm.world() == 1 {
+        let present = grads.iter().map(Option::is_some).collect();
+        return Ok((grads, present));
+    }
+    sum_gradients(comm, grads, params, device, Some(owner))
+}
+
+/// The sums over the ranks, to every rank (`owner` None) or to each parameter's owner, bucket
+/// by bucket (with owners, each bucket holds one owner's parameters), and which parameters had
+/// a gradient on some rank.
+fn sum_gradients(
+    comm: &Comm,
+    mut grads: Vec<Option<Tensor>>,
+    params: &[Var],
+    device: &Device,
+    owner: Option<&[usize]>,
+) -> Result<(Vec<Option<Tensor>>, Vec<bool>)> {
+    if grads.len() != params.len() || owner.is_some_and(|o| o.len() != params.len()) {
         return Err(Error::Invalid(format!(
             "{} gradients for {} parameters",
             grads.len(),
@@ -37,60 +68,82 @@ pub fn all_reduce_gradients(
     // Which parameters have a gradient on some rank: all ranks must reduce the same ones.
     let mut present: Vec<u64> = grads.iter().map(|g| g.is_some() as u64).collect();
     comm.all_reduce_sum(&mut present)?;
+    let present: Vec<bool> = present.iter().map(|&p| p > 0).collect();
+    let roots: Vec<Option<usize>> = match owner {
+        None => vec![None],
+        Some(_) => (0..comm.world()).map(Some).collect(),
+    };
     let mut out: Vec<Option<Tensor>> = vec![None; grads.len()];
-    let mut bucket: Vec<f32> = Vec::new();
-    let mut members: Vec<usize> = Vec::new();
-    for (i, g) in grads.into_iter().enumerate() {
-        if present[i] == 0 {
-            continue;
-        }
-        let n = params[i].elem_count();
-        if !bucket.is_empty() && bucket.len() + n > BUCKET {
-            flush(comm, &mut bucket, &mut members, params, device, &mut out)?;
-        }
-        match g {
-            Some(g) => {
-                if g.elem_count() != n {
-                    return Err(Error::Invalid(format!(
-                        "parameter {i}: a gradient of {} values for {n}",
-                        g.elem_count()
-                    )));
-                }
-                bucket.extend(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+    let mut bucket = Bucket::default();
+    for root in roots {
+        for i in 0..grads.len() {
+            if !present[i] || root.is_some_and(|r| owner.is_some_and(|o| o[i] != r)) {
+                continue;
             }
-            None => bucket.resize(bucket.len() + n, 0.0),
+            let n = params[i].elem_count();
+            if !bucket.values.is_empty() && bucket.values.len() + n > BUCKET {
+                bucket.flush(comm, root, params, device, &mut out)?;
+            }
+            match grads[i].take() {
+                Some(g) => {
+                    if g.elem_count() != n {
+                        return Err(Error::Invalid(format!(
+                            "parameter {i}: a gradient of {} values for {n}",
+                            g.elem_count()
+                        )));
+                    }
+                    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    bucket.values.extend(g);
+                }
+                None => bucket.values.resize(bucket.values.len() + n, 0.0),
+            }
+            bucket.members.push(i);
         }
-        members.push(i);
+        bucket.flush(comm, root, params, device, &mut out)?;
     }
-    flush(comm, &mut bucket, &mut members, params, device, &mut out)?;
-    Ok(out)
+    Ok((out, present))
 }
 
-/// Sums `bucket` over the ranks and puts each member's part back as its parameter's gradient.
-fn flush(
-    comm: &Comm,
-    bucket: &mut Vec<f32>,
-    members: &mut Vec<usize>,
-    params: &[Var],
-    device: &Device,
-    out: &mut [Option<Tensor>],
-) -> Result<()> {
-    if members.is_empty() {
-        return Ok(());
+/// The values of the parameters `members`, one after the other, on their way to a collective.
+#[derive(Default)]
+struct Bucket {
+    values: Vec<f32>,
+    members: Vec<usize>,
+}
+
+impl Bucket {
+    /// Sums the values over the ranks (into `root` alone, when given) and, where the sum
+    /// arrived, puts each member's part back as its parameter's gradient.
+    fn flush(
+        &mut self,
+        comm: &Comm,
+        root: Option<usize>,
+        params: &[Var],
+        device: &Device,
+        out: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        if self.members.is_empty() {
+            return Ok(());
+        }
+        match root {
+            None => comm.all_reduce_sum(&mut self.values)?,
+            Some(r) => comm.reduce_sum(&mut self.values, r)?,
+        }
+        if root.is_none_or(|r| r == comm.rank()) {
+            let mut at = 0;
+            for &i in &self.members {
+                let n = params[i].elem_count();
+                let part = self.values.get(at..at + n).ok_or_else(|| {
+                    Error::Invalid(format!("parameter {i}: the reduced bucket is short"))
+                })?;
+                out[i] = Some(Tensor::from_slice(part, params[i].shape(), device)?);
+                at += n;
+            }
+        }
+        self.values.clear();
+        self.members.clear();
+        Ok(())
     }
-    comm.all_reduce_sum(bucket)?;
-    let mut at = 0;
-    for &i in members.iter() {
-        let n = params[i].elem_count();
-        let part = bucket
-            .get(at..at + n)
-            .ok_or_else(|| Error::Invalid(format!("parameter {i}: the reduced bucket is short")))?;
-        out[i] = Some(Tensor::from_slice(part, params[i].shape(), device)?);
-        at += n;
-    }
-    bucket.clear();
-    members.clear();
-    Ok(())
 }
 
 #[cfg(test)]
@@ -101,14 +154,24 @@ mod tests {
     fn one_rank_keeps_the_gradients_as_they_are() -> Result<()> {
         let p = Var::new(&[1f32, 2.0], &Device::Cpu)?;
         let g = Tensor::new(&[0.5f32, -1.0], &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let params = [p.clone(), p];
         let out = all_reduce_gradients(
             &Comm::solo(),
-            vec![Some(g), None],
-            &[p.clone(), p],
+            vec![Some(g.clone()), None],
+            &params,
             &Device::Cpu,
         )?;
         assert_eq!(out[0].as_ref().map(|t| t.dtype()), Some(DType::BF16));
         assert!(out[1].is_none());
+        let (out, present) = reduce_gradients_to_owners(
+            &Comm::solo(),
+            vec![Some(g), None],
+            &params,
+            &Device::Cpu,
+            &[0, 0],
+        )?;
+        assert_eq!(present, [true, false]);
+        assert!(out[0].is_some() && out[1].is_none());
         Ok(())
     }
 }

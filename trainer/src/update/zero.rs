@@ -1,0 +1,408 @@
+//! ZeRO stages 1 and 2 (DeepSpeed's Zero Redundancy Optimizer) over a data-parallel run's
+//! ranks: each parameter has one owner rank, which alone keeps its optimizer state and steps it.
+//!
+//! - Stage 1: the gradients are summed onto every rank (all-reduce), as without ZeRO; each rank
+//!   updates the parameters it owns, with the state of those alone.
+//! - Stage 2: each parameter's summed gradient reaches its owner only (a reduce to the owner,
+//!   bucket by bucket), and with several ranks this happens as each micro-batch's backward
+//!   ends ([`Zero::reduce_micro_batch`]): a rank's gradient accumulator holds the fp32 sums of
+//!   its own parameters alone, a world-th of the model's. (The ranks reduce in rounds, one
+//!   micro-batch each; a rank with fewer micro-batches in the step sends zeros, so every rank
+//!   joins every reduce.)
+//!
+//! The fp32 master weights are partitioned like the state (as DeepSpeed's are): a rank keeps the
+//! masters of its own parameters. After the update each owner sends the weights it updated
+//! (the masters where there are some, else the model's own) to the others, which write them
+//! into their model as the owner did: every rank then holds the weights one process would. A
+//! run whose task reads every fp32 weight after each step (sdxl-ft's EMA, which rank 0 alone
+//! keeps) has rank 0 keep every master, stored as they arrive. Parameters are assigned
+//! greedily by size, largest first, each to the rank with the fewest values so far (PyTorch's
+//! ZeroRedundancyOptimizer), the same on every rank.
+//!
+//! The clipping norm is exact: each rank's per-tensor sums of squares of the gradients it owns
+//! travel in one all-reduce (every entry summed with zeros), then are added in parameter order
+//! as one process adds them. A checkpoint gathers the ranks' state to rank 0, which saves it
+//! whole: it resumes at any number of ranks, with or without ZeRO.
+
+use std::rc::Rc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_dist::Comm;
+
+use super::norm::sum_of_squares_each;
+use super::reduce::{all_reduce_gradients, reduce_gradients_to_owners, BUCKET};
+use crate::error::{Error, Result};
+
+/// The ZeRO stage of a run and each parameter's owner.
+pub struct Zero {
+    stage: u8,
+    /// Rank 0 keeps every fp32 master (the others keep their own parameters' alone).
+    masters_on_main: bool,
+    /// Each parameter's number of values.
+    sizes: Vec<usize>,
+    comm: Rc<Comm>,
+    owner: Vec<usize>,
+    /// The parameters that had a gradient on some rank at the last reduce: what the owners
+    /// update and then send.
+    present: Vec<bool>,
+    /// Stage 2: the parameters that had a gradient on some rank in this step's micro-batches
+    /// reduced so far (`None` until the first): the sums are then on their owners already.
+    reduced: Option<Vec<bool>>,
+}
+
+/// Each of the parameters of `sizes` values assigned to one of `world` ranks: largest first, to
+/// the rank holding the fewest values so far (the lowest such rank on a tie).
+pub fn partition(sizes: &[usize], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut load = vec![0usize; world];
+    let mut owner = vec![0; sizes.len()];
+    for i in order {
+        let (r, _) = load
+            .iter()
+            .enumerate()
+            .min_by_key(|&(r, l)| (*l, r))
+            .unwrap_or((0, &0));
+        owner[i] = r;
+        load[r] += sizes[i];
+    }
+    owner
+}
+
+impl Zero {
+    /// ZeRO `stage` (1 or 2) over the ranks of `comm`, for parameters of `sizes` values, rank
+    /// 0 keeping every fp32 master with `masters_on_main`.
+    pub fn new(stage: u8, comm: Rc<Comm>, sizes: &[usize], masters_on_main: bool) -> Result<Self> {
+        if !(1..=2).contains(&stage) {
+            return Err(Error::Invalid(format!(
+                "--zero {stage}: stages 1 (optimizer state) and 2 (and gradients) are \
+                 supported, 0 is off"
+            )));
+        }
+        let owner = partition(sizes, comm.world());
+        Ok(Zero {
+            stage,
+            masters_on_main,
+            sizes: sizes.to_vec(),
+            comm,
+            present: vec![false; owner.len()],
+            reduced: None,
+            owner,
+        })
+    }
+
+    pub fn stage(&self) -> u8 {
+        self.stage
+    }
+
+    /// Whether rank 0 keeps every fp32 master (see [`Zero::keeps_master`]).
+    pub fn masters_on_main(&self) -> bool {
+        self.masters_on_main
+    }
+
+    /// Whether this rank keeps parameter `i`'s fp32 master: its own parameters', and every
+    /// one on rank 0 when the task reads them all.
+    pub fn keeps_master(&self, i: usize) -> bool {
+        self.owns(i) || (self.masters_on_main && self.comm.rank() == 0)
+    }
+
+    /// Whether this rank owns parameter `i`.
+    pub fn owns(&self, i: usize) -> bool {
+        self.owner.get(i) == Some(&self.comm.rank())
+    }
+
+    /// Whether each micro-batch's gradients go to their owners as its backward ends (stage 2
+    /// with several ranks), so that [`Zero::reduce_micro_batch`] feeds the accumulator.
+    pub fn reduces_each_micro_batch(&self) -> bool {
+        self.stage == 2 && self.comm.world() > 1
+    }
+
+    /// Forgets the micro-batches reduced so far (a step that starts again after an
+    /// out-of-memory split, or a skipped one).
+    pub fn discard_reduced(&mut self) {
+        self.reduced = None;
+    }
+
+    /// One micro-batch's gradients (`None` everywhere for a rank without one this round)
+    /// summed over the ranks onto each parameter's owner: this rank gets the sums of its own
+    /// parameters (`None` for the others), to add into its accumulator. Every rank must call
+    /// it the same number of times in a step.
+    pub fn reduce_micro_batch(
+        &mut self,
+        grads: Vec<Option<Tensor>>,
+        params: &[Var],
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let (out, present) =
+            reduce_gradients_to_owners(&self.comm, grads, params, device, &self.owner)?;
+        let seen = self
+            .reduced
+            .get_or_insert_with(|| vec![false; present.len()]);
+        for (s, p) in seen.iter_mut().zip(present) {
+            *s |= p;
+        }
+        Ok(out)
+    }
+
+    /// The step's gradients summed over the ranks, kept for the parameters this rank owns
+    /// (`None` for the others). After [`Zero::reduce_micro_batch`], `grads` are those sums
+    /// already (this rank's accumulator), and nothing travels.
+    pub fn reduce(
+        &mut self,
+        grads: Vec<Option<Tensor>>,
+        params: &[Var],
+        device: &Device,
+    ) -> Result<Vec<Option<Tensor>>> {
+        if let Some(present) = self.reduced.take() {
+            self.present = present;
+            let mut grads = grads;
+            grads.resize(params.len(), None);
+            return Ok(grads);
+        }
+        let (mut out, present) = if self.stage == 1 {
+            let out = all_reduce_gradients(&self.comm, grads, params, device)?;
+            let present = out.iter().map(Option::is_some).collect();
+            (out, present)
+        } else {
+            reduce_gradients_to_owners(&self.comm, grads, params, device, &self.owner)?
+        };
+        self.present = present;
+        for (i, g) in out.iter_mut().enumerate() {
+            if !self.owns(i) {
+                *g = None;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The sum of squares of the whole step's gradients from this rank's share of them
+    /// (`grads`, `None` where another rank owns the parameter): the same number, bit for bit,
+    /// as one process's [`super::sum_of_squares`] on the CPU.
+    pub fn sum_of_squares(&self, grads: &[Option<Tensor>]) -> Result<f64> {
+        let mine: Vec<(usize, Tensor)> = grads
+            .iter()
+            .enumerate()
+            .filter_map(|(i, g)| g.clone().map(|g| (i, g)))
+            .collect();
+        let tensors: Vec<Tensor> = mine.iter().map(|(_, g)| g.clone()).collect();
+        let mut each = vec![0f64; grads.len()];
+        for ((i, _), s) in mine.iter().zip(sum_of_squares_each(&tensors)?) {
+            each[*i] = s;
+        }
+        self.comm.all_reduce_sum(&mut each)?;
+        Ok(each
+            .iter()
+            .zip(&self.present)
+            .filter(|(_, p)| **p)
+            .fold(0f64, |sq, (s, _)| sq + s))
+    }
+
+    /// After the owners' update: each owner sends the weights it updated (`weights`: the fp32
+    /// masters, shadowing `model`, or the model's own without masters), and the other ranks
+    /// write them into their model as the owner's update did, keeping a master only where
+    /// [`Zero::keeps_master`] says so.
+    pub fn share_updates(&self, weights: &[Var], model: Option<&[Var]>) -> Result<()> {
+        let me = self.comm.rank();
+        let size = |i: usize| self.sizes[i];
+        for root in 0..self.comm.world() {
+            let members: Vec<usize> = (0..self.sizes.len())
+                .filter(|&i| self.present[i] && self.owner[i] == root)
+                .collect();
+            for chunk in buckets(&members, size) {
+                let len: usize = chunk.iter().map(|&i| size(i)).sum();
+                let mut buf = Vec::with_capacity(len);
+                if me == root {
+                    for &i in &chunk {
+                        buf.extend(to_wire(weights[i].as_tensor())?);
+                    }
+                } else {
+                    buf.resize(len, 0f32);
+                }
+                self.comm.broadcast(&mut buf, root)?;
+                if me == root {
+                    continue;
+                }
+                let mut at = 0;
+                for &i in &chunk {
+                    let values = &buf[at..at + size(i)];
+                    at += size(i);
+                    let Some(model) = model else {
+                        let w = &weights[i];
+                        w.set(&from_wire(values, w.dtype(), w.dims(), w.device())?)?;
+                        continue;
+                    };
+                    let m = &model[i];
+                    if self.keeps_master(i) {
+                        let w = &weights[i];
+                        w.set(&from_wire(values, DType::F32, m.dims(), w.device())?)?;
+                        crate::optim::write_master(w, m)?;
+                    } else {
+                        let master = Tensor::from_slice(values, m.dims(), &Device::Cpu)?;
+                        crate::optim::write_master(&master, m)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What this rank restores of a whole checkpoint's state: the per-parameter state
+    /// (`{kind}.{i}`) of the parameters it owns, the masters it keeps, and what belongs to
+    /// no parameter.
+    pub fn own_state(&self, tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+        tensors
+            .iter()
+            .filter(|(name, _)| {
+                let index = name
+                    .rsplit_once('.')
+                    .and_then(|(_, i)| i.parse::<usize>().ok());
+                match index {
+                    None => true,
+                    Some(i) if name.starts_with("master.") => self.keeps_master(i),
+                    Some(i) => self.owns(i),
+                }
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Every rank's optimizer state (`local` on each) on rank 0, sorted by name and parameter;
+    /// empty on the other ranks. Every rank must call it.
+    pub fn gather_state(&self, local: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        let me = self.comm.rank();
+        let mut all = if me == 0 { local.clone() } else { Vec::new() };
+        for root in 1..self.comm.world() {
+            // What the sending rank holds: names, dtypes and shapes, as one line of JSON.
+            let header = if me == root {
+                let list: Vec<serde_json::Value> = local
+                    .iter()
+                    .map(|(n, t)| serde_json::json!([n, t.dtype().as_str(), t.dims()]))
+                    .collect();
+                serde_json::Value::from(list).to_string().into_bytes()
+            } else {
+                Vec::new()
+            };
+            let mut len = [header.len() as u64];
+            self.comm.broadcast(&mut len, root)?;
+            let mut header = if me == root {
+                header
+            } else {
+                vec![0u8; len[0] as usize]
+            };
+            self.comm.broadcast(&mut header, root)?;
+            let list: Vec<(String, String, Vec<usize>)> = serde_json::from_slice(&header)
+                .map_err(|e| Error::Invalid(format!("rank {root}'s optimizer state list: {e}")))?;
+            for (k, (name, dtype, dims)) in list.into_iter().enumerate() {
+                let n: usize = dims.iter().product();
+                let mut buf = match local.get(k) {
+                    Some((_, t)) if me == root => to_wire(t)?,
+                    _ => vec![0f32; n],
+                };
+                self.comm.broadcast(&mut buf, root)?;
+                if me == 0 {
+                    let dtype: DType = dtype.parse().map_err(|_| {
+                        Error::Invalid(format!("rank {root}'s state `{name}`: dtype {dtype}"))
+                    })?;
+                    all.push((name, from_wire(&buf, dtype, &dims, &Device::Cpu)?));
+                }
+            }
+        }
+        all.sort_by(|(a, _), (b, _)| state_key(a).cmp(&state_key(b)));
+        Ok(all)
+    }
+}
+
+/// `exp_avg.12` as (`exp_avg`, 12), so parameter 12 sorts after parameter 2.
+fn state_key(name: &str) -> (&str, usize) {
+    match name.rsplit_once('.') {
+        Some((kind, i)) => (kind, i.parse().unwrap_or(usize::MAX)),
+        None => (name, 0),
+    }
+}
+
+/// `members` in consecutive groups of at most [`BUCKET`] values (one larger member alone).
+fn buckets(members: &[usize], size: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut filled = 0;
+    for &i in members {
+        match out.last_mut() {
+            Some(last) if filled + size(i) <= BUCKET => last.push(i),
+            _ => {
+                out.push(vec![i]);
+                filled = 0;
+            }
+        }
+        filled += size(i);
+    }
+    out
+}
+
+/// A tensor's values as fp32 for a message: exact for the dtypes of weights and optimizer
+/// state (fp32, bf16, f16, 8-bit codes).
+fn to_wire(t: &Tensor) -> Result<Vec<f32>> {
+    match t.dtype() {
+        DType::F32 | DType::BF16 | DType::F16 | DType::U8 => {
+            Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        }
+        other => Err(Error::Invalid(format!(
+            "a {other:?} tensor cannot travel between ranks as fp32 exactly"
+        ))),
+    }
+}
+
+/// What [`to_wire`] sent, back as a tensor of `dtype` and `dims` on `device`.
+fn from_wire(values: &[f32], dtype: DType, dims: &[usize], device: &Device) -> Result<Tensor> {
+    Ok(Tensor::from_slice(values, dims, device)?.to_dtype(dtype)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_partition_balances_values_largest_first() {
+        // 10 and 1 to rank 0, 8 and 2 to rank 1, 6 and 4 to rank 2 (loads 11, 10, 10).
+        let owner = partition(&[4, 10, 1, 8, 6, 2], 3);
+        assert_eq!(owner, [2, 0, 0, 1, 2, 1]);
+        assert_eq!(partition(&[3, 3, 3], 1), [0, 0, 0]);
+        // Ties go to the lowest rank, in parameter order.
+        assert_eq!(partition(&[5, 5, 5, 5], 2), [0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn buckets_hold_at_most_a_bucket_unless_one_member_is_larger() {
+        let sizes = [BUCKET / 2, BUCKET / 2, 1, BUCKET * 2, 3];
+        let b = buckets(&[0, 1, 2, 3, 4], |i| sizes[i]);
+        assert_eq!(b, vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+    }
+
+    #[test]
+    fn one_rank_owns_everything_and_keeps_its_state() -> Result<()> {
+        let z = Zero::new(2, Rc::new(Comm::solo()), &[2, 3], false)?;
+        assert!(z.owns(0) && z.owns(1) && !z.owns(2));
+        let t = Tensor::new(&[1f32], &Device::Cpu)?;
+        let state = vec![
+            ("exp_avg.1".to_string(), t.clone()),
+            ("master.0".to_string(), t.clone()),
+        ];
+        assert_eq!(z.own_state(&state).len(), 2);
+        let gathered = z.gather_state(state)?;
+        assert_eq!(gathered[0].0, "exp_avg.1");
+        assert!(Zero::new(3, Rc::new(Comm::solo()), &[1], false).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn the_wire_is_exact_for_weights_and_codes() -> Result<()> {
+        let t = Tensor::new(&[1.5f32, -3.25e-5, 7e30], &Device::Cpu)?;
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::U8] {
+            let x = t.abs()?.clamp(0f32, 255f32)?.to_dtype(dt)?;
+            let back = from_wire(&to_wire(&x)?, dt, x.dims(), &Device::Cpu)?;
+            let (a, b) = (x.to_dtype(DType::F64)?, back.to_dtype(DType::F64)?);
+            assert_eq!(a.to_vec1::<f64>()?, b.to_vec1::<f64>()?);
+        }
+        assert!(to_wire(&t.to_dtype(DType::F64)?).is_err());
+        Ok(())
+    }
+}
