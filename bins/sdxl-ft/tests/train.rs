@@ -369,6 +369,32 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
         "{}",
         z2.table()
     );
+    // The other ranks (no EMA, masters of their own tensors alone): 7.65 GiB of host memory.
+    let mut others = a.clone();
+    others.common.plan_ranks = Some(5);
+    others.common.zero = 2;
+    others.ema = false;
+    let others = sdxl_ft::run::plan(&others)?;
+    assert!(
+        (gib(others.host_bytes()) - 7.65).abs() < 0.01,
+        "{}",
+        others.table()
+    );
+    // Without the EMA and the offload, ZeRO-2 holds each rank's share beside its GPU: 17.21
+    // GiB of model states, which a 24 GB card holds, where one process needs 47.82.
+    let mut z2 = a.clone();
+    z2.common.plan_ranks = Some(5);
+    z2.common.zero = 2;
+    z2.common.offload_optimizer = false;
+    z2.ema = false;
+    let z2 = sdxl_ft::run::plan(&z2)?;
+    eprintln!("{}", z2.table());
+    assert!(
+        (gib(z2.state_device_bytes()) - 17.21).abs() < 0.01,
+        "{}",
+        z2.table()
+    );
+    assert_eq!(z2.host_bytes(), 0);
     // 8-bit moments beside the model (the CUDA kernel's layout): 14.3 GiB less than 32-bit
     // AdamW's 47.8 on the GPU, the EMA still on the host.
     let mut q8 = a.clone();

@@ -461,6 +461,8 @@ impl<T: Task> Loop<'_, T> {
             let mine = self.opt.reduce_micro_batch(grads, &device)?;
             self.acc.add(mine)?;
             self.account_gradients();
+            // The reduce's own peak (its buckets, the sums arriving) and this rank's sums.
+            self.ledger.mark("backward", step)?;
         }
         Ok(out)
     }
