@@ -50,11 +50,12 @@ fn ranks_train_the_unet_one_process_trains_on_the_combined_batch() -> Result<()>
             dir.join(format!("one-{whole}-{precision}")),
             dir.join(format!("ranks-{np}-zero-{zero}-{precision}")),
         );
-        if !one_process.contains_key(&(whole, precision)) {
+        if let std::collections::hash_map::Entry::Vacant(e) = one_process.entry((whole, precision))
+        {
             let Some(losses) = train(1, whole, &["--precision", precision], &one)? else {
                 unreachable!("one process needs no mpirun")
             };
-            one_process.insert((whole, precision), losses);
+            e.insert(losses);
         }
         let expected = &one_process[&(whole, precision)];
         let extra = ["--zero", zero, "--precision", precision];

@@ -117,11 +117,11 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
         (2, "2", "4", "2"),
     ] {
         let one = dir.join(format!("one-{whole}"));
-        if !one_process.contains_key(whole) {
+        if let std::collections::hash_map::Entry::Vacant(e) = one_process.entry(whole) {
             let Some(losses) = train(1, &one, &args(whole))? else {
                 unreachable!("one process needs no mpirun")
             };
-            one_process.insert(whole, losses);
+            e.insert(losses);
         }
         let expected = &one_process[whole];
         let many = dir.join(format!("ranks-{np}-zero-{zero}"));
