@@ -9,6 +9,7 @@
 pub mod activation;
 pub mod arch;
 pub mod attention;
+pub mod batch_norm;
 pub mod conv;
 mod cpu;
 pub mod cross_entropy;

@@ -43,6 +43,8 @@ fn conv_out(conv: &Conv2d, x: Map) -> Map {
 struct Walk {
     n: u64,
     dtype: DType,
+    /// Batch norm is one op (`ft_kernels::batch_norm`): on the CPU in f32 and f64.
+    fused_batch_norm: bool,
     segments: Vec<SegmentBytes>,
 }
 
@@ -51,10 +53,15 @@ impl Walk {
         self.n * m.c * m.h * m.w
     }
 
-    /// `BatchNorm2d` in training over map `m`: the batch mean and variance (each a sum and a
-    /// division per reduced dimension), the centred input and its square, the normalised,
-    /// scaled and shifted output.
+    /// `BatchNorm2d` in training over map `m`: one op's output (its statistics are not
+    /// tensors), or as candle's ops the batch mean and variance (each a sum and a division per
+    /// reduced dimension), the centred input and its square, the normalised, scaled and shifted
+    /// output.
     fn batch_norm(&self, t: &mut Tally, m: Map) {
+        if self.fused_batch_norm {
+            t.new_tensor(self.elems(m));
+            return;
+        }
         let stats = m.c * m.h * m.w + m.c * m.w + m.c;
         t.new_tensor(4 * stats + 2 * m.c); // means, variance, + eps, sqrt
         t.new_tensor(6 * self.elems(m));
@@ -137,17 +144,18 @@ impl FewShotModel {
     /// What one training forward over an episode of `shape` keeps for its backward, in
     /// `dtype`: each backbone block (a checkpoint segment) and the caller's graph (the blocks'
     /// outputs, the head and the loss). The head's attention has one key per query and never
-    /// runs the attention kernel, so `target` does not change it.
+    /// runs the attention kernel; `target` tells whether batch norm is one op.
     pub fn activations(
         &self,
         shape: &EpisodeShape,
         dtype: DType,
-        _target: Target,
+        target: Target,
     ) -> ActivationProfile {
         let n = (shape.n_way * (shape.k_shot + shape.n_query)) as u64;
         let mut w = Walk {
             n,
             dtype,
+            fused_batch_norm: target == Target::Cpu && matches!(dtype, DType::F32 | DType::F64),
             segments: Vec::new(),
         };
         let side = shape.image_size as u64;
@@ -213,21 +221,23 @@ impl FewShotModel {
     }
 }
 
-/// Backward's temporaries through a Conv4/Conv6 block, in thousandths of its graph: its batch
-/// norm, built of elementwise ops, has many gradients in flight (measured:
-/// `trainer/tests/backward_temporaries.rs`).
+/// Backward's temporaries through a Conv4/Conv6 block, in thousandths of its graph (measured:
+/// `trainer/tests/backward_temporaries.rs`). Its graph is small (the conv's and batch norm's
+/// outputs, the ReLU's, the pool's) next to the gradients in flight through it: the conv's
+/// input gradient and its column buffers, batch norm's and ReLU's, each a map of the block's
+/// size.
 const CONV_TEMPORARIES: Temporaries = Temporaries {
-    whole: 1290,
-    kept: 1570,
-    recomputed: 1460,
+    whole: 2950,
+    kept: 3180,
+    recomputed: 2320,
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
 /// [`CONV_TEMPORARIES`]).
 const RESNET_TEMPORARIES: Temporaries = Temporaries {
-    whole: 1320,
-    kept: 1700,
-    recomputed: 1490,
+    whole: 2600,
+    kept: 2830,
+    recomputed: 2820,
 };
 
 /// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.

@@ -1,6 +1,7 @@
 //! BatchNorm2d with running statistics, as `torch.nn.BatchNorm2d` (momentum 0.1, eps 1e-5):
 //! batch statistics in training (biased variance to normalise, unbiased for the running
-//! estimate), running statistics in evaluation. A composition of ops with correct backwards.
+//! estimate), running statistics in evaluation: with batch statistics one op with its own
+//! backward ([`ft_kernels::batch_norm`]), with running ones a composition of candle ops.
 //!
 //! A checkpoint segment recomputed in backward runs its batch norms a second time on the same
 //! input: [`BnMode::Recompute`] gives the same batch statistics without moving the running ones
@@ -61,27 +62,24 @@ impl BatchNorm2d {
     }
 
     /// Normalises [N, C, H, W]; under [`BnMode::Train`] also updates the running statistics.
+    /// With batch statistics it is one op ([`ft_kernels::batch_norm`]: on the CPU it keeps
+    /// its input alone for backward, not six tensors of its size).
     pub fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
         let (n, c, h, w) = x.dims4()?;
-        let shape = (1, c, 1, 1);
-        let (mean, var) = if mode != BnMode::Eval {
-            let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            let var = x
-                .broadcast_sub(&mean)?
-                .sqr()?
-                .mean_keepdim(0)?
-                .mean_keepdim(2)?
-                .mean_keepdim(3)?;
+        if mode != BnMode::Eval {
+            let (y, stats) =
+                ft_kernels::batch_norm::batch_norm_train(x, &self.weight, &self.bias, self.eps)?;
             if mode == BnMode::Train {
+                let device = self.running_mean.device();
+                let mean = Tensor::new(stats.mean.as_slice(), device)?;
+                let var = Tensor::new(stats.var.as_slice(), device)?;
                 self.update_running(&mean, &var, (n * h * w) as f64)?;
             }
-            (mean, var)
-        } else {
-            (
-                self.running_mean.as_tensor().reshape(shape)?,
-                self.running_var.as_tensor().reshape(shape)?,
-            )
-        };
+            return Ok(y);
+        }
+        let shape = (1, c, 1, 1);
+        let mean = self.running_mean.as_tensor().reshape(shape)?;
+        let var = self.running_var.as_tensor().reshape(shape)?;
         let y = x
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
@@ -91,11 +89,11 @@ impl BatchNorm2d {
 
     /// Moves the running statistics towards this batch's (momentum 0.1, unbiased variance).
     fn update_running(&self, mean: &Tensor, var: &Tensor, count: f64) -> candle_core::Result<()> {
-        let unbiased = (var.detach() * (count / (count - 1.0).max(1.0)))?.flatten_all()?;
+        let dtype = self.running_mean.dtype();
+        let unbiased = (var.to_dtype(dtype)? * (count / (count - 1.0).max(1.0)))?;
         let m = self.momentum;
-        self.running_mean.set(
-            &((self.running_mean.as_tensor() * (1.0 - m))? + (mean.detach().flatten_all()? * m)?)?,
-        )?;
+        self.running_mean
+            .set(&((self.running_mean.as_tensor() * (1.0 - m))? + (mean.to_dtype(dtype)? * m)?)?)?;
         self.running_var
             .set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)
     }

@@ -1,0 +1,129 @@
+//! `cargo run --release -p fewshot-ft --example fsct_bench`: one training episode of FSCT_cosine
+//! (forward, backward, AdamW; f32, CPU) on the Conv4 and ResNet10 backbones at 84 px, 5-way
+//! 1-shot and 5-shot with 16 queries a class, next to PyTorch on the same shapes in the same run
+//! (`scripts/fsct_bench_torch.py`, the model of `scripts/fsct_parity.py`; set `BENCH_PYTHON` to a
+//! python with torch). Step time is the mean of `STEPS` episodes after a warm-up; peaks are the
+//! resident set's above the level after the warm-up (both sides) and the exact heap's (ours).
+
+use candle_core::{DType, Device, Tensor, Var};
+use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
+use ft_params::bytes::format_bytes;
+use ft_params::checkpoint::Checkpointer;
+use ft_params::{ParamBuilder, ParamStore};
+use ft_trainer::train::bench::{measure_steps, python_reference, StepMeasure};
+
+#[global_allocator]
+static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
+
+const STEPS: usize = 2;
+const SIZE: usize = 84;
+const N_WAY: usize = 5;
+const N_QUERY: usize = 16;
+
+/// Our episode: `kind` at 84 px, `k_shot` shots.
+fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
+    let dev = Device::Cpu;
+    let store = ParamStore::new();
+    let pb = ParamBuilder::new(store.clone(), DType::F32, &dev, 0);
+    // Conv4 flattens its last map (as the torch side's does); ResNet10 averages it.
+    let flatten = kind == BackboneKind::Conv4;
+    let model = FewShotModel::new(
+        &pb,
+        Backbone::new(&pb, kind, SIZE, flatten)?,
+        Method::FsctCosine,
+        N_WAY,
+        k_shot,
+    )?;
+    let mut opt = ft_trainer::train::bench::f32_adamw(&store)?;
+    let params: Vec<Var> = opt.params().to_vec();
+    let n = N_WAY * (k_shot + N_QUERY);
+    let episode = Episode {
+        images: Tensor::randn(0f32, 1., (n, 3, SIZE, SIZE), &dev)?,
+        n_way: N_WAY,
+        k_shot,
+        n_query: N_QUERY,
+    };
+    let ck = Checkpointer::new(false);
+    let queries = (N_WAY * N_QUERY) as f64;
+    measure_steps(STEPS, || -> anyhow::Result<()> {
+        ck.begin_forward();
+        let (loss, _) = model.summed_loss(&episode, true, &ck)?;
+        let grads = ck.gradients(&(loss / queries)?, &params)?;
+        opt.step(grads, 1e-3)?;
+        Ok(())
+    })
+}
+
+/// PyTorch's episode of the same shape, when a python with torch runs.
+fn torch(backbone: &str, k_shot: usize) -> Option<(f64, Option<u64>, String)> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/fsct_bench_torch.py"
+    );
+    let args = [
+        ("--backbone", backbone.to_string()),
+        ("--size", SIZE.to_string()),
+        ("--n-way", N_WAY.to_string()),
+        ("--k-shot", k_shot.to_string()),
+        ("--n-query", N_QUERY.to_string()),
+        ("--steps", STEPS.to_string()),
+    ];
+    let args: Vec<String> = args
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect();
+    let v = python_reference(script, &args)?;
+    Some((
+        v["step_time_s"].as_f64()?,
+        v["rss_peak_above_base_bytes"].as_u64(),
+        v["torch"].as_str().unwrap_or("?").to_string(),
+    ))
+}
+
+fn fmt(b: Option<u64>) -> String {
+    b.map(|b| format_bytes(b as i64))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn main() -> anyhow::Result<()> {
+    println!(
+        "FSCT_cosine training episode, {N_WAY}-way K-shot, {N_QUERY} queries a class, {SIZE} px, \
+         f32, AdamW, CPU ({} threads); mean of {STEPS} episodes after a warm-up\n",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    );
+    println!(
+        "| backbone | shots | ours | PyTorch | time ratio | ours: peak RSS | PyTorch: peak RSS | RSS ratio | ours: peak heap (exact) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (kind, name) in [
+        (BackboneKind::Conv4, "conv4"),
+        (BackboneKind::ResNet10, "resnet10"),
+    ] {
+        for k_shot in [1, 5] {
+            let m = ours(kind, k_shot)?;
+            let t = torch(name, k_shot);
+            let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+                _ => "-".into(),
+            };
+            println!(
+                "| {name} | {k_shot} | {:.3} s | {} | {} | {} | {} | {} | {} |",
+                m.step_s,
+                t.as_ref()
+                    .map(|t| format!("{:.3} s (torch {})", t.0, t.2))
+                    .unwrap_or("-".into()),
+                ratio(Some(m.step_s), t.as_ref().map(|t| t.0)),
+                fmt(m.rss_peak),
+                fmt(t.as_ref().and_then(|t| t.1)),
+                ratio(
+                    m.rss_peak.map(|b| b as f64),
+                    t.as_ref().and_then(|t| t.1.map(|b| b as f64))
+                ),
+                format_bytes(m.alloc_peak as i64),
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,412 @@
+//! Batch normalisation in training (batch statistics) as one op forward and one op backward.
+//!
+//! As a composition of candle ops, `BatchNorm2d` over [N, C, H, W] makes a mean over three
+//! dimensions one at a time, the centred input, its square, the variance, the normalised, scaled
+//! and shifted output: six tensors of the input's size, each a fresh allocation the graph keeps,
+//! and a backward through all of them (fewshot-ft's Conv4 episode at 84 px: 1.33 GiB of its
+//! first block's 1.8, and a third of the step in page faults on those fresh buffers, #21). Here
+//! the forward reads the input twice per channel (mean, then the centred sum of squares, both in
+//! f64) and writes the output once; the op keeps its input, and its batch statistics for the
+//! backward, which computes
+//!
+//! ```text
+//! dbeta  = sum(dy)            dgamma = sum(dy * xhat)          (per channel, in f64)
+//! dx     = gamma * rstd / M * (M * dy - dbeta - xhat * dgamma)
+//! ```
+//!
+//! with M = N H W, in two passes. Channels (statistics) and planes (outputs) run on rayon's
+//! threads. CPU, f32 and f64; other devices and dtypes take [`batch_norm_train`]'s composition.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// The batch statistics of one forward: per channel, the mean and the biased variance.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchStats {
+    pub mean: Vec<f64>,
+    pub var: Vec<f64>,
+}
+
+/// Geometry of [N, C, H, W]: planes of `hw` values, `c` channels.
+#[derive(Clone, Copy)]
+struct Planes {
+    n: usize,
+    c: usize,
+    hw: usize,
+}
+
+impl Planes {
+    fn of(shape: &Shape) -> Result<Self> {
+        let dims = shape.dims();
+        if dims.len() < 2 {
+            bail!("batch norm expects [N, C, ...], got {dims:?}");
+        }
+        Ok(Planes {
+            n: dims[0],
+            c: dims[1],
+            hw: dims[2..].iter().product(),
+        })
+    }
+
+    /// Values per channel.
+    fn m(&self) -> usize {
+        self.n * self.hw
+    }
+
+    /// Channel `c`'s planes of `x`.
+    fn channel<T>(self, x: &[T], c: usize) -> impl Iterator<Item = &[T]> {
+        (0..self.n).map(move |n| {
+            let at = (n * self.c + c) * self.hw;
+            &x[at..at + self.hw]
+        })
+    }
+}
+
+/// A float the passes read and write (f32 or f64); sums are f64 either way.
+trait Float: Copy + Send + Sync + candle_core::WithDType {
+    fn f64(self) -> f64;
+    fn of(v: f64) -> Self;
+}
+
+impl Float for f32 {
+    fn f64(self) -> f64 {
+        self as f64
+    }
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl Float for f64 {
+    fn f64(self) -> f64 {
+        self
+    }
+    fn of(v: f64) -> Self {
+        v
+    }
+}
+
+/// Per channel: the mean and the biased variance of `x`, two passes in f64.
+fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
+    let m = p.m().max(1) as f64;
+    let (mean, var) = (0..p.c)
+        .into_par_iter()
+        .map(|c| {
+            let mean = p
+                .channel(x, c)
+                .map(|plane| plane.iter().map(|v| v.f64()).sum::<f64>())
+                .sum::<f64>()
+                / m;
+            let var = p
+                .channel(x, c)
+                .map(|plane| {
+                    plane
+                        .iter()
+                        .map(|v| (v.f64() - mean) * (v.f64() - mean))
+                        .sum::<f64>()
+                })
+                .sum::<f64>()
+                / m;
+            (mean, var)
+        })
+        .unzip();
+    BatchStats { mean, var }
+}
+
+/// `1 / sqrt(var + eps)` per channel.
+fn rstd(s: &BatchStats, eps: f64) -> Vec<f64> {
+    s.var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect()
+}
+
+/// The forward: `y = (x - mean) * rstd * gamma + beta`, its statistics left in `stats`.
+struct Forward {
+    eps: f64,
+    stats: Arc<Mutex<BatchStats>>,
+}
+
+fn slice<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => bail!("batch norm: {what} must be contiguous"),
+    }
+}
+
+impl Forward {
+    fn run<T: Float>(&self, x: &[T], p: Planes, gamma: &[T], beta: &[T]) -> Result<Vec<T>> {
+        if gamma.len() != p.c || beta.len() != p.c {
+            bail!(
+                "batch norm: {} channels, weight of {} and bias of {}",
+                p.c,
+                gamma.len(),
+                beta.len()
+            );
+        }
+        let s = stats(x, p);
+        let r = rstd(&s, self.eps);
+        // Per channel: y = x * a + b.
+        let a: Vec<f64> = (0..p.c).map(|c| r[c] * gamma[c].f64()).collect();
+        let b: Vec<f64> = (0..p.c).map(|c| beta[c].f64() - s.mean[c] * a[c]).collect();
+        let mut y = vec![T::of(0.0); x.len()];
+        if p.hw > 0 {
+            y.par_chunks_mut(p.hw).enumerate().for_each(|(plane, out)| {
+                let c = plane % p.c;
+                let (ac, bc) = (a[c], b[c]);
+                let at = plane * p.hw;
+                for (o, v) in out.iter_mut().zip(&x[at..at + p.hw]) {
+                    *o = T::of(v.f64() * ac + bc);
+                }
+            });
+        }
+        *self
+            .stats
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))? = s;
+        Ok(y)
+    }
+}
+
+impl CustomOp3 for Forward {
+    fn name(&self) -> &'static str {
+        "ft-batch-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let p = Planes::of(xl.shape())?;
+        let y = match xs {
+            CpuStorage::F32(_) => CpuStorage::F32(self.run(
+                slice::<f32>(xs, xl, "the input")?,
+                p,
+                slice(ws, wl, "the weight")?,
+                slice(bs, bl, "the bias")?,
+            )?),
+            CpuStorage::F64(_) => CpuStorage::F64(self.run(
+                slice::<f64>(xs, xl, "the input")?,
+                p,
+                slice(ws, wl, "the weight")?,
+                slice(bs, bl, "the bias")?,
+            )?),
+            other => bail!("batch norm: {:?} input (f32 or f64)", other.dtype()),
+        };
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        _beta: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let stats = self
+            .stats
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))?
+            .clone();
+        let sums = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+        let op = Backward {
+            rstd: rstd(&stats, self.eps),
+            mean: stats.mean,
+            gamma: gamma.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+            sums: sums.clone(),
+        };
+        let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &op)?;
+        let (dgamma, dbeta) = sums
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("batch norm: sums poisoned".into()))?
+            .clone();
+        let back = |v: Vec<f64>| -> Result<Tensor> {
+            Tensor::from_vec(v, gamma.shape(), gamma.device())?.to_dtype(gamma.dtype())
+        };
+        Ok((Some(dx), Some(back(dgamma)?), Some(back(dbeta)?)))
+    }
+}
+
+/// The backward's passes: per channel sum(dy) and sum(dy * xhat) (left in `sums` as dgamma and
+/// dbeta), then dx.
+struct Backward {
+    mean: Vec<f64>,
+    rstd: Vec<f64>,
+    gamma: Vec<f64>,
+    sums: Arc<Mutex<(Vec<f64>, Vec<f64>)>>,
+}
+
+impl Backward {
+    fn run<T: Float>(&self, x: &[T], dy: &[T], p: Planes) -> Result<Vec<T>> {
+        if x.len() != dy.len() {
+            bail!(
+                "batch norm backward: gradient of {} values for an input of {}",
+                dy.len(),
+                x.len()
+            );
+        }
+        let (dgamma, dbeta): (Vec<f64>, Vec<f64>) = (0..p.c)
+            .into_par_iter()
+            .map(|c| {
+                let (mean, r) = (self.mean[c], self.rstd[c]);
+                let (mut sg, mut sb) = (0f64, 0f64);
+                for (xp, gp) in p.channel(x, c).zip(p.channel(dy, c)) {
+                    for (v, g) in xp.iter().zip(gp) {
+                        let g = g.f64();
+                        sb += g;
+                        sg += g * (v.f64() - mean) * r;
+                    }
+                }
+                (sg, sb)
+            })
+            .unzip();
+        let m = p.m().max(1) as f64;
+        let mut dx = vec![T::of(0.0); x.len()];
+        if p.hw > 0 {
+            dx.par_chunks_mut(p.hw)
+                .enumerate()
+                .for_each(|(plane, out)| {
+                    let c = plane % p.c;
+                    let (mean, r) = (self.mean[c], self.rstd[c]);
+                    let k = self.gamma[c] * r / m;
+                    let (sb, sg) = (dbeta[c], dgamma[c]);
+                    let at = plane * p.hw;
+                    for ((o, v), g) in out
+                        .iter_mut()
+                        .zip(&x[at..at + p.hw])
+                        .zip(&dy[at..at + p.hw])
+                    {
+                        let xhat = (v.f64() - mean) * r;
+                        *o = T::of(k * (m * g.f64() - sb - xhat * sg));
+                    }
+                });
+        }
+        *self
+            .sums
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("batch norm: sums poisoned".into()))? =
+            (dgamma, dbeta);
+        Ok(dx)
+    }
+}
+
+impl CustomOp2 for Backward {
+    fn name(&self) -> &'static str {
+        "ft-batch-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if xl.shape() != gl.shape() {
+            bail!(
+                "batch norm backward: gradient {:?} for input {:?}",
+                gl.shape(),
+                xl.shape()
+            );
+        }
+        let p = Planes::of(xl.shape())?;
+        let dx = match (xs, gs) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(self.run(
+                slice::<f32>(xs, xl, "the input")?,
+                slice(gs, gl, "the gradient")?,
+                p,
+            )?),
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(self.run(
+                slice::<f64>(xs, xl, "the input")?,
+                slice(gs, gl, "the gradient")?,
+                p,
+            )?),
+            _ => bail!(
+                "batch norm backward: {:?} input and {:?} gradient (f32 or f64, the same)",
+                xs.dtype(),
+                gs.dtype()
+            ),
+        };
+        Ok((dx, xl.shape().clone()))
+    }
+}
+
+/// Batch norm of `x` ([N, C, H, W]) with its batch statistics, scaled by `weight` and shifted by
+/// `bias` ([C] each), as `torch.nn.functional.batch_norm(training=True)` computes it; also
+/// returns the statistics (mean and biased variance per channel, for the running estimates).
+/// One op on the CPU for f32 and f64 (see the module); elsewhere a composition of candle ops
+/// with the same values and gradients.
+pub fn batch_norm_train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, BatchStats)> {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && op_enabled() {
+        let stats = Arc::new(Mutex::new(BatchStats::default()));
+        let op = Forward {
+            eps,
+            stats: stats.clone(),
+        };
+        let y = x.contiguous()?.apply_op3(
+            &weight.to_dtype(x.dtype())?.contiguous()?,
+            &bias.to_dtype(x.dtype())?.contiguous()?,
+            op,
+        )?;
+        let s = stats
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))?
+            .clone();
+        return Ok((y, s));
+    }
+    composed(x, weight, bias, eps)
+}
+
+/// Whether the CPU takes the op: `FT_BATCH_NORM_OP=0` turns it off (the composition then runs,
+/// for a before-and-after measurement), like the CUDA kernels' switches.
+fn op_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FT_BATCH_NORM_OP").map_or(true, |v| v != "0"))
+}
+
+/// [`batch_norm_train`] as candle's ops over [N, C, H, W] (a mean over one dimension at a time,
+/// as `BatchNorm2d` computed before the op): the reference the op is tested against, and the
+/// path of other devices and dtypes.
+pub fn composed(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, BatchStats)> {
+    let (_, c, _, _) = x.dims4()?;
+    let shape = (1, c, 1, 1);
+    let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+    let var = x
+        .broadcast_sub(&mean)?
+        .sqr()?
+        .mean_keepdim(0)?
+        .mean_keepdim(2)?
+        .mean_keepdim(3)?;
+    let y = x
+        .broadcast_sub(&mean)?
+        .broadcast_div(&(var.clone() + eps)?.sqrt()?)?
+        .broadcast_mul(&weight.reshape(shape)?)?
+        .broadcast_add(&bias.reshape(shape)?)?;
+    let wide =
+        |t: &Tensor| -> Result<Vec<f64>> { t.flatten_all()?.to_dtype(DType::F64)?.to_vec1() };
+    let stats = BatchStats {
+        mean: wide(&mean)?,
+        var: wide(&var)?,
+    };
+    Ok((y, stats))
+}

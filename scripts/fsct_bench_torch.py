@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""PyTorch side of `fewshot-ft`'s bench (`cargo run --release -p fewshot-ft --example fsct_bench`):
+one training episode (forward, backward, AdamW) of FSCT_cosine on a Conv4 or ResNet10 backbone
+(the CloserLook backbones fewshot-ft builds), `--n-way`-way `--k-shot`-shot with `--n-query`
+queries a class, random `--size` px images, f32 on CPU. Prints one JSON line.
+
+The FSCT head, Conv4 and the cosine linear are scripts/fsct_parity.py's (the model the parity
+fixtures come from); ResNet10 is written here from the CloserLook code (7x7 stride-2 stem,
+batch norm, ReLU, 3x3 stride-2 max pool; one SimpleBlock a stage at 64, 128, 256 and 512
+channels; average pool).
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import measure_and_print  # noqa: E402
+from fsct_parity import Attention, Conv4, CosineDistLinear  # noqa: E402
+
+
+class SimpleBlock(nn.Module):
+    def __init__(self, cin, cout, half):
+        super().__init__()
+        self.C1 = nn.Conv2d(cin, cout, 3, stride=2 if half else 1, padding=1, bias=False)
+        self.BN1 = nn.BatchNorm2d(cout)
+        self.C2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.BN2 = nn.BatchNorm2d(cout)
+        self.shortcut = None
+        if cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=2 if half else 1, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        h = F.relu(self.BN1(self.C1(x)))
+        h = self.BN2(self.C2(h))
+        s = x if self.shortcut is None else self.shortcut(x)
+        return F.relu(h + s)
+
+
+class ResNet10(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layers = [nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
+                  nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1)]
+        cin = 64
+        for i, cout in enumerate([64, 128, 256, 512]):
+            layers.append(SimpleBlock(cin, cout, i > 0))
+            cin = cout
+        self.trunk = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(self.trunk(x), 1).flatten(1)
+
+
+class FSCT(nn.Module):
+    def __init__(self, backbone, dim, n_way, k_shot, n_query, heads=8, dim_head=64, mlp=512):
+        super().__init__()
+        self.n_way, self.k_shot, self.n_query = n_way, k_shot, n_query
+        self.feature = backbone
+        self.ATTN = Attention(dim, heads, dim_head, True)
+        self.proto_weight = nn.Parameter(torch.ones(n_way, k_shot, 1))
+        self.FFN = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
+        self.linear = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim_head),
+                                    CosineDistLinear(dim_head, 1))
+
+    def forward(self, images):
+        z = self.feature(images).reshape(self.n_way, self.k_shot + self.n_query, -1)
+        support = z[:, :self.k_shot]
+        query = z[:, self.k_shot:].reshape(self.n_way * self.n_query, -1)
+        proto = (support * torch.softmax(self.proto_weight, dim=-2)).sum(1).unsqueeze(0)
+        query = query.unsqueeze(1)
+        x = self.ATTN(proto, query, query) + proto
+        x = self.FFN(x) + x
+        return self.linear(x).squeeze(-1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--backbone", choices=["conv4", "resnet10"], default="conv4")
+    p.add_argument("--size", type=int, default=84)
+    p.add_argument("--n-way", type=int, default=5)
+    p.add_argument("--k-shot", type=int, default=1)
+    p.add_argument("--n-query", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    if a.backbone == "conv4":
+        # Conv4 flattens its last map: 64 x (size / 16)^2 features.
+        backbone, dim = Conv4(), 64 * (a.size // 16) ** 2
+    else:
+        backbone, dim = ResNet10(), 512
+    model = FSCT(backbone, dim, a.n_way, a.k_shot, a.n_query).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = a.n_way * (a.k_shot + a.n_query)
+    images = torch.randn(n, 3, a.size, a.size)
+    targets = torch.arange(a.n_way).repeat_interleave(a.n_query)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(images), targets)
+        loss.backward()
+        opt.step()
+
+    measure_and_print(step, a.steps, backbone=a.backbone,
+                      params=sum(q.numel() for q in model.parameters()))
+
+
+if __name__ == "__main__":
+    main()
