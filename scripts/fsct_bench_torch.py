@@ -4,8 +4,8 @@ one training episode (forward, backward, AdamW) of FSCT_cosine on a Conv4 or Res
 (the CloserLook backbones fewshot-ft builds), `--n-way`-way `--k-shot`-shot with `--n-query`
 queries a class, random `--size` px images, f32 on CPU. Prints one JSON line.
 
-The FSCT head, Conv4 and the cosine linear are scripts/fsct_parity.py's (the model the parity
-fixtures come from); ResNet10 is written here from the CloserLook code (7x7 stride-2 stem,
+The FSCT (cosine attention, cosine linear head) and Conv4 are scripts/fsct_parity.py's (the
+model the parity fixtures come from); ResNet10 is written here from the CloserLook code (7x7 stride-2 stem,
 batch norm, ReLU, 3x3 stride-2 max pool; one SimpleBlock a stage at 64, 128, 256 and 512
 channels; average pool).
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import measure_and_print  # noqa: E402
-from fsct_parity import Attention, Conv4, CosineDistLinear  # noqa: E402
+from fsct_parity import FSCT, Conv4  # noqa: E402
 
 
 class SimpleBlock(nn.Module):
@@ -56,28 +56,6 @@ class ResNet10(nn.Module):
         return F.adaptive_avg_pool2d(self.trunk(x), 1).flatten(1)
 
 
-class FSCT(nn.Module):
-    def __init__(self, backbone, dim, n_way, k_shot, n_query, heads=8, dim_head=64, mlp=512):
-        super().__init__()
-        self.n_way, self.k_shot, self.n_query = n_way, k_shot, n_query
-        self.feature = backbone
-        self.ATTN = Attention(dim, heads, dim_head, True)
-        self.proto_weight = nn.Parameter(torch.ones(n_way, k_shot, 1))
-        self.FFN = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
-        self.linear = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim_head),
-                                    CosineDistLinear(dim_head, 1))
-
-    def forward(self, images):
-        z = self.feature(images).reshape(self.n_way, self.k_shot + self.n_query, -1)
-        support = z[:, :self.k_shot]
-        query = z[:, self.k_shot:].reshape(self.n_way * self.n_query, -1)
-        proto = (support * torch.softmax(self.proto_weight, dim=-2)).sum(1).unsqueeze(0)
-        query = query.unsqueeze(1)
-        x = self.ATTN(proto, query, query) + proto
-        x = self.FFN(x) + x
-        return self.linear(x).squeeze(-1)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--backbone", choices=["conv4", "resnet10"], default="conv4")
@@ -96,7 +74,8 @@ def main():
         backbone, dim = Conv4(), 64 * (a.size // 16) ** 2
     else:
         backbone, dim = ResNet10(), 512
-    model = FSCT(backbone, dim, a.n_way, a.k_shot, a.n_query).train()
+    model = FSCT(True, dim=dim, backbone=backbone, n_way=a.n_way, k_shot=a.k_shot,
+                 n_query=a.n_query).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     n = a.n_way * (a.k_shot + a.n_query)
     images = torch.randn(n, 3, a.size, a.size)

@@ -85,18 +85,23 @@ class CosineDistLinear(nn.Module):
 
 
 class FSCT(nn.Module):
-    def __init__(self, cosine, dim=64, heads=8, dim_head=64, mlp=512):
+    # The episode's shape and the backbone default to the fixtures' (scripts/fsct_bench_torch.py
+    # passes its own); `dim` is the backbone's feature size.
+    def __init__(self, cosine, dim=64, heads=8, dim_head=64, mlp=512, backbone=None,
+                 n_way=N_WAY, k_shot=K_SHOT, n_query=N_QUERY):
         super().__init__()
-        self.feature = Conv4()
+        self.n_way, self.k_shot, self.n_query = n_way, k_shot, n_query
+        self.feature = Conv4() if backbone is None else backbone
         self.ATTN = Attention(dim, heads, dim_head, cosine)
-        self.proto_weight = nn.Parameter(torch.ones(N_WAY, K_SHOT, 1))
+        self.proto_weight = nn.Parameter(torch.ones(n_way, k_shot, 1))
         self.FFN = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
         last = CosineDistLinear(dim_head, 1) if cosine else nn.Linear(dim_head, 1)
         self.linear = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim_head), last)
 
     def forward(self, images):
-        z = self.feature(images).reshape(N_WAY, K_SHOT + N_QUERY, -1)
-        support, query = z[:, :K_SHOT], z[:, K_SHOT:].reshape(N_WAY * N_QUERY, -1)
+        z = self.feature(images).reshape(self.n_way, self.k_shot + self.n_query, -1)
+        support = z[:, :self.k_shot]
+        query = z[:, self.k_shot:].reshape(self.n_way * self.n_query, -1)
         proto = (support * torch.softmax(self.proto_weight, dim=-2)).sum(1).unsqueeze(0)
         query = query.unsqueeze(1)
         x = self.ATTN(proto, query, query) + proto

@@ -147,6 +147,50 @@ fn eight_bit_adamw_on_a_gpu_needs_the_kernels_or_offload() {
     }
 }
 
+/// `--zero` and `--plan-ranks` are checked with the flags: a stage ZeRO has, not with the fused
+/// backward; `--plan-ranks` only with `--plan`, and at least one rank.
+#[test]
+fn zero_and_plan_ranks_are_checked_with_the_flags() {
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: ft_trainer::train::CommonArgs,
+    }
+    let check = |extra: &[&str]| {
+        let mut args = vec!["t"];
+        args.extend(extra);
+        Cli::parse_from(args)
+            .common
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+    };
+    for ok in [
+        &["--zero", "1"][..],
+        &["--zero", "2", "--plan", "--plan-ranks", "5"],
+    ] {
+        assert_eq!(check(ok), None, "{ok:?}");
+    }
+    for (bad, says) in [
+        (&["--zero", "3"][..], "--zero must be"),
+        (
+            &[
+                "--zero",
+                "1",
+                "--fused-backward",
+                "--checkpointing",
+                "blocks",
+            ],
+            "--zero with --fused-backward",
+        ),
+        (&["--plan-ranks", "5"], "goes with --plan"),
+        (&["--plan", "--plan-ranks", "0"], "at least 1"),
+    ] {
+        let e = check(bad).unwrap_or_default();
+        assert!(e.contains(says), "{bad:?}: {e}");
+    }
+}
+
 /// `--full-bf16` gives bf16 weights without masters on any device, and refuses the flags it
 /// contradicts by name.
 #[test]

@@ -31,19 +31,53 @@ fn train(np: usize, out: &Path, args: &[&str]) -> Result<Option<Vec<f64>>> {
     )?)
 }
 
-/// The bytes of `component` the ledger held after the run's last step (`memory.jsonl`).
-fn held(dir: &Path, component: &str) -> Result<u64> {
+/// The rows of the run's ledger (`memory.jsonl`, rank 0's).
+fn ledger(dir: &Path) -> Result<Vec<serde_json::Value>> {
     let text = std::fs::read_to_string(dir.join("memory.jsonl"))?;
-    let last = text
+    Ok(text
         .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
+}
+
+/// The bytes of `component` the ledger held after the run's last step.
+fn held(dir: &Path, component: &str) -> Result<u64> {
+    let rows = ledger(dir)?;
+    let last = rows
+        .iter()
         .rev()
-        .map(serde_json::from_str::<serde_json::Value>)
-        .filter_map(|r| r.ok())
         .find(|r| r["phase"] == "step")
         .ok_or_else(|| anyhow::anyhow!("no step in {}", dir.display()))?;
     last["told"][component]
         .as_u64()
         .ok_or_else(|| anyhow::anyhow!("no {component} in {last}"))
+}
+
+/// The most bytes of `component` the ledger held at any point of the run.
+fn held_most(dir: &Path, component: &str) -> Result<u64> {
+    Ok(ledger(dir)?
+        .iter()
+        .filter_map(|r| r["told"][component].as_u64())
+        .max()
+        .unwrap_or(0))
+}
+
+/// Flags both resume tests start from: the small model and data trained from scratch in
+/// micro-batches of 2, a checkpoint every 2 steps.
+fn small_run<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
+    vec![
+        "--model",
+        model,
+        "--from-scratch",
+        "--train-file",
+        data,
+        "--batch-size",
+        "2",
+        "--save-every",
+        "2",
+        "--lr",
+        "1e-3",
+    ]
 }
 
 fn weights(dir: &Path) -> Result<SafetensorsFiles> {
@@ -166,6 +200,18 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
                 "{np} ranks, ZeRO-{zero}: rank 0 held {mine} bytes of optimizer state, one process {all}"
             );
         }
+        if zero == "2" {
+            // Each micro-batch's gradients reduced onto their owners: rank 0's accumulator
+            // held the fp32 sums of its share only, never the model's.
+            let (mine, all) = (
+                held_most(&many, "gradients")?,
+                held_most(&one, "gradients")?,
+            );
+            assert!(
+                mine > 0 && mine as f64 <= all as f64 * (1.0 / np as f64 + 0.05),
+                "{np} ranks, ZeRO-2: rank 0 held {mine} bytes of gradients, one process {all}"
+            );
+        }
     }
     // Rank 1 taking rank 0's micro-batches (or the same dropout masks) would show here: the
     // loss of 2 ranks of 1 micro-batch is not the loss of one process of 1.
@@ -186,21 +232,7 @@ fn ranks_resume_the_same_curve() -> Result<()> {
     let dir = common::tmp("ranks-resume");
     let (model, data) = model_and_data(&dir)?;
     let (m, d) = (model.display().to_string(), data.display().to_string());
-    let base = [
-        "--model",
-        &m,
-        "--from-scratch",
-        "--train-file",
-        &d,
-        "--batch-size",
-        "2",
-        "--accum",
-        "2",
-        "--save-every",
-        "2",
-        "--lr",
-        "1e-3",
-    ];
+    let base = [&small_run(&m, &d)[..], &["--accum", "2"]].concat();
     let steps = |n: &'static str| [&base[..], &["--max-steps", n]].concat();
     let Some(whole) = train(2, &dir.join("whole"), &steps("4"))? else {
         return Ok(());
@@ -235,23 +267,10 @@ fn zero_checkpoints_resume_at_another_number_of_ranks() -> Result<()> {
     let (model, data) = model_and_data(&dir)?;
     let (m, d) = (model.display().to_string(), data.display().to_string());
     let base = [
-        "--model",
-        &m,
-        "--from-scratch",
-        "--train-file",
-        &d,
-        "--batch-size",
-        "2",
-        "--save-every",
-        "2",
-        "--lr",
-        "1e-3",
-        "--optim",
-        "adamw8bit",
-        "--precision",
-        "bf16",
-        "--max-steps",
-    ];
+        &small_run(&m, &d)[..],
+        &["--optim", "adamw8bit", "--precision", "bf16", "--max-steps"],
+    ]
+    .concat();
     let run = |np: usize, out: &str, steps: &str, extra: &[&str]| {
         let args = [&base[..], &[steps], extra].concat();
         train(np, &dir.join(out), &args)
@@ -262,6 +281,16 @@ fn zero_checkpoints_resume_at_another_number_of_ranks() -> Result<()> {
     let Some(_) = run(2, "zero2", "2", &["--accum", "2", "--zero", "2"])? else {
         return Ok(());
     };
+    // Rank 0 kept the fp32 masters of its share of the parameters only.
+    let zero2 = dir.join("zero2");
+    let (mine, all) = (
+        held(&zero2, "master_weights")?,
+        held(&dir.join("whole"), "master_weights")?,
+    );
+    assert!(
+        mine > 0 && mine as f64 <= all as f64 * 0.55,
+        "rank 0 held {mine} bytes of masters, one process {all}"
+    );
     let ck = |out: &str| dir.join(out).join("checkpoint-2").display().to_string();
     let Some(one) = run(1, "zero2", "4", &["--accum", "4", "--resume", &ck("zero2")])? else {
         unreachable!()
