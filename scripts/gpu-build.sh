@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-bench.sh runs, with --features cuda (release): `gpu_bench` (ft-trainer),
 # the ft-kernels and ft-trainer CUDA test executables (`cuda_tests`, `memory_cuda_tests`), the
-# per-family kernel timings (ft-kernels' `time_*` examples), and the `t5-ft` and `sdxl-ft`
-# binaries (scripts/gpu-fit-xl.sh, the demos on the card), copied into DIR.
+# per-family kernel timings (ft-kernels' `time_*` examples), and the `t5-ft`, `sdxl-ft` and
+# `fewshot-ft` binaries (scripts/gpu-fit-xl.sh, the demos on the card), copied into DIR.
 #
 #   bash scripts/gpu-build.sh DIR             # CUDA_COMPUTE_CAP=90 (H100/H200) by default
 set -euo pipefail
@@ -13,14 +13,14 @@ PY=${BENCH_PYTHON:-python3}
 T=${CARGO_TARGET_DIR:-target}
 cargo build --release --features cuda -p ft-trainer --example gpu_bench
 cargo build --release --features cuda -p ft-kernels --examples
-cargo build --release --features cuda -p t5-ft -p sdxl-ft
+cargo build --release --features cuda -p t5-ft -p sdxl-ft -p fewshot-ft
 test_exe() {
   cargo test --release --features cuda -p "$1" --test cuda --no-run --message-format=json \
     | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
 }
 mkdir -p "$DIR"
 cp "$T/release/examples/gpu_bench" "$DIR/gpu_bench"
-cp "$T/release/t5-ft" "$T/release/sdxl-ft" "$DIR/"
+cp "$T/release/t5-ft" "$T/release/sdxl-ft" "$T/release/fewshot-ft" "$DIR/"
 for f in kernels/examples/time_*.rs; do
   name=$(basename "$f" .rs)
   cp "$T/release/examples/$name" "$DIR/$name"

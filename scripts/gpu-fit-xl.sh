@@ -10,7 +10,8 @@
 #   T5FT=path/to/t5-ft bash scripts/gpu-fit-xl.sh OUT     # t5-ft built with --features cuda
 #
 # DEVICE (default cuda) and EXTRA (more flags, e.g. "--plan" to print the choices without a GPU)
-# are passed on. Checkpoints go to a temporary folder, removed after each run (FLAN-T5-XL's fill
+# are passed on; ROWS (default all) names the runs to make, e.g. ROWS="xl-fit-8GiB
+# large-fullhost-fused-accum2", so a short device call can rerun one row. Checkpoints go to a temporary folder, removed after each run (FLAN-T5-XL's fill
 # a disk fast).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,7 @@ PY
 run() { # name model flags...
   local name=$1 dir=$2
   shift 2
+  [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]] && return
   echo "=== $name: $*"
   # shellcheck disable=SC2086
   timeout "${RUN_TIMEOUT:-300}" "$T5FT" --model "$dir" --from-scratch --train-file "$WORK/data.jsonl" \

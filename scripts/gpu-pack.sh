@@ -2,7 +2,7 @@
 # Prepares a GPU run on a machine that has no network: builds here what scripts/gpu-bench.sh
 # runs there (scripts/gpu-build.sh), packed in two parts so that each, with the repository and
 # the wheels, stays under a 64 MiB transfer: .gpu/main/bins.tar.xz (gpu_bench, the CUDA tests,
-# t5-ft, sdxl-ft: about 35 MB) and .gpu/kernels/bins.tar.xz (the `time_*` kernel timings: about
+# t5-ft, sdxl-ft, fewshot-ft: about 43 MB) and .gpu/kernels/bins.tar.xz (the `time_*` kernel timings: about
 # 45 MB); and downloads the diffusers wheel the PyTorch side imports into .whl/. Both folders
 # are git-ignored: carry them to the GPU machine.
 #
