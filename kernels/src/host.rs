@@ -29,12 +29,21 @@ pub fn par_chunks<A: Send>(out: &mut [A], f: impl Fn(usize, &mut [A]) + Sync) {
 
 /// Runs `f` on the elements of a contiguous f32 CPU tensor; `None` for anything else.
 pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
-    if t.dtype() != DType::F32 {
+    with_slice(t, f)
+}
+
+/// Runs `f` on the elements of a contiguous CPU tensor of `T`'s dtype, read in place; `None`
+/// for anything else.
+pub fn with_slice<T: candle_core::WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> R,
+) -> Option<R> {
+    if t.dtype() != T::DTYPE {
         return None;
     }
     let (storage, layout) = t.storage_and_layout();
     match (&*storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(f(&v[a..b])),
+        (Storage::Cpu(cpu), Some((a, b))) => cpu.as_slice::<T>().ok().map(|v| f(&v[a..b])),
         _ => None,
     }
 }

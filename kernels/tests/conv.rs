@@ -70,3 +70,58 @@ fn low_precision_forwards_stay_close() -> Result<()> {
     }
     Ok(())
 }
+
+/// Images large enough that the unfolding and folding run on rayon's threads (one image's
+/// columns over `PAR_ELEMS`), with a bias (added inside the op): values and the three gradients
+/// against candle's conv2d and broadcast add and their backward in f64, and f32 within its
+/// rounding of f64.
+#[test]
+fn large_images_match_candle_forward_and_backward() -> Result<()> {
+    let dev = Device::Cpu;
+    for (k, s, p) in [(3, 1, 1), (3, 2, 1), (1, 1, 0)] {
+        let x = candle_core::Var::from_tensor(&random_tensor(&[3, 16, 24, 22], 11, &dev)?)?;
+        let w = candle_core::Var::from_tensor(&random_tensor(&[12, 16, k, k], 12, &dev)?)?;
+        let probe = |y: &Tensor| -> Result<Tensor> {
+            let r = random_tensor(y.dims(), 13, &dev)?;
+            (y * r)?.sum_all()
+        };
+        let b = candle_core::Var::from_tensor(&random_tensor(&[12], 14, &dev)?)?;
+        let ours = conv2d(&x, &w, Some(&b), s, p)?;
+        let want = x
+            .conv2d(&w, p, s, 1, 1)?
+            .broadcast_add(&b.reshape((1, 12, 1, 1))?)?;
+        assert!(max_diff(&ours, &want)? < 1e-11, "k {k} s {s} p {p}");
+        let (g1, g2) = (probe(&ours)?.backward()?, probe(&want)?.backward()?);
+        let params = [
+            ("input", x.as_tensor()),
+            ("weight", w.as_tensor()),
+            ("bias", b.as_tensor()),
+        ];
+        for (name, t) in params {
+            let (a, b) = (g1.get(t), g2.get(t));
+            let (Some(a), Some(b)) = (a, b) else {
+                panic!("no {name} gradient")
+            };
+            assert!(rel_diff(a, b)? < 1e-12, "k {k} s {s} p {p} {name}");
+        }
+        // f32: the same products in f32, the folding summed in f64.
+        let (x32, w32) = (
+            candle_core::Var::from_tensor(&x.to_dtype(DType::F32)?)?,
+            candle_core::Var::from_tensor(&w.to_dtype(DType::F32)?)?,
+        );
+        let b32 = b.to_dtype(DType::F32)?;
+        let y32 = conv2d(&x32, &w32, Some(&b32), s, p)?;
+        assert!(rel_diff(&y32, &ours)? < 1e-5);
+        let g32 = probe(&y32.to_dtype(DType::F64)?)?.backward()?;
+        for (t32, t) in [
+            (x32.as_tensor(), x.as_tensor()),
+            (w32.as_tensor(), w.as_tensor()),
+        ] {
+            let (Some(a), Some(b)) = (g32.get(t32), g1.get(t)) else {
+                panic!("no f32 gradient")
+            };
+            assert!(rel_diff(a, b)? < 1e-5, "k {k} s {s} p {p} f32");
+        }
+    }
+    Ok(())
+}

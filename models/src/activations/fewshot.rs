@@ -43,8 +43,8 @@ fn conv_out(conv: &Conv2d, x: Map) -> Map {
 struct Walk {
     n: u64,
     dtype: DType,
-    /// Batch norm is one op (`ft_kernels::batch_norm`): on the CPU in f32 and f64.
-    fused_batch_norm: bool,
+    /// Batch norm is one op and a convolution adds its bias inside ([`Target::cpu_op`]).
+    cpu_op: bool,
     segments: Vec<SegmentBytes>,
 }
 
@@ -58,7 +58,7 @@ impl Walk {
     /// reduced dimension), the centred input and its square, the normalised, scaled and shifted
     /// output.
     fn batch_norm(&self, t: &mut Tally, m: Map) {
-        if self.fused_batch_norm {
+        if self.cpu_op {
             t.new_tensor(self.elems(m));
             return;
         }
@@ -70,7 +70,7 @@ impl Walk {
     /// conv, batch norm, ReLU.
     fn conv_bn_relu(&self, t: &mut Tally, conv: &Conv2d, x: Map) -> Map {
         let y = conv_out(conv, x);
-        t.conv(self.elems(y), conv.bias.is_some());
+        t.conv(self.elems(y), conv.bias.is_some() && !self.cpu_op);
         self.batch_norm(t, y);
         t.new_tensor(self.elems(y));
         y
@@ -115,11 +115,11 @@ impl Walk {
         let mut t = Tally::default();
         let h = self.conv_bn_relu(&mut t, &b.c1, x);
         let y = conv_out(&b.c2, h);
-        t.conv(self.elems(y), b.c2.bias.is_some());
+        t.conv(self.elems(y), b.c2.bias.is_some() && !self.cpu_op);
         self.batch_norm(&mut t, y);
         if let Some((c, _)) = &b.shortcut {
             let s = conv_out(c, x);
-            t.conv(self.elems(s), c.bias.is_some());
+            t.conv(self.elems(s), c.bias.is_some() && !self.cpu_op);
             self.batch_norm(&mut t, s);
         }
         t.new_tensor(2 * self.elems(y)); // residual sum, ReLU
@@ -155,7 +155,7 @@ impl FewShotModel {
         let mut w = Walk {
             n,
             dtype,
-            fused_batch_norm: target == Target::Cpu && matches!(dtype, DType::F32 | DType::F64),
+            cpu_op: target.cpu_op(dtype),
             segments: Vec::new(),
         };
         let side = shape.image_size as u64;
@@ -224,20 +224,20 @@ impl FewShotModel {
 /// Backward's temporaries through a Conv4/Conv6 block, in thousandths of its graph (measured:
 /// `trainer/tests/backward_temporaries.rs`). Its graph is small (the conv's and batch norm's
 /// outputs, the ReLU's, the pool's) next to the gradients in flight through it: the conv's
-/// input gradient and its column buffers, batch norm's and ReLU's, each a map of the block's
-/// size.
+/// input and weight gradients (its column buffers are one image's), batch norm's and ReLU's,
+/// each a map of the block's size.
 const CONV_TEMPORARIES: Temporaries = Temporaries {
-    whole: 2950,
-    kept: 3180,
-    recomputed: 2320,
+    whole: 2770,
+    kept: 3010,
+    recomputed: 3030,
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
 /// [`CONV_TEMPORARIES`]).
 const RESNET_TEMPORARIES: Temporaries = Temporaries {
-    whole: 2600,
-    kept: 2830,
-    recomputed: 2820,
+    whole: 1675,
+    kept: 2060,
+    recomputed: 1895,
 };
 
 /// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.

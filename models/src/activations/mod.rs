@@ -43,6 +43,17 @@ impl Target {
     fn fused_attention(self, head_dim: u64) -> bool {
         self == Target::Cuda && head_dim == 64
     }
+
+    /// Whether a convolution's bias (when it has one) is a second op after it.
+    pub(crate) fn bias_op(self, dtype: DType) -> bool {
+        !self.cpu_op(dtype)
+    }
+
+    /// Whether the convolution adds its bias in the same op and batch norm is one op
+    /// (`ft_kernels::conv::bias_in_op`, `ft_kernels::batch_norm`): the CPU in f32 and f64.
+    pub(crate) fn cpu_op(self, dtype: DType) -> bool {
+        self == Target::Cpu && matches!(dtype, DType::F32 | DType::F64)
+    }
 }
 
 /// One attention call: `b` x `heads` x `lq` queries against `lk` keys of `head_dim`.
@@ -118,9 +129,11 @@ impl Tally {
         self.elems += rows * dout * (1 + bias as u64) + if view_input { rows * din } else { 0 };
     }
 
-    /// `ft_kernels::conv::conv2d` with `out` output elements: the convolution and the bias sum.
-    pub fn conv(&mut self, out: u64, bias: bool) {
-        self.elems += out * (1 + bias as u64);
+    /// `ft_kernels::conv::conv2d` with `out` output elements: the convolution, and the bias sum
+    /// when the bias is added by a second op (`bias_op`: there is a bias and the target does
+    /// not add it inside the convolution, [`Target::bias_op`]).
+    pub fn conv(&mut self, out: u64, bias_op: bool) {
+        self.elems += out * (1 + bias_op as u64);
     }
 
     /// Layer or group norm with affine weight and bias: normalized, scaled, shifted.

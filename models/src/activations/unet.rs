@@ -24,6 +24,8 @@ struct Walk<'a> {
     ctx: u64,
     dtype: DType,
     target: Target,
+    /// Each convolution's bias is a second op ([`Target::bias_op`]).
+    bias_op: bool,
     outer: Tally,
     segments: Vec<SegmentBytes>,
 }
@@ -41,15 +43,15 @@ impl Walk<'_> {
         let (b, mut t) = (self.b, Tally::default());
         t.norm(b * cin * hw);
         t.new_tensor(b * cin * hw); // silu
-        t.conv(b * cout * hw, true);
+        t.conv(b * cout * hw, self.bias_op);
         t.new_tensor(b * self.temb); // silu of the time embedding
         t.linear(b, self.temb, cout, true, false);
         t.new_tensor(b * cout * hw); // + time embedding
         t.norm(b * cout * hw);
         t.new_tensor(b * cout * hw); // silu
-        t.conv(b * cout * hw, true);
+        t.conv(b * cout * hw, self.bias_op);
         if cin != cout {
-            t.conv(b * cout * hw, true); // 1x1 shortcut
+            t.conv(b * cout * hw, self.bias_op); // 1x1 shortcut
         }
         t.new_tensor(b * cout * hw); // residual sum
                                      // Its leaves: the input and the time embedding.
@@ -129,7 +131,7 @@ fn halved(x: usize) -> usize {
 /// `trainer/tests/backward_temporaries.rs`).
 const UNET_TEMPORARIES: Temporaries = Temporaries {
     whole: 2100,
-    kept: 2400,
+    kept: 2050,
     recomputed: 2100,
 };
 
@@ -154,6 +156,7 @@ impl UNetConfig {
             ctx: shape.context_len as u64,
             dtype,
             target,
+            bias_op: target.bias_op(dtype),
             outer: Tally::default(),
             segments: Vec::new(),
         };
@@ -170,7 +173,8 @@ impl UNetConfig {
         }
         let (mut h, mut wd) = (shape.height, shape.width);
         let px = |h: usize, w: usize| (h * w) as u64;
-        w.outer.conv(b * ch[0] * px(h, wd), true);
+        let bias_op = w.bias_op;
+        w.outer.conv(b * ch[0] * px(h, wd), bias_op);
         let mut skips = vec![ch[0]];
         let mut cin = ch[0];
         for (i, &c) in ch.iter().enumerate() {
@@ -185,7 +189,7 @@ impl UNetConfig {
             }
             if i + 1 < levels {
                 (h, wd) = (halved(h), halved(wd));
-                w.outer.conv(b * c * px(h, wd), true);
+                w.outer.conv(b * c * px(h, wd), bias_op);
                 skips.push(c);
             }
         }
@@ -209,13 +213,14 @@ impl UNetConfig {
             if i + 1 < levels {
                 w.outer.new_tensor(4 * b * c * px(h, wd)); // nearest 2x upsample
                 (h, wd) = (2 * h, 2 * wd);
-                w.outer.conv(b * c * px(h, wd), true);
+                w.outer.conv(b * c * px(h, wd), bias_op);
             }
         }
         let n = b * ch[0] * px(h, wd);
         w.outer.norm(n);
         w.outer.new_tensor(n);
-        w.outer.conv(b * self.out_channels as u64 * px(h, wd), true);
+        w.outer
+            .conv(b * self.out_channels as u64 * px(h, wd), bias_op);
         ActivationProfile {
             outer: w.outer.bytes(dtype),
             segments: w.segments,

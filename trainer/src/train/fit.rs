@@ -20,8 +20,9 @@
 //! The precision is not turned: bf16 with fp32 masters is already the GPU default, and
 //! `--full-bf16` changes how updates round, which is the user's call.
 //!
-//! The search: knob by knob, the earlier ones at their most saving, each level of the current
-//! knob is tried, cheapest first; at the first plan that fits, the earlier knobs are walked back,
+//! The search: knob by knob, the earlier ones at their most saving level (the one with the
+//! smallest plan), each level of the current knob is tried, cheapest first; at the first plan
+//! that fits, the earlier knobs are walked back,
 //! in order, to the cheapest level that still fits, again until none moves. The predicted peak is the plan's total on
 //! the training device: model states, activations, and backward's temporaries as each model's
 //! measured factors estimate them (`ft_params::checkpoint::Temporaries`).
@@ -353,11 +354,20 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
         }
     }
     for k in 0..knobs.len() {
+        // The knob's level with the smallest plan, where the next knobs are tried: usually its
+        // last, but not always (Conv4's checkpointing rebuilds a first block that holds most
+        // of the activations, and its backward's temporaries come on top: `full` plans more
+        // than `none`).
+        let mut least = (
+            peak(&levels)?.map_or(u64::MAX, |(_, p)| p.device_bytes()),
+            0,
+        );
         for l in 1..=knobs[k].levels.len() {
             levels[k] = l;
             let Some((_, p)) = peak(&levels)? else {
                 continue;
             };
+            least = least.min((p.device_bytes(), l));
             if !fits(&p) {
                 continue;
             }
@@ -387,6 +397,7 @@ fn search<B: Binary + Clone, E: std::fmt::Display>(
             };
             return Ok(Ok(fitted(a, p, budget, &knobs, &levels)));
         }
+        levels[k] = least.1;
     }
     Ok(Err(smallest))
 }
