@@ -10,7 +10,9 @@
 //! image by image into one [O, C k k] matrix and folds each image's column gradient back (summed
 //! in f64). The unfolding runs over the columns' rows and the folding over the channels on
 //! rayon's threads, the products on gemm's; images go in order, so the sums do not depend on
-//! the threads. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's
+//! the threads. Where an image's columns are small (a UNet's 8 x 8 latents), splitting one
+//! image costs more than it gains: the images then go on rayon's threads, one each, for the
+//! forward and the input gradient, and the weight gradient still sums them in order. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's
 //! second layer: 345 MB of columns, and as many again of their gradient in f64 twice over, each
 //! a fresh allocation the kernel zeroed page by page). bf16 and f16 unfold all images and take
 //! candle's matmul. Other devices use candle's conv2d (cuDNN or its im2col kernel on CUDA).
@@ -65,6 +67,15 @@ impl Geometry {
     fn cols(&self) -> (usize, usize) {
         let (oh, ow) = self.out_hw();
         (oh * ow, self.c * self.k * self.k)
+    }
+
+    /// Whether the images go on rayon's threads, one each (each with its own column buffer and
+    /// gemm on one thread): when an image's columns are too few for its unfolding, folding and
+    /// product to be worth splitting ([`PAR_ELEMS`]) and there are images and threads to share.
+    /// Each image's values are computed as on one thread, so the result does not change.
+    fn images_in_parallel(&self) -> bool {
+        let (l, ck) = self.cols();
+        ck * l < PAR_ELEMS && self.b > 1 && rayon::current_num_threads() > 1
     }
 
     /// Calls `f(column index within the image, offset in the column, input offset)` for every
@@ -219,7 +230,8 @@ struct Mat<'a, T> {
 }
 
 /// `dst` (m x n, row-major) = `lhs` (m x k) x `rhs` (k x n), or `dst +=` it with `accumulate`;
-/// on gemm's threads when the product is large. Lengths are checked before gemm reads them.
+/// on gemm's threads when the product is large and `threads` allows it (not when the caller
+/// already runs on rayon's threads, one image each). Lengths are checked before gemm reads them.
 #[allow(clippy::too_many_arguments)]
 fn gemm_into<T: GemmFloat>(
     dst: &mut [T],
@@ -229,6 +241,7 @@ fn gemm_into<T: GemmFloat>(
     n: usize,
     k: usize,
     accumulate: bool,
+    threads: bool,
 ) -> Result<()> {
     if dst.len() < m * n || lhs.data.len() < m * k || rhs.data.len() < k * n {
         candle_core::bail!(
@@ -244,7 +257,7 @@ fn gemm_into<T: GemmFloat>(
     // (row stride, column stride) of each operand.
     let (lrs, lcs) = if lhs.transposed { (1, m) } else { (k, 1) };
     let (rrs, rcs) = if rhs.transposed { (1, k) } else { (n, 1) };
-    let parallelism = if m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
+    let parallelism = if threads && m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
         gemm::Parallelism::Rayon(0)
     } else {
         gemm::Parallelism::None
@@ -288,25 +301,39 @@ fn forward_by_image<T: GemmFloat>(
 ) -> Result<Vec<T>> {
     let (l, ck) = g.cols();
     let mut out = vec![T::zero(); g.b * o * l];
-    let mut cols = vec![T::zero(); ck * l];
-    for (bi, y) in out.chunks_mut((o * l).max(1)).enumerate().take(g.b) {
+    let image = |bi: usize, y: &mut [T], cols: &mut [T], threads: bool| {
         if let Some(b) = bias {
             for (row, v) in y.chunks_mut(l.max(1)).zip(b) {
                 row.fill(*v);
             }
         }
-        g.image_columns(x, bi, &mut cols);
+        g.image_columns(x, bi, cols);
         let (lhs, rhs) = (
             Mat {
                 data: w,
                 transposed: false,
             },
             Mat {
-                data: &cols,
+                data: cols,
                 transposed: false,
             },
         );
-        gemm_into(y, lhs, rhs, o, l, ck, bias.is_some())?;
+        gemm_into(y, lhs, rhs, o, l, ck, bias.is_some(), threads)
+    };
+    if g.images_in_parallel() {
+        use rayon::prelude::*;
+        out.par_chunks_mut((o * l).max(1))
+            .enumerate()
+            .take(g.b)
+            .try_for_each_init(
+                || vec![T::zero(); ck * l],
+                |cols, (bi, y)| image(bi, y, cols, false),
+            )?;
+    } else {
+        let mut cols = vec![T::zero(); ck * l];
+        for (bi, y) in out.chunks_mut((o * l).max(1)).enumerate().take(g.b) {
+            image(bi, y, &mut cols, true)?;
+        }
     }
     Ok(out)
 }
@@ -334,15 +361,46 @@ fn backward_by_image<T: GemmFloat>(
     let mut dx = vec![T::zero(); g.b * chw];
     let mut dw = vec![T::zero(); o * ck];
     let mut db = vec![0f64; if with_bias { o } else { 0 }];
+    let parallel = g.images_in_parallel();
     let mut cols = vec![T::zero(); ck * l];
-    let mut dcols = vec![T::zero(); ck * l];
+    // dcols_b [CK, L] = W^T [CK, O] x dY_b [O, L], folded onto image b's input: images apart.
+    let input_grad = |bi: usize, dxb: &mut [T], dcols: &mut [T], threads: bool| {
+        let (lhs, rhs) = (
+            Mat {
+                data: w,
+                transposed: true,
+            },
+            Mat {
+                data: &dy[bi * o * l..][..o * l],
+                transposed: false,
+            },
+        );
+        gemm_into(dcols, lhs, rhs, ck, l, o, false, threads)?;
+        g.fold_image(dcols, dxb);
+        Ok::<_, candle_core::Error>(())
+    };
+    if parallel {
+        use rayon::prelude::*;
+        dx.par_chunks_mut(chw.max(1))
+            .enumerate()
+            .take(g.b)
+            .try_for_each_init(
+                || vec![T::zero(); ck * l],
+                |dcols, (bi, dxb)| input_grad(bi, dxb, dcols, false),
+            )?;
+    }
+    let mut dcols = if parallel {
+        Vec::new()
+    } else {
+        vec![T::zero(); ck * l]
+    };
     for bi in 0..g.b {
         let dyb = &dy[bi * o * l..][..o * l];
         for (sum, row) in db.iter_mut().zip(dyb.chunks(l.max(1))) {
             *sum += row.iter().map(|v| v.to_f64()).sum::<f64>();
         }
         g.image_columns(x, bi, &mut cols);
-        // dW += dY_b [O, L] x cols_b^T [L, CK].
+        // dW += dY_b [O, L] x cols_b^T [L, CK], images in order.
         let (lhs, rhs) = (
             Mat {
                 data: dyb,
@@ -353,20 +411,10 @@ fn backward_by_image<T: GemmFloat>(
                 transposed: true,
             },
         );
-        gemm_into(&mut dw, lhs, rhs, o, ck, l, bi > 0)?;
-        // dcols_b [CK, L] = W^T [CK, O] x dY_b [O, L], folded onto the image's input.
-        let (lhs, rhs) = (
-            Mat {
-                data: w,
-                transposed: true,
-            },
-            Mat {
-                data: dyb,
-                transposed: false,
-            },
-        );
-        gemm_into(&mut dcols, lhs, rhs, ck, l, o, false)?;
-        g.fold_image(&dcols, &mut dx[bi * chw..][..chw]);
+        gemm_into(&mut dw, lhs, rhs, o, ck, l, bi > 0, true)?;
+        if !parallel {
+            input_grad(bi, &mut dx[bi * chw..][..chw], &mut dcols, true)?;
+        }
     }
     Ok(ConvGrads {
         dx,

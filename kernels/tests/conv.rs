@@ -125,3 +125,54 @@ fn large_images_match_candle_forward_and_backward() -> Result<()> {
     }
     Ok(())
 }
+
+/// Small images go on rayon's threads, one each; each image's values are computed as on one
+/// thread and the weight and bias gradients sum the images in order, so the forward and the
+/// three gradients are the same bits on one thread as on three (f32 and f64, with and without
+/// a bias, batch 5).
+#[test]
+fn small_images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
+    let dev = Device::Cpu;
+    let run = |dt: DType, bias: bool| -> Result<Vec<Vec<f64>>> {
+        let x =
+            candle_core::Var::from_tensor(&random_tensor(&[5, 6, 9, 7], 21, &dev)?.to_dtype(dt)?)?;
+        let w =
+            candle_core::Var::from_tensor(&random_tensor(&[8, 6, 3, 3], 22, &dev)?.to_dtype(dt)?)?;
+        let b = candle_core::Var::from_tensor(&random_tensor(&[8], 23, &dev)?.to_dtype(dt)?)?;
+        let y = conv2d(&x, &w, bias.then_some(b.as_tensor()), 1, 1)?;
+        let r = random_tensor(y.dims(), 24, &dev)?.to_dtype(dt)?;
+        let g = (&y * r)?.sum_all()?.backward()?;
+        let mut out = vec![y.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?];
+        for t in [x.as_tensor(), w.as_tensor()]
+            .into_iter()
+            .chain(bias.then_some(b.as_tensor()))
+        {
+            let Some(gt) = g.get(t) else {
+                panic!("no gradient")
+            };
+            out.push(gt.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?);
+        }
+        Ok(out)
+    };
+    let pool = |n: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    };
+    let (one, three) = (pool(1)?, pool(3)?);
+    for dt in [DType::F32, DType::F64] {
+        for bias in [false, true] {
+            let a = one.install(|| run(dt, bias))?;
+            let b = three.install(|| run(dt, bias))?;
+            for (i, (u, v)) in a.iter().zip(&b).enumerate() {
+                let same = u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    same,
+                    "{dt:?} bias {bias}: output {i} differs between 1 and 3 threads"
+                );
+            }
+        }
+    }
+    Ok(())
+}
