@@ -338,6 +338,49 @@ fn forward_by_image<T: GemmFloat>(
     Ok(out)
 }
 
+/// [`forward_by_image`] on CPU storages: input, weight and bias (when given) all f32 or all
+/// f64; `None` for other dtypes, which the callers handle (or refuse) themselves.
+fn forward_storage(
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+    g: &Geometry,
+    o: usize,
+) -> Result<Option<CpuStorage>> {
+    fn run<T: GemmFloat>(
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+        g: &Geometry,
+        o: usize,
+    ) -> Result<Vec<T>> {
+        let bias = match bias {
+            Some((s, l)) => Some(cpu::slice(s.as_slice::<T>()?, l)?),
+            None => None,
+        };
+        let (xs, ws) = (x.0.as_slice::<T>()?, w.0.as_slice::<T>()?);
+        forward_by_image(cpu::slice(xs, x.1)?, cpu::slice(ws, w.1)?, bias, g, o)
+    }
+    // The storage's dtype where it is one the image-by-image path takes.
+    let float = |s: &CpuStorage| match s {
+        CpuStorage::F32(_) => Some(DType::F32),
+        CpuStorage::F64(_) => Some(DType::F64),
+        _ => None,
+    };
+    let same = |d: DType| {
+        float(x.0) == Some(d)
+            && float(w.0) == Some(d)
+            && bias.is_none_or(|(b, _)| float(b) == Some(d))
+    };
+    Ok(if same(DType::F32) {
+        Some(CpuStorage::F32(run::<f32>(x, w, bias, g, o)?))
+    } else if same(DType::F64) {
+        Some(CpuStorage::F64(run::<f64>(x, w, bias, g, o)?))
+    } else {
+        None
+    })
+}
+
 /// What the image-by-image backward gives: the input, weight and (with a bias) bias gradients.
 struct ConvGrads<T> {
     dx: Vec<T>,
@@ -544,21 +587,10 @@ impl CustomOp2 for Conv2d {
                 .flatten_all()?
                 .to_vec1()
         }
+        if let Some(out) = forward_storage((s1, l1), (s2, l2), None, &g, o)? {
+            return Ok((out, Shape::from((g.b, o, oh, ow))));
+        }
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(forward_by_image(
-                cpu::slice(x, l1)?,
-                cpu::slice(w, l2)?,
-                None,
-                &g,
-                o,
-            )?),
-            (CpuStorage::F64(x), CpuStorage::F64(w)) => CpuStorage::F64(forward_by_image(
-                cpu::slice(x, l1)?,
-                cpu::slice(w, l2)?,
-                None,
-                &g,
-                o,
-            )?),
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 CpuStorage::BF16(run(cpu::slice(x, l1)?, cpu::slice(w, l2)?, &g, o, l, ck)?)
             }
@@ -631,26 +663,8 @@ impl CustomOp3 for Conv2dBias {
             candle_core::bail!("conv2d: a bias of {:?} for {o} channels", l3.dims());
         }
         let (oh, ow) = g.out_hw();
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                CpuStorage::F32(forward_by_image(
-                    cpu::slice(x, l1)?,
-                    cpu::slice(w, l2)?,
-                    Some(cpu::slice(b, l3)?),
-                    &g,
-                    o,
-                )?)
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
-                CpuStorage::F64(forward_by_image(
-                    cpu::slice(x, l1)?,
-                    cpu::slice(w, l2)?,
-                    Some(cpu::slice(b, l3)?),
-                    &g,
-                    o,
-                )?)
-            }
-            _ => candle_core::bail!("conv2d with bias: f32 or f64, the same for all three"),
+        let Some(out) = forward_storage((s1, l1), (s2, l2), Some((s3, l3)), &g, o)? else {
+            candle_core::bail!("conv2d with bias: f32 or f64, the same for all three")
         };
         Ok((out, Shape::from((g.b, o, oh, ow))))
     }
