@@ -72,7 +72,8 @@ fn low_precision_forwards_stay_close() -> Result<()> {
 }
 
 /// Images large enough that the unfolding and folding run on rayon's threads (one image's
-/// columns over `PAR_ELEMS`), with a bias (added inside the op): values and the three gradients
+/// columns over `PAR_ELEMS` for the 3x3 kernels; the 1x1 kernel's are under it, so its images
+/// go on the threads one each), with a bias (added inside the op): values and the three gradients
 /// against candle's conv2d and broadcast add and their backward in f64, and f32 within its
 /// rounding of f64.
 #[test]

@@ -1,0 +1,199 @@
+//! The geometry of one convolution and the moves between an image and its columns: unfolding
+//! (one image, or all of them for the low-precision path), folding back (the adjoint) and the
+//! rule for when images go on rayon's threads.
+
+use candle_core::{Result, WithDType};
+
+/// Geometry of one convolution: square kernel, equal stride and padding on both axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Geometry {
+    pub(super) b: usize,
+    pub(super) c: usize,
+    pub(super) h: usize,
+    pub(super) w: usize,
+    pub(super) k: usize,
+    pub(super) stride: usize,
+    pub(super) pad: usize,
+}
+
+impl Geometry {
+    pub(super) fn new(dims: &[usize], k: usize, stride: usize, pad: usize) -> Result<Self> {
+        let [b, c, h, w] = dims else {
+            candle_core::bail!("conv2d expects [N, C, H, W], got {dims:?}");
+        };
+        if k == 0 || stride == 0 || h + 2 * pad < k || w + 2 * pad < k {
+            candle_core::bail!(
+                "conv2d: kernel {k} stride {stride} padding {pad} do not fit input {h}x{w}"
+            );
+        }
+        Ok(Geometry {
+            b: *b,
+            c: *c,
+            h: *h,
+            w: *w,
+            k,
+            stride,
+            pad,
+        })
+    }
+
+    pub(super) fn out_hw(&self) -> (usize, usize) {
+        (
+            (self.h + 2 * self.pad - self.k) / self.stride + 1,
+            (self.w + 2 * self.pad - self.k) / self.stride + 1,
+        )
+    }
+
+    /// Columns per image (output positions) and column length (C k k).
+    pub(super) fn cols(&self) -> (usize, usize) {
+        let (oh, ow) = self.out_hw();
+        (oh * ow, self.c * self.k * self.k)
+    }
+
+    /// Whether the images go on rayon's threads, one each (each with its own column buffer and
+    /// gemm on one thread): when an image's columns are too few for its unfolding, folding and
+    /// product to be worth splitting ([`PAR_ELEMS`]) and there are images and threads to share.
+    /// Each image's values are computed as on one thread, so the result does not change.
+    pub(super) fn images_in_parallel(&self) -> bool {
+        let (l, ck) = self.cols();
+        ck * l < PAR_ELEMS && self.b > 1 && rayon::current_num_threads() > 1
+    }
+
+    /// Calls `f(column index within the image, offset in the column, input offset)` for every
+    /// in-bounds (output position, kernel tap) pair of image `bi`.
+    pub(super) fn for_each_tap(&self, bi: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let (oh, ow) = self.out_hw();
+        let (k, s, p) = (self.k, self.stride, self.pad as isize);
+        for ci in 0..self.c {
+            let plane = (bi * self.c + ci) * self.h * self.w;
+            for ky in 0..k {
+                for kx in 0..k {
+                    let j = (ci * k + ky) * k + kx;
+                    for oy in 0..oh {
+                        let y = (oy * s) as isize + ky as isize - p;
+                        if y < 0 || y >= self.h as isize {
+                            continue;
+                        }
+                        let row = plane + y as usize * self.w;
+                        for ox in 0..ow {
+                            let x = (ox * s) as isize + kx as isize - p;
+                            if x < 0 || x >= self.w as isize {
+                                continue;
+                            }
+                            f(oy * ow + ox, j, row + x as usize);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [B, C, H, W] (contiguous) to [B, Ho*Wo, C*k*k], zeros where the kernel hangs over the edge.
+    pub(super) fn im2col<T: WithDType>(&self, x: &[T]) -> Vec<T> {
+        let (l, ck) = self.cols();
+        let mut out = vec![T::zero(); self.b * l * ck];
+        for bi in 0..self.b {
+            let o = &mut out[bi * l * ck..(bi + 1) * l * ck];
+            self.for_each_tap(bi, |col, j, src| o[col * ck + j] = x[src]);
+        }
+        out
+    }
+
+    /// Image `bi` of `x` (contiguous [B, C, H, W]) as columns [C*k*k, Ho*Wo] in `cols`, zeros where
+    /// the kernel hangs over the edge: each row (a channel and kernel tap) on its own, on rayon's
+    /// threads when the image is large.
+    pub(super) fn image_columns<T: WithDType>(&self, x: &[T], bi: usize, cols: &mut [T]) {
+        let (oh, ow) = self.out_hw();
+        let l = oh * ow;
+        let (k, s, p) = (self.k, self.stride, self.pad as isize);
+        let fill = |j: usize, row: &mut [T]| {
+            let (ci, tap) = (j / (k * k), j % (k * k));
+            let (ky, kx) = (tap / k, tap % k);
+            let plane = &x[(bi * self.c + ci) * self.h * self.w..][..self.h * self.w];
+            for oy in 0..oh {
+                let out = &mut row[oy * ow..(oy + 1) * ow];
+                let y = (oy * s) as isize + ky as isize - p;
+                if y < 0 || y >= self.h as isize {
+                    out.fill(T::zero());
+                    continue;
+                }
+                let src = &plane[y as usize * self.w..][..self.w];
+                for (ox, o) in out.iter_mut().enumerate() {
+                    let x = (ox * s) as isize + kx as isize - p;
+                    *o = if x < 0 || x >= self.w as isize {
+                        T::zero()
+                    } else {
+                        src[x as usize]
+                    };
+                }
+            }
+        };
+        let rows = cols[..self.c * k * k * l].chunks_mut(l.max(1));
+        if self.c * k * k * l >= PAR_ELEMS {
+            use rayon::prelude::*;
+            cols[..self.c * k * k * l]
+                .par_chunks_mut(l.max(1))
+                .enumerate()
+                .for_each(|(j, row)| fill(j, row));
+        } else {
+            rows.enumerate().for_each(|(j, row)| fill(j, row));
+        }
+    }
+
+    /// The adjoint of [`Self::image_columns`]: the column gradient `dcols` [C*k*k, Ho*Wo] of image
+    /// `bi` summed back onto its input positions in `dx` ([C, H, W] of that image), in f64, each
+    /// channel on its own (on rayon's threads when the image is large).
+    pub(super) fn fold_image<T: WithDType>(&self, dcols: &[T], dx: &mut [T]) {
+        let (oh, ow) = self.out_hw();
+        let l = oh * ow;
+        let (k, s, p) = (self.k, self.stride, self.pad as isize);
+        let hw = self.h * self.w;
+        let fold = |ci: usize, out: &mut [T]| {
+            let mut acc = vec![0f64; hw];
+            for tap in 0..k * k {
+                let (ky, kx) = (tap / k, tap % k);
+                let row = &dcols[(ci * k * k + tap) * l..][..l];
+                for oy in 0..oh {
+                    let y = (oy * s) as isize + ky as isize - p;
+                    if y < 0 || y >= self.h as isize {
+                        continue;
+                    }
+                    let dst = &mut acc[y as usize * self.w..][..self.w];
+                    for (ox, g) in row[oy * ow..(oy + 1) * ow].iter().enumerate() {
+                        let x = (ox * s) as isize + kx as isize - p;
+                        if x >= 0 && x < self.w as isize {
+                            dst[x as usize] += g.to_f64();
+                        }
+                    }
+                }
+            }
+            for (o, a) in out.iter_mut().zip(acc) {
+                *o = T::from_f64(a);
+            }
+        };
+        if self.c * k * k * l >= PAR_ELEMS {
+            use rayon::prelude::*;
+            dx.par_chunks_mut(hw.max(1))
+                .enumerate()
+                .for_each(|(ci, out)| fold(ci, out));
+        } else {
+            dx.chunks_mut(hw.max(1))
+                .enumerate()
+                .for_each(|(ci, out)| fold(ci, out));
+        }
+    }
+
+    /// The adjoint of `im2col`: sums every column entry back into the input position it came from.
+    pub(super) fn col2im(&self, cols: &[f64]) -> Vec<f64> {
+        let (l, ck) = self.cols();
+        let mut out = vec![0f64; self.b * self.c * self.h * self.w];
+        for bi in 0..self.b {
+            let cb = &cols[bi * l * ck..(bi + 1) * l * ck];
+            self.for_each_tap(bi, |col, j, dst| out[dst] += cb[col * ck + j]);
+        }
+        out
+    }
+}
+
+/// Elements of one image's columns from which its unfolding and folding run on rayon's threads.
+pub(super) const PAR_ELEMS: usize = 1 << 16;
