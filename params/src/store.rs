@@ -89,18 +89,21 @@ impl ParamStore {
     /// shapes-only model too.
     pub fn segments(&self, segments: &[Vec<Tensor>]) -> Segments {
         use std::collections::{HashMap, HashSet};
-        let sizes: HashMap<_, u64> = self
+        // Trainable tensors in the store's order (the order of their shapes everywhere else).
+        let entries: Vec<_> = self
             .lock()
             .iter()
             .filter(|e| e.trainable)
-            .map(|e| (e.tensor.id(), e.tensor.elem_count() as u64))
+            .map(|e| (e.tensor.id(), e.tensor.dims().to_vec()))
             .collect();
-        let sets: Vec<HashSet<_>> = segments
+        let dims: HashMap<_, &Vec<usize>> = entries.iter().map(|(id, d)| (*id, d)).collect();
+        let sets: Vec<Vec<_>> = segments
             .iter()
             .map(|seg| {
+                let mut seen = HashSet::new();
                 seg.iter()
                     .map(|t| t.id())
-                    .filter(|id| sizes.contains_key(id))
+                    .filter(|id| dims.contains_key(id) && seen.insert(*id))
                     .collect()
             })
             .collect();
@@ -109,15 +112,31 @@ impl ParamStore {
             *uses.entry(*id).or_default() += 1;
         }
         let own = |id: &_| uses.get(id) == Some(&1);
-        let size = |id: &_| sizes.get(id).copied().unwrap_or(0);
+        let size = |d: &Vec<usize>| d.iter().product::<usize>() as u64;
+        let own_shapes: Vec<Vec<Vec<usize>>> = sets
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .filter(|id| own(id))
+                    .map(|id| dims[id].clone())
+                    .collect()
+            })
+            .collect();
+        let outside = entries
+            .iter()
+            .filter(|(id, _)| !own(id))
+            .map(|(_, d)| d.clone())
+            .collect();
         Segments {
-            inside: uses.keys().filter(|id| own(id)).map(size).sum(),
-            tensors: uses.keys().filter(|id| own(id)).count(),
-            largest: sets
+            inside: own_shapes.iter().flatten().map(size).sum(),
+            tensors: own_shapes.iter().map(Vec::len).sum(),
+            largest: own_shapes
                 .iter()
-                .map(|s| s.iter().filter(|id| own(id)).map(size).sum())
+                .map(|s| s.iter().map(size).sum())
                 .max()
                 .unwrap_or(0),
+            own: own_shapes,
+            outside,
         }
     }
 
@@ -134,7 +153,7 @@ impl ParamStore {
 /// backward pass holds at once the gradients of the parameters outside every segment, or in
 /// more than one (they wait for the end of the backward), and those of one segment (updated and
 /// dropped as soon as its recomputation has produced them). [`ParamStore::segments`] counts them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Segments {
     /// Trainable values of parameters in exactly one segment.
     pub inside: u64,
@@ -143,4 +162,10 @@ pub struct Segments {
     /// Trainable tensors in exactly one segment: those a fused backward pass updates early,
     /// which each step's `updated_in_backward` metric counts.
     pub tensors: usize,
+    /// Each segment's own trainable tensors' shapes (those in no other segment), in the order
+    /// the segments were listed: what its early step updates.
+    pub own: Vec<Vec<Vec<usize>>>,
+    /// The shapes of the trainable tensors in no segment or in more than one: what the step
+    /// after the fused backward updates.
+    pub outside: Vec<Vec<usize>>,
 }

@@ -10,7 +10,8 @@
 //!
 //! The predicted peak is what `--plan` adds for one micro-batch: the activations the strategy
 //! keeps, the largest segment while it is rebuilt, backward's temporaries, and the parameters'
-//! gradients that backward produces.
+//! gradients that backward produces, formed segment by segment from the last
+//! (`ActivationProfile::held_with`).
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::activations::{EpisodeShape, T5Shape, Target, UNetShape};
@@ -18,7 +19,9 @@ use ft_models::dropout::DropoutCtx;
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
 use ft_models::t5::{T5Batch, T5Config, T5};
 use ft_models::unet::{UNet, UNetConfig};
-use ft_params::checkpoint::{ActivationProfile, Checkpointer, Strategy};
+use ft_params::checkpoint::{
+    ActivationProfile, Checkpointer, GradBytes, StepTemporaries, Strategy,
+};
 use ft_params::{ParamBuilder, ParamStore};
 use ft_trainer::ledger::alloc;
 
@@ -58,12 +61,14 @@ fn measure(
     tolerance: f64,
     profile: &ActivationProfile,
     params: &[Var],
+    formed: &GradBytes,
     forward: Forward,
 ) -> anyhow::Result<Vec<Row>> {
     let grads: u64 = params
         .iter()
         .map(|p| (p.elem_count() * p.dtype().size_in_bytes()) as u64)
         .sum();
+    assert_eq!(grads, formed.segments.iter().sum::<u64>() + formed.outside);
     let mut rows = Vec::new();
     for s in STRATEGIES {
         let strategy: Strategy = s.parse().map_err(anyhow::Error::msg)?;
@@ -75,7 +80,7 @@ fn measure(
         drop(loss);
         let measured = (alloc::peak_bytes() - base) as u64;
         drop(g);
-        let held = profile.held(strategy);
+        let held = profile.held_with(strategy, &StepTemporaries::default(), Some(formed));
         let largest = profile.segments.iter().map(|s| s.kept()).max().unwrap_or(1);
         let predicted = held.peak() + grads;
         // What backward added on top of what forward kept, in largest segments: measured,
@@ -93,6 +98,20 @@ fn measure(
         });
     }
     Ok(rows)
+}
+
+/// The fp32 gradients of `pb`'s trainable tensors by the model's checkpoint `segments`, as the
+/// plan counts them.
+fn formed(pb: &ParamBuilder, segments: &[Vec<Tensor>]) -> GradBytes {
+    let s = pb.store().segments(segments);
+    let bytes = |shapes: &[Vec<usize>]| -> u64 {
+        let values: usize = shapes.iter().map(|d| d.iter().product::<usize>()).sum();
+        4 * values as u64
+    };
+    GradBytes {
+        segments: s.own.iter().map(|own| bytes(own)).collect(),
+        outside: bytes(&s.outside),
+    }
 }
 
 fn params(pb: &ParamBuilder) -> anyhow::Result<Vec<Var>> {
@@ -135,6 +154,7 @@ fn t5_rows() -> anyhow::Result<Vec<Row>> {
         let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &dev, 2);
         let m = T5::new(&pb, &cfg)?;
         let ps = params(&pb)?;
+        let grads = formed(&pb, &m.segments());
         for (b, ls, lt) in [
             (8, 64, 16),
             (4, 128, 32),
@@ -150,6 +170,7 @@ fn t5_rows() -> anyhow::Result<Vec<Row>> {
                 T5_TOLERANCE,
                 &profile,
                 &ps,
+                &grads,
                 &|ck| Ok(m.summed_loss(&batch, &drop, ck)?),
             )?);
         }
@@ -165,6 +186,7 @@ fn unet_rows() -> anyhow::Result<Vec<Row>> {
     let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &dev, 1);
     let unet = UNet::new(&pb, &cfg)?;
     let ps = params(&pb)?;
+    let grads = formed(&pb, &unet.segments());
     let mut rows = Vec::new();
     for (batch, h, w, cl) in [(4, 32, 32, 7), (1, 48, 48, 5), (2, 24, 40, 7)] {
         let x = Tensor::randn(0f32, 1., (batch, 4, h, w), &dev)?;
@@ -184,6 +206,7 @@ fn unet_rows() -> anyhow::Result<Vec<Row>> {
             TOLERANCE,
             &profile,
             &ps,
+            &grads,
             &|ck| {
                 let y = unet.forward(&x, &t, &ctx, Some((&te, &ids)), ck)?;
                 Ok(y.sqr()?.sum_all()?)
@@ -213,6 +236,7 @@ fn fewshot_rows() -> anyhow::Result<Vec<Row>> {
                 k_shot,
             )?;
             let ps = params(&pb)?;
+            let grads = formed(&pb, &m.segments());
             let n = n_way * (k_shot + n_query);
             let ep = Episode {
                 images: Tensor::randn(0f32, 1., (n, 3, size, size), &dev)?,
@@ -232,6 +256,7 @@ fn fewshot_rows() -> anyhow::Result<Vec<Row>> {
                 TOLERANCE,
                 &profile,
                 &ps,
+                &grads,
                 &|ck| Ok(m.summed_loss(&ep, true, ck)?.0),
             )?);
         }

@@ -311,7 +311,9 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
             Segments {
                 inside: 64 + 128,
                 largest: 128,
-                tensors: 2
+                tensors: 2,
+                own: vec![vec![vec![8, 8]], vec![vec![8, 16]], vec![]],
+                outside: vec![vec![100, 8], vec![100]],
             },
             "shapes only {shapes_only}"
         );
@@ -326,7 +328,9 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
             )
         };
         let full = plan(StatePlacement::WithModel, true);
-        let fused = full.clone().under_fused_backward(seg);
+        let fused = full
+            .clone()
+            .under_fused_backward(seg.clone(), &ft_trainer::optim::adamw::SPEC);
         // 1,092 trainable values: 900 outside + 128 of the largest segment alive at once.
         assert_eq!(full.params, 1092);
         assert_eq!(
@@ -336,7 +340,8 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
         let row = |p: &ft_trainer::train::plan::StatePlan| p.rows[1].clone();
         assert_eq!(row(&fused).bytes, 2 * 1028);
         assert!(row(&fused).component.contains("--fused-backward"));
-        let off = plan(StatePlacement::Host, true).under_fused_backward(seg);
+        let off = plan(StatePlacement::Host, true)
+            .under_fused_backward(seg.clone(), &ft_trainer::optim::adamw::SPEC);
         let moved: Vec<u64> = off
             .rows
             .iter()
@@ -354,7 +359,7 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
             16,
             true,
         )
-        .under_fused_backward(seg);
+        .under_fused_backward(seg, &ft_trainer::optim::adamw::SPEC);
         let bytes = |what: &str| {
             acc.rows
                 .iter()

@@ -19,7 +19,7 @@ mod segment;
 mod sink;
 mod strategy;
 
-pub use profile::{ActivationProfile, Held, Temporaries};
+pub use profile::{ActivationProfile, GradBytes, Held, StepTemporaries, Temporaries};
 pub use segment::{graph_bytes, graphs_bytes};
 pub use sink::{EarlyStep, GradSink};
 pub use strategy::{budget_keeps, Strategy};

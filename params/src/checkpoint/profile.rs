@@ -32,6 +32,11 @@
 //! segment's temporaries through its attention scores ([`SegmentBytes::score_temporaries`]).
 //! [`ActivationProfile::held`] walks backward from the last segment to the first, each with the kept graphs of the segments
 //! before it (those after it are freed by then), and takes the most.
+//!
+//! [`ActivationProfile::held_with`] adds two moments a plan needs beside that walk: the
+//! optimizer step (after backward, or inside a fused backward at each segment's early step),
+//! and the gradients backward has formed by each segment (those of the segments after it and
+//! its own, where a plan would count one micro-batch's gradients whole at every moment).
 
 use super::{SegmentBytes, Strategy};
 
@@ -69,6 +74,29 @@ impl Temporaries {
     }
 }
 
+/// The optimizer step's temporaries (its update's new values and intermediates,
+/// `OptimSpec::step_bytes` of the largest tensor it updates at once), by where the step runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepTemporaries {
+    /// Under a fused backward pass: each segment's early step, in forward order. It runs as
+    /// soon as the segment's backward has produced its parameters' gradients, while its graph
+    /// and the kept graphs of the segments before it are held.
+    pub segments: Vec<u64>,
+    /// The step after backward: of every parameter, when the run drops the graph first; under
+    /// a fused backward, of those outside the segments, beside the caller's graph.
+    pub after: u64,
+    /// Whether the segments step inside backward (`--fused-backward`).
+    pub fused: bool,
+}
+
+/// The gradients a backward forms, in bytes: each segment's own parameters' (those in no other
+/// segment), in forward order, and the rest's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GradBytes {
+    pub segments: Vec<u64>,
+    pub outside: u64,
+}
+
 /// What a strategy keeps (see the module's table), in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Held {
@@ -81,12 +109,19 @@ pub struct Held {
     pub backward: u64,
     /// In host memory (`full-host`).
     pub host: u64,
+    /// On top of `kept + backward`: what the optimizer step's temporaries add where its
+    /// moment is higher than backward's (0 where they fit under backward's peak).
+    pub step: u64,
+    /// What a plan that counts one micro-batch's gradients whole beside `kept + backward +
+    /// step` may take back: at the highest moment backward has freed some segment graphs and
+    /// not yet formed some gradients ([`ActivationProfile::held_with`]).
+    pub spare: u64,
 }
 
 impl Held {
     /// The most the activations and backward's temporaries hold on the device at once.
     pub fn peak(&self) -> u64 {
-        self.kept + self.backward
+        (self.kept + self.backward + self.step).saturating_sub(self.spare)
     }
 
     /// Kept, rebuilt and host bytes as the cells of a markdown row (the README's activation
@@ -152,7 +187,78 @@ impl ActivationProfile {
             recompute,
             backward: self.backward_walk(strategy).saturating_sub(graphs),
             host,
+            step: 0,
+            spare: 0,
         }
+    }
+
+    /// [`Self::held`] with the optimizer step's moment: after backward (the graph dropped,
+    /// or under a fused backward the caller's graph still held), and under a fused backward
+    /// each segment's early step, beside the segment's graph and the kept graphs before it.
+    /// Where the step's segments do not match the profile's, every segment is taken to step
+    /// the largest of them.
+    ///
+    /// With `grads` (the gradients backward forms, outside a fused backward) it also finds
+    /// what the plan may take back ([`Held::spare`]): a plan counts one micro-batch's gradients
+    /// whole beside the activations, while backward forms them segment by segment, from the
+    /// last, freeing the segments' graphs as it goes.
+    pub fn held_with(
+        &self,
+        strategy: Strategy,
+        step: &StepTemporaries,
+        grads: Option<&GradBytes>,
+    ) -> Held {
+        let mut held = self.held(strategy);
+        let graphs = self.graphs_where({
+            let keep = self.kept_segments(strategy);
+            move |i| keep[i]
+        });
+        let outer = held.kept - graphs;
+        let mut moment = if step.fused {
+            outer + step.after
+        } else {
+            step.after
+        };
+        let walk = self.walk(strategy);
+        if step.fused {
+            let largest = step.segments.iter().copied().max().unwrap_or(0);
+            let matched = step.segments.len() == self.segments.len();
+            let before = self.kept_before(strategy);
+            for (i, s) in self.segments.iter().enumerate() {
+                let own = if matched { step.segments[i] } else { largest };
+                moment = moment.max(outer + before[i] + s.kept() + own);
+            }
+        }
+        held.step = moment.saturating_sub(held.kept + held.backward);
+        let Some(grads) = grads.filter(|g| g.segments.len() == self.segments.len()) else {
+            return held;
+        };
+        // Each moment with the gradients formed by then: a segment's backward, with its own
+        // parameters' and those of the segments after it (and, to be safe, every gradient
+        // outside the segments); the end of backward, the caller's graph and every gradient;
+        // the step after it.
+        let all: u64 = grads.segments.iter().sum::<u64>() + grads.outside;
+        let mut formed = grads.outside;
+        let mut most = (outer + all).max(step.after + all);
+        for (i, live) in walk.iter().enumerate().rev() {
+            formed += grads.segments[i];
+            most = most.max(outer + live + formed);
+        }
+        held.spare = (held.peak() + all).saturating_sub(most);
+        held
+    }
+
+    /// Per segment, the kept graphs of the segments before it: what backward still holds of
+    /// them when it reaches it.
+    fn kept_before(&self, strategy: Strategy) -> Vec<u64> {
+        let keep = self.kept_segments(strategy);
+        let mut before = 0;
+        let mut out = Vec::with_capacity(self.segments.len());
+        for (s, k) in self.segments.iter().zip(&keep) {
+            out.push(before);
+            before += if *k { s.kept() } else { 0 };
+        }
+        out
     }
 
     /// The most segment graphs and temporaries hold at once while backward walks the segments
@@ -160,30 +266,30 @@ impl ActivationProfile {
     /// the kept graphs of the segments before it. Under `none` candle's backward holds the whole
     /// graph until it returns.
     fn backward_walk(&self, strategy: Strategy) -> u64 {
+        self.walk(strategy).into_iter().max().unwrap_or(0)
+    }
+
+    /// Per segment, what segment graphs and temporaries hold while backward runs through it
+    /// ([`Self::backward_walk`] takes the most).
+    fn walk(&self, strategy: Strategy) -> Vec<u64> {
         let t = self.temporaries;
         let of = Temporaries::of;
         let keep = self.kept_segments(strategy);
-        let mut before: u64 = 0; // kept graphs of the segments before `i`
-        let mut kept_before = Vec::with_capacity(self.segments.len());
-        for (s, k) in self.segments.iter().zip(&keep) {
-            kept_before.push(before);
-            before += if *k { s.kept() } else { 0 };
-        }
+        let kept_before = self.kept_before(strategy);
         let whole = self.unsegmented();
-        let mut peak = 0;
-        for (i, s) in self.segments.iter().enumerate() {
+        let it = self.segments.iter().enumerate();
+        it.map(|(i, s)| {
             let g = s.kept();
             let of = |permille, g| of(permille, g) + s.score_temporaries;
-            let live = match strategy {
+            match strategy {
                 Strategy::None => {
                     whole + Temporaries::of(t.whole, s.unsegmented()) + s.score_temporaries
                 }
                 _ if keep[i] => kept_before[i] + g + of(t.kept, g),
                 _ => kept_before[i] + g + of(t.recomputed, g),
-            };
-            peak = peak.max(live);
-        }
-        peak
+            }
+        })
+        .collect()
     }
 
     /// Per segment, whether `strategy` keeps its graph until its backward (rather than
@@ -244,6 +350,8 @@ mod tests {
                 recompute: 300,
                 backward: 300,
                 host: 30,
+                step: 0,
+                spare: 0,
             }
         );
     }
@@ -286,5 +394,57 @@ mod tests {
             3000
         );
         assert_eq!(p.held("full".parse().expect("strategy")).peak(), 9000);
+    }
+
+    #[test]
+    fn the_step_counts_where_it_runs() {
+        let s = |graph| SegmentBytes {
+            graph,
+            ..SegmentBytes::default()
+        };
+        let p = ActivationProfile {
+            outer: 100,
+            segments: vec![s(1000), s(3000), s(2000)],
+            op_held: 0,
+            temporaries: Temporaries {
+                whole: 0,
+                kept: 500,
+                recomputed: 1000,
+            },
+        };
+        let st = |x: &str| x.parse::<Strategy>().expect("strategy");
+        // blocks: kept 6100, backward's peak the last segment's 1000 of temporaries.
+        let plain = p.held(st("blocks"));
+        assert_eq!((plain.kept, plain.backward, plain.step), (6100, 1000, 0));
+        // After backward, the graph dropped: a step under backward's peak adds nothing, one
+        // above it the difference.
+        let after = |after| StepTemporaries {
+            after,
+            ..StepTemporaries::default()
+        };
+        assert_eq!(p.held_with(st("blocks"), &after(7000), None).step, 0);
+        assert_eq!(p.held_with(st("blocks"), &after(9000), None).step, 1900);
+        // Fused: segment 2 steps 2500 beside its graph and the two before it (100 + 6000 +
+        // 2500 = 8600, 1500 above backward's 7100); segment 0's 4000 beside its own graph
+        // alone (5100); the rest 500 after, beside the caller's graph.
+        let fused = StepTemporaries {
+            segments: vec![4000, 0, 2500],
+            after: 500,
+            fused: true,
+        };
+        assert_eq!(p.held_with(st("blocks"), &fused, None).step, 1500);
+        // full: nothing kept; segment 1 rebuilt (3000) with 3000 of temporaries is backward's
+        // peak (6100); segment 0's step 100 + 1000 + 4000 is under it.
+        let full = p.held_with(st("full"), &fused, None);
+        assert_eq!((full.kept + full.backward, full.step), (6100, 0));
+        // Segments that do not match the profile's: each steps the largest.
+        let unmatched = StepTemporaries {
+            segments: vec![4000],
+            ..fused
+        };
+        assert_eq!(
+            p.held_with(st("full"), &unmatched, None).peak(),
+            100 + 3000 + 4000
+        );
     }
 }

@@ -40,6 +40,16 @@ pub const SPEC: OptimSpec = OptimSpec {
     names: &["adafactor"],
     state_label: "Adafactor second moments (fp32, factored over the last two dims)",
     state_bytes: |dims| state_bytes_for(dims, false),
+    // Candle ops: five tensors of the parameter's size alive at once at most (measured), one
+    // fewer unfactored.
+    step_bytes: |dims| {
+        let n = dims.iter().product::<usize>() as u64;
+        match factored_shapes(dims) {
+            Some(_) => 20 * n,
+            None => 16 * n,
+        }
+    },
+    in_place_on_gpu: true,
     build: |n, s| Box::new(Adafactor::new(n, AdafactorConfig::trainer(s.weight_decay))),
     gpu_needs_kernels: false,
 };

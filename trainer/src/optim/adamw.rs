@@ -14,6 +14,9 @@ pub const SPEC: OptimSpec = OptimSpec {
     names: &["adamw", "adamw_torch"],
     state_label: "AdamW moments (fp32)",
     state_bytes: |dims| 8 * dims.iter().product::<usize>() as u64,
+    // The one-pass host update makes the new weights and both new moments before it sets them.
+    step_bytes: |dims| 12 * dims.iter().product::<usize>() as u64,
+    in_place_on_gpu: true,
     build: |n, s| {
         Box::new(AdamW::new(
             n,

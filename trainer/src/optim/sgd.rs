@@ -15,6 +15,9 @@ pub const SPEC: OptimSpec = OptimSpec {
     names: &["sgd"],
     state_label: "SGD (no state without momentum)",
     state_bytes: |_| 0,
+    // The scaled gradient and the new weights.
+    step_bytes: |dims| 8 * dims.iter().product::<usize>() as u64,
+    in_place_on_gpu: false,
     build: |n, s| Box::new(Sgd::new(n, 0.0, s.weight_decay, false)),
     gpu_needs_kernels: false,
 };

@@ -18,6 +18,15 @@ pub struct OptimSpec {
     pub state_label: &'static str,
     /// Bytes of its state for a trainable tensor of shape `dims`.
     pub state_bytes: fn(&[usize]) -> u64,
+    /// Bytes its update of one fp32 tensor of shape `dims` allocates beyond the state it keeps,
+    /// at most at once, where the update is host code or candle ops (the CPU, and a GPU without
+    /// in-place kernels): the new values made before the old are freed, and the intermediates.
+    /// The plan counts the largest tensor's at the moment its step runs (after backward, or
+    /// inside a fused backward); `trainer/tests/step_temporaries.rs` measures them.
+    pub step_bytes: fn(&[usize]) -> u64,
+    /// Its CUDA kernels update the state and the weights in place, so that on a GPU its step
+    /// allocates nothing the plan needs to count (not yet measured on a GPU).
+    pub in_place_on_gpu: bool,
     /// Builds it over `n` parameters.
     pub build: fn(usize, &OptimSettings) -> Box<dyn Optimizer>,
     /// Its update on a GPU exists only as this crate's CUDA kernels: without them (a build

@@ -397,8 +397,8 @@ impl CommonArgs {
 
     /// The memory plan of training the trainable tensors of `store` (a loaded model, or one
     /// built from shapes only) with these flags under `precision`; `segments` are the model's
-    /// checkpoint segments (each one's tensors), which bound the gradients under
-    /// `--fused-backward`.
+    /// checkpoint segments (each one's tensors): the gradients backward forms segment by segment, or under
+    /// `--fused-backward` those it holds at once.
     pub fn state_plan(
         &self,
         store: &ft_params::ParamStore,
@@ -425,10 +425,11 @@ impl CommonArgs {
             self.optim_spec()?,
             self.masters_on_main,
         );
+        let segments = store.segments(segments);
         Ok(if self.fused_backward {
-            plan.under_fused_backward(store.segments(segments))
+            plan.under_fused_backward(segments, self.optim_spec()?)
         } else {
-            plan
+            plan.formed_by_segment(&segments)
         })
     }
 

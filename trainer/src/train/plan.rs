@@ -11,7 +11,7 @@
 use candle_core::DType;
 
 use ft_params::bytes::format_bytes;
-use ft_params::checkpoint::{ActivationProfile, Held, Strategy};
+use ft_params::checkpoint::{ActivationProfile, GradBytes, Held, StepTemporaries, Strategy};
 use ft_params::Segments;
 
 use crate::optim::OptimSpec;
@@ -26,6 +26,25 @@ pub struct PlanRow {
     pub on_host: bool,
     /// Activations rather than model states.
     pub activation: bool,
+    /// Taken from the total rather than added: what the other rows count twice (backward
+    /// frees segment graphs before it has formed every gradient).
+    pub less: bool,
+}
+
+impl PlanRow {
+    /// The row's bytes with their sign in the total.
+    fn signed(&self) -> i128 {
+        if self.less {
+            -(self.bytes as i128)
+        } else {
+            self.bytes as i128
+        }
+    }
+}
+
+/// A sum of rows, never below zero.
+fn total<'a>(rows: impl Iterator<Item = &'a PlanRow>) -> u64 {
+    rows.map(PlanRow::signed).sum::<i128>().max(0) as u64
 }
 
 /// The model-state bytes of a run.
@@ -46,6 +65,14 @@ pub struct StatePlan {
     state_row: usize,
     sums_row: Option<usize>,
     masters_row: Option<usize>,
+    /// The optimizer step's temporaries on the training device, by where the step runs
+    /// (counted with the activations, [`StatePlan::with_activations`]); zeros where the step
+    /// allocates none there (in-place CUDA kernels, or the state on the host of a GPU run).
+    step: StepTemporaries,
+    /// Whether the step's temporaries are on the training device.
+    step_on_device: bool,
+    /// The gradients backward forms, segment by segment ([`StatePlan::formed_by_segment`]).
+    formed: Option<GradBytes>,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -102,6 +129,15 @@ pub fn state_plan(
         rows.push(("fp32 master weights".into(), 4 * n, host));
     }
     let moments = shapes.iter().map(|s| (optim.state_bytes)(s)).sum();
+    // On a GPU the step is the in-place kernels' or runs on the host with the state; on the
+    // CPU (and with candle ops on a GPU) its temporaries are the device's.
+    let step_on_device = !gpu || (!host && !optim.in_place_on_gpu);
+    let step = StepTemporaries {
+        after: largest_step(optim, shapes.iter())
+            .filter(|_| step_on_device)
+            .unwrap_or(0),
+        ..StepTemporaries::default()
+    };
     let state_row = rows.len();
     rows.push((optim.state_label.into(), moments, host));
     StatePlan {
@@ -113,6 +149,7 @@ pub fn state_plan(
                 bytes,
                 on_host,
                 activation: false,
+                less: false,
             })
             .collect(),
         gpu,
@@ -122,14 +159,34 @@ pub fn state_plan(
         state_row,
         sums_row,
         masters_row,
+        step,
+        step_on_device,
+        formed: None,
     }
 }
 
+/// The largest step temporaries `optim` makes for one of `shapes` (`None` for none).
+fn largest_step<'a>(
+    optim: &OptimSpec,
+    shapes: impl Iterator<Item = &'a Vec<usize>>,
+) -> Option<u64> {
+    shapes.map(|d| (optim.step_bytes)(d)).max()
+}
+
 impl StatePlan {
-    /// The plan under a fused backward pass (`--fused-backward`): one micro-batch's gradients
-    /// never exist all at once, only those of the parameters outside every checkpoint segment
-    /// and of the largest segment (at most; the rows say so).
-    pub fn under_fused_backward(mut self, s: Segments) -> Self {
+    /// The plan under a fused backward pass (`--fused-backward`) with `optim`: one
+    /// micro-batch's gradients never exist all at once, only those of the parameters outside
+    /// every checkpoint segment and of the largest segment (at most; the rows say so), and each
+    /// segment's step runs inside backward.
+    pub fn under_fused_backward(mut self, s: Segments, optim: &OptimSpec) -> Self {
+        if self.step_on_device {
+            let step = |shapes: &[Vec<usize>]| largest_step(optim, shapes.iter()).unwrap_or(0);
+            self.step = StepTemporaries {
+                segments: s.own.iter().map(|own| step(own)).collect(),
+                after: step(&s.outside),
+                fused: true,
+            };
+        }
         let outside = self.params.saturating_sub(s.inside);
         let live = self.grad_size * (outside + s.largest);
         for &i in &self.grad_rows {
@@ -143,6 +200,28 @@ impl StatePlan {
                 fmt(self.grad_size * s.largest)
             );
         }
+        self
+    }
+
+    /// The plan with the model's checkpoint segments `s` known: backward forms one
+    /// micro-batch's gradients segment by segment from the last, so the plan need not count
+    /// them whole beside every segment's backward ([`ActivationProfile::held_with`]). Not under
+    /// the fused backward, whose gradient rows count what it holds at once already.
+    pub fn formed_by_segment(mut self, s: &Segments) -> Self {
+        if self.step.fused {
+            return self;
+        }
+        let w = self.grad_size;
+        let values = |shapes: &[Vec<usize>]| -> u64 {
+            shapes
+                .iter()
+                .map(|d| d.iter().product::<usize>() as u64)
+                .sum()
+        };
+        self.formed = Some(GradBytes {
+            segments: s.own.iter().map(|own| w * values(own)).collect(),
+            outside: w * values(&s.outside),
+        });
         self
     }
 
@@ -214,6 +293,7 @@ impl StatePlan {
                         bytes: sums,
                         on_host,
                         activation: false,
+                        less: false,
                     });
                 }
             }
@@ -228,6 +308,7 @@ impl StatePlan {
             bytes,
             on_host,
             activation: false,
+            less: false,
         });
         self
     }
@@ -242,13 +323,15 @@ impl StatePlan {
         profile: &ActivationProfile,
         strategy: Strategy,
     ) -> Self {
-        let held = profile.held(strategy);
+        let held = profile.held_with(strategy, &self.step, self.formed.as_ref());
+        let mut rows = Vec::new();
         let mut row = |component: String, bytes: u64, on_host: bool| {
-            self.rows.push(PlanRow {
+            rows.push(PlanRow {
                 component,
                 bytes,
                 on_host,
                 activation: true,
+                less: false,
             })
         };
         row(
@@ -274,6 +357,30 @@ impl StatePlan {
                 false,
             );
         }
+        if held.step > 0 {
+            let (largest, when) = if self.step.fused {
+                (
+                    self.step
+                        .segments
+                        .iter()
+                        .copied()
+                        .chain([self.step.after])
+                        .max(),
+                    "inside the fused backward, beside the graphs it still holds",
+                )
+            } else {
+                (Some(self.step.after), "after backward has freed the graph")
+            };
+            row(
+                format!(
+                    "the optimizer step's temporaries ({} for the largest tensor it updates, \
+                     {when}): above backward's peak by",
+                    fmt(largest.unwrap_or(0))
+                ),
+                held.step,
+                false,
+            );
+        }
         if held.host > 0 {
             row(
                 "tensors between segments (full-host)".into(),
@@ -281,6 +388,18 @@ impl StatePlan {
                 true,
             );
         }
+        if held.spare > 0 {
+            rows.push(PlanRow {
+                component: "less what the rows above count twice: at backward's peak it has \
+                            freed some segment graphs and not yet formed every gradient"
+                    .into(),
+                bytes: held.spare,
+                on_host: false,
+                activation: true,
+                less: true,
+            });
+        }
+        self.rows.extend(rows);
         self.activations = Some(held);
         self
     }
@@ -293,18 +412,12 @@ impl StatePlan {
 
     /// Model-state bytes on the training device (everything but the activations).
     pub fn state_device_bytes(&self) -> u64 {
-        self.device_rows()
-            .filter(|r| !r.activation)
-            .map(|r| r.bytes)
-            .sum()
+        total(self.device_rows().filter(|r| !r.activation))
     }
 
     /// Activation bytes on the training device at most.
     pub fn activation_device_bytes(&self) -> u64 {
-        self.device_rows()
-            .filter(|r| r.activation)
-            .map(|r| r.bytes)
-            .sum()
+        total(self.device_rows().filter(|r| r.activation))
     }
 
     fn device_rows(&self) -> impl Iterator<Item = &PlanRow> {
@@ -313,7 +426,7 @@ impl StatePlan {
 
     /// Bytes on the training device at most (everything, when that is the CPU).
     pub fn device_bytes(&self) -> u64 {
-        self.device_rows().map(|r| r.bytes).sum()
+        total(self.device_rows())
     }
 
     /// Bytes in host memory kept apart from a GPU (0 when training on the CPU).
@@ -321,11 +434,7 @@ impl StatePlan {
         if !self.gpu {
             return 0;
         }
-        self.rows
-            .iter()
-            .filter(|r| r.on_host)
-            .map(|r| r.bytes)
-            .sum()
+        total(self.rows.iter().filter(|r| r.on_host))
     }
 
     /// A markdown table: each component with its place, then the totals.
@@ -347,12 +456,13 @@ impl StatePlan {
             } else {
                 device
             };
-            s += &format!("| {} | {at} | {} |\n", r.component, fmt(r.bytes));
+            let sign = if r.less { "-" } else { "" };
+            s += &format!("| {} | {at} | {sign}{} |\n", r.component, fmt(r.bytes));
         }
         if self.activations.is_some() {
             s += &format!(
                 "| model states on the {device} | {device} | {} |\n\
-                 | activations on the {device} | {device} | {} |\n",
+                 | activations and step temporaries on the {device} | {device} | {} |\n",
                 fmt(self.state_device_bytes()),
                 fmt(self.activation_device_bytes())
             );

@@ -52,6 +52,17 @@ pub const SPEC: OptimSpec = OptimSpec {
             8 * numel as u64
         }
     },
+    // The new quantized moments and fp32 weights before they are set, and the blocks' new
+    // scales; fp32 moments (small tensors) as AdamW's op by op.
+    step_bytes: |dims| {
+        let numel: usize = dims.iter().product();
+        if numel >= MIN_8BIT_SIZE {
+            8 * numel as u64 + 16 * numel.div_ceil(BLOCK) as u64
+        } else {
+            20 * numel as u64
+        }
+    },
+    in_place_on_gpu: true,
     build: |n, s| {
         Box::new(AdamW8bit::new(
             n,

@@ -1,0 +1,93 @@
+//! What each optimizer's update allocates beyond its state (`OptimSpec::step_bytes`), against
+//! the counting allocator's exact heap bytes on the CPU: one tensor at a time at several
+//! shapes, and a step over several tensors, whose peak is the largest tensor's (each tensor's
+//! new values replace its old ones before the next is updated). The plan counts these bytes
+//! where the step runs: after backward, or inside a fused backward beside the activations it
+//! still holds.
+
+use candle_core::{Device, Tensor, Var};
+use ft_trainer::ledger::alloc;
+use ft_trainer::optim::registry::REGISTRY;
+use ft_trainer::optim::{OptimSettings, OptimSpec};
+
+#[global_allocator]
+static ALLOC: alloc::CountingAlloc = alloc::CountingAlloc;
+
+/// Bytes of bookkeeping the formulas leave out (a few small vectors and scalars).
+const SLACK: u64 = 8 << 10;
+
+/// The allocator counts every thread's bytes: one measurement at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The peak of the second step (the first makes the state) over tensors of `shapes`.
+fn second_step_peak(spec: &OptimSpec, shapes: &[Vec<usize>]) -> anyhow::Result<u64> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let settings = OptimSettings { weight_decay: 0.01 };
+    let params = shapes
+        .iter()
+        .map(|d| {
+            Ok(Var::from_tensor(&Tensor::randn(
+                0f32,
+                1.0,
+                d.as_slice(),
+                &Device::Cpu,
+            )?)?)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let grads = shapes
+        .iter()
+        .map(|d| Ok(Some(Tensor::randn(0f32, 1.0, d.as_slice(), &Device::Cpu)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut opt = (spec.build)(params.len(), &settings);
+    opt.step(&params, &grads, 1e-3)?;
+    let (r, peak) = alloc::measure_peak(|| opt.step(&params, &grads, 1e-3));
+    r?;
+    Ok(peak as u64)
+}
+
+#[test]
+fn each_optimizers_step_allocates_what_its_spec_says() -> anyhow::Result<()> {
+    let shapes: [&[usize]; 5] = [&[384, 256], &[12_288], &[64, 32, 3, 3], &[7, 100], &[900]];
+    let mut bad = Vec::new();
+    for spec in REGISTRY {
+        for dims in shapes {
+            let measured = second_step_peak(spec, &[dims.to_vec()])?;
+            let predicted = (spec.step_bytes)(dims);
+            println!(
+                "{:<10} {dims:?}: predicted {predicted}, measured {measured}",
+                spec.name()
+            );
+            if measured.abs_diff(predicted) > predicted / 100 + SLACK {
+                bad.push(format!(
+                    "{} {dims:?}: {predicted} vs {measured}",
+                    spec.name()
+                ));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "off by more than 1% + 8 KiB: {bad:?}");
+    Ok(())
+}
+
+#[test]
+fn a_step_over_several_tensors_peaks_at_the_largest() -> anyhow::Result<()> {
+    let shapes = vec![vec![64, 64], vec![512, 256], vec![4096], vec![128, 96]];
+    for spec in REGISTRY {
+        let measured = second_step_peak(spec, &shapes)?;
+        let largest = shapes
+            .iter()
+            .map(|d| (spec.step_bytes)(d))
+            .max()
+            .unwrap_or(0);
+        println!(
+            "{:<10}: largest tensor's {largest}, measured {measured}",
+            spec.name()
+        );
+        assert!(
+            measured.abs_diff(largest) <= largest / 100 + SLACK,
+            "{}: {measured} B against the largest tensor's {largest} B",
+            spec.name()
+        );
+    }
+    Ok(())
+}
