@@ -331,6 +331,9 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
         let fused = full
             .clone()
             .under_fused_backward(seg.clone(), &ft_trainer::optim::adamw::SPEC);
+        // The gradients formed segment by segment are not taken back under the fused backward
+        // (its gradient rows count what it holds at once), on a GPU as on the CPU.
+        assert_eq!(fused.clone().formed_by_segment(&seg), fused);
         // 1,092 trainable values: 900 outside + 128 of the largest segment alive at once.
         assert_eq!(full.params, 1092);
         assert_eq!(

@@ -73,6 +73,8 @@ pub struct StatePlan {
     step_on_device: bool,
     /// The gradients backward forms, segment by segment ([`StatePlan::formed_by_segment`]).
     formed: Option<GradBytes>,
+    /// Planned under the fused backward ([`StatePlan::under_fused_backward`]).
+    fused: bool,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -162,6 +164,7 @@ pub fn state_plan(
         step,
         step_on_device,
         formed: None,
+        fused: false,
     }
 }
 
@@ -179,6 +182,8 @@ impl StatePlan {
     /// every checkpoint segment and of the largest segment (at most; the rows say so), and each
     /// segment's step runs inside backward.
     pub fn under_fused_backward(mut self, s: Segments, optim: &OptimSpec) -> Self {
+        self.fused = true;
+        self.formed = None;
         if self.step_on_device {
             let step = |shapes: &[Vec<usize>]| largest_step(optim, shapes.iter()).unwrap_or(0);
             self.step = StepTemporaries {
@@ -208,7 +213,7 @@ impl StatePlan {
     /// them whole beside every segment's backward ([`ActivationProfile::held_with`]). Not under
     /// the fused backward, whose gradient rows count what it holds at once already.
     pub fn formed_by_segment(mut self, s: &Segments) -> Self {
-        if self.step.fused {
+        if self.fused {
             return self;
         }
         let w = self.grad_size;
