@@ -549,17 +549,31 @@ impl UNet {
     }
 
     /// The tensors of each checkpoint segment the forward runs (every ResNet block and every
-    /// transformer layer), in no particular order: what a fused backward pass holds gradients
-    /// for at once is one of these and everything outside them (`ParamStore::segments`).
+    /// transformer layer), in the order it runs them, which is the order of the activation
+    /// formulas' segments: the plan pairs the two by index (each segment's gradients and
+    /// optimizer step in its backward walk; `ParamStore::segments` finds each one's own tensors).
     pub fn segments(&self) -> Vec<Vec<Tensor>> {
-        let levels = self.down.iter().chain(&self.up);
-        let mut resnets: Vec<&Resnet> = levels.clone().flat_map(|l| &l.resnets).collect();
-        resnets.extend([&self.mid.0, &self.mid.2]);
-        let mut transformers: Vec<&Transformer> = levels.flat_map(|l| &l.attns).collect();
-        transformers.push(&self.mid.1);
-        let blocks = transformers.into_iter().flat_map(|t| &t.blocks);
-        let mut out: Vec<Vec<Tensor>> = resnets.iter().map(|r| r.segment_tensors()).collect();
-        out.extend(blocks.map(|b| b.segment_tensors()));
+        fn transformer(t: &Transformer, out: &mut Vec<Vec<Tensor>>) {
+            out.extend(t.blocks.iter().map(|b| b.segment_tensors()));
+        }
+        fn level(lv: &Level, out: &mut Vec<Vec<Tensor>>) {
+            for (j, r) in lv.resnets.iter().enumerate() {
+                out.push(r.segment_tensors());
+                if let Some(t) = lv.attns.get(j) {
+                    transformer(t, out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for lv in &self.down {
+            level(lv, &mut out);
+        }
+        out.push(self.mid.0.segment_tensors());
+        transformer(&self.mid.1, &mut out);
+        out.push(self.mid.2.segment_tensors());
+        for lv in &self.up {
+            level(lv, &mut out);
+        }
         out
     }
 

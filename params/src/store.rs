@@ -169,3 +169,18 @@ pub struct Segments {
     /// after the fused backward updates.
     pub outside: Vec<Vec<usize>>,
 }
+
+impl Segments {
+    /// The gradients a backward forms, with `per_value` bytes per value: each segment's own
+    /// tensors', then the rest's (what the plan's backward walk adds segment by segment).
+    pub fn grad_bytes(&self, per_value: u64) -> crate::checkpoint::GradBytes {
+        let bytes = |shapes: &[Vec<usize>]| -> u64 {
+            let values: usize = shapes.iter().map(|d| d.iter().product::<usize>()).sum();
+            per_value * values as u64
+        };
+        crate::checkpoint::GradBytes {
+            segments: self.own.iter().map(|own| bytes(own)).collect(),
+            outside: bytes(&self.outside),
+        }
+    }
+}

@@ -103,15 +103,7 @@ fn measure(
 /// The fp32 gradients of `pb`'s trainable tensors by the model's checkpoint `segments`, as the
 /// plan counts them.
 fn formed(pb: &ParamBuilder, segments: &[Vec<Tensor>]) -> GradBytes {
-    let s = pb.store().segments(segments);
-    let bytes = |shapes: &[Vec<usize>]| -> u64 {
-        let values: usize = shapes.iter().map(|d| d.iter().product::<usize>()).sum();
-        4 * values as u64
-    };
-    GradBytes {
-        segments: s.own.iter().map(|own| bytes(own)).collect(),
-        outside: bytes(&s.outside),
-    }
+    pb.store().segments(segments).grad_bytes(4)
 }
 
 fn params(pb: &ParamBuilder) -> anyhow::Result<Vec<Var>> {

@@ -447,4 +447,49 @@ mod tests {
             100 + 3000 + 4000
         );
     }
+
+    #[test]
+    fn gradients_are_counted_as_backward_forms_them() {
+        let s = |graph| SegmentBytes {
+            graph,
+            ..SegmentBytes::default()
+        };
+        let p = ActivationProfile {
+            outer: 100,
+            segments: vec![s(1000), s(3000), s(2000)],
+            op_held: 0,
+            temporaries: Temporaries {
+                whole: 0,
+                kept: 500,
+                recomputed: 1000,
+            },
+        };
+        let st = |x: &str| x.parse::<Strategy>().expect("strategy");
+        let none = StepTemporaries::default();
+        // Gradients: 4000 of segment 0's parameters, 100 each of 1 and 2, 50 outside.
+        let grads = GradBytes {
+            segments: vec![4000, 100, 100],
+            outside: 50,
+        };
+        let all = 4250;
+        // full: nothing kept (kept 100); backward's moments with the gradients formed by then:
+        // segment 2 rebuilt 2000 + 2000 with 150 formed, segment 1 3000 + 3000 with 250,
+        // segment 0 1000 + 1000 with 4250; the end 100 + 4250. The most: 100 + 6000 + 250.
+        let h = p.held_with(st("full"), &none, Some(&grads));
+        assert_eq!(h.peak() + all, 6350);
+        assert_eq!(h.spare, 100 + 6000 + all - 6350);
+        // Segments that do not match the profile's take nothing back.
+        let short = GradBytes {
+            segments: vec![4000],
+            outside: 50,
+        };
+        assert_eq!(p.held_with(st("full"), &none, Some(&short)).spare, 0);
+        // The step after backward, beside every gradient, when it is the highest moment.
+        let step = StepTemporaries {
+            after: 7000,
+            ..StepTemporaries::default()
+        };
+        let h = p.held_with(st("full"), &step, Some(&grads));
+        assert_eq!(h.peak() + all, 7000 + all);
+    }
 }

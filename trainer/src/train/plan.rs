@@ -216,17 +216,7 @@ impl StatePlan {
         if self.fused {
             return self;
         }
-        let w = self.grad_size;
-        let values = |shapes: &[Vec<usize>]| -> u64 {
-            shapes
-                .iter()
-                .map(|d| d.iter().product::<usize>() as u64)
-                .sum()
-        };
-        self.formed = Some(GradBytes {
-            segments: s.own.iter().map(|own| w * values(own)).collect(),
-            outside: w * values(&s.outside),
-        });
+        self.formed = Some(s.grad_bytes(self.grad_size));
         self
     }
 
