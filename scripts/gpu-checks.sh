@@ -5,10 +5,12 @@
 # 2. the fused backward with accumulation and the offloaded 8-bit moments at FLAN-T5-XL's shape
 #    (`xl-fit-8GiB` of scripts/gpu-fit-xl.sh), which measured 12.55 GiB against 7.81 planned from
 #    its second step before `GradAccumulator::take_whole`; expected now: the plan within a few %
-#    in every step;
-# 3. the `budget:B` plan with the gradients formed so far (2026-11-27): `xl-fit-24GiB` now
-#    chooses `budget:17437MiB` (23.88 GiB planned) where the old plan chose `budget:12106MiB`
-#    and measured 24% under it; expected: measured at or under the plan, and under 24 GiB;
+#    in every step (since 2026-11-28 `--fit 8GiB` keeps some segments, `budget:B`, where it
+#    chose `full-host`);
+# 3. the `budget:B` plan with the gradients formed so far (2026-11-27) and T5's refitted
+#    temporaries (2026-11-28): `xl-fit-24GiB` chooses a B the plan prints at start, where the
+#    old plan chose `budget:12106MiB` and measured 24% under it; expected: measured at or under
+#    the plan, and under 24 GiB;
 # 4. the CUDA op tests, with what time is left.
 #
 #   bash scripts/gpu-pack.sh                            # here: builds .gpu/main (and .gpu/kernels)

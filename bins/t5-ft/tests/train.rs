@@ -477,11 +477,16 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
         table.contains("| 24GiB | `--checkpointing budget:"),
         "{table}"
     );
-    // 8 GiB fits batch 8 with the activations on the host and the fused backward (7.81 GiB;
-    // dropout keeps no masks). 7 GiB needs a smaller micro-batch than the one given: the
-    // error says which, and that it fits with the rest turned too.
+    // 8 GiB fits batch 8 with the fused backward and some segments kept (7.95 GiB; dropout
+    // keeps no masks). 7 GiB needs a smaller micro-batch than the one given: the error says
+    // which, and that it fits with the rest turned too.
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("| 8GiB |"))
+        .unwrap_or_default();
     assert!(
-        table.contains("| 8GiB | `--checkpointing full-host --optim adamw8bit --offload-optimizer --fused-backward` |"),
+        row.contains("`--checkpointing budget:")
+            && row.contains("--optim adamw8bit --offload-optimizer --fused-backward` |"),
         "{table}"
     );
     let row = table

@@ -209,11 +209,16 @@ impl ActivationProfile {
         grads: Option<&GradBytes>,
     ) -> Held {
         let mut held = self.held(strategy);
-        let graphs = self.graphs_where({
-            let keep = self.kept_segments(strategy);
-            move |i| keep[i]
-        });
-        let outer = held.kept - graphs;
+        // The segment graphs `held` counts as kept; under `none` the whole graph, which each
+        // moment of the walk already holds.
+        let graphs = match strategy {
+            Strategy::None => self.unsegmented(),
+            _ => {
+                let keep = self.kept_segments(strategy);
+                self.graphs_where(|i| keep[i])
+            }
+        };
+        let outer = held.kept.saturating_sub(graphs);
         let mut moment = if step.fused {
             outer + step.after
         } else {
@@ -491,5 +496,24 @@ mod tests {
         };
         let h = p.held_with(st("full"), &step, Some(&grads));
         assert_eq!(h.peak() + all, 7000 + all);
+        // none: the whole graph (6000) until backward returns, with each segment's
+        // temporaries (none here) and the gradients formed by then; the most is at segment 0,
+        // 100 + 6000 + 4250, where the plan without the walk counts the same.
+        let h = p.held_with(st("none"), &none, Some(&grads));
+        assert_eq!(h.peak() + all, 100 + 6000 + all);
+        // With the largest gradients last in forward order, they form first: segment 2's
+        // moment holds 6000 + 4050 of 4250, and the plan takes back the 200 of segments 0-1.
+        let late = GradBytes {
+            segments: vec![100, 100, 4000],
+            outside: 50,
+        };
+        let h = p.held_with(st("none"), &none, Some(&late));
+        assert_eq!(h.peak() + all, 100 + 6000 + all);
+        let mut t = p.clone();
+        t.temporaries.whole = 1000;
+        // Segment 2 adds 2000 of temporaries with 4050 formed, segment 1 3000 with 4150,
+        // segment 0 1000 with 4250: the most is segment 1's, 100 + 6000 + 3000 + 4150.
+        let h = t.held_with(st("none"), &none, Some(&late));
+        assert_eq!(h.peak() + all, 100 + 6000 + 3000 + 4150);
     }
 }
