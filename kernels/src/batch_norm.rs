@@ -16,6 +16,13 @@
 //!
 //! with M = N H W, in two passes. Channels (statistics) and planes (outputs) run on rayon's
 //! threads. CPU, f32 and f64; other devices and dtypes take [`batch_norm_train`]'s composition.
+//!
+//! [`batch_norm_relu_train`] is the same op with the ReLU that follows it in a conv block
+//! inside: the forward writes `max(y, 0)`, the backward zeroes `dy` where `y <= 0` (as
+//! PyTorch's ReLU backward) from `y` recomputed out of the input and the statistics. Candle's
+//! ReLU would make one more map of the input's size in forward, which its graph keeps, and
+//! five in backward (the zeros it accumulates into, zeros to compare with, the mask, the mask as
+//! floats, the product; the 84 px Conv4 episode's maps are 153 MB each).
 
 use std::sync::{Arc, Mutex};
 
@@ -121,9 +128,11 @@ fn rstd(s: &BatchStats, eps: f64) -> Vec<f64> {
     s.var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect()
 }
 
-/// The forward: `y = (x - mean) * rstd * gamma + beta`, its statistics left in `stats`.
+/// The forward: `y = (x - mean) * rstd * gamma + beta` (then `max(y, 0)` with `relu`), its
+/// statistics left in `stats`.
 struct Forward {
     eps: f64,
+    relu: bool,
     stats: Arc<Mutex<BatchStats>>,
 }
 
@@ -154,13 +163,15 @@ impl Forward {
         let a: Vec<f64> = (0..p.c).map(|c| r[c] * gamma[c].f64()).collect();
         let b: Vec<f64> = (0..p.c).map(|c| beta[c].f64() - s.mean[c] * a[c]).collect();
         let mut y = vec![T::of(0.0); x.len()];
+        let relu = self.relu;
         if p.hw > 0 {
             y.par_chunks_mut(p.hw).enumerate().for_each(|(plane, out)| {
                 let c = plane % p.c;
                 let (ac, bc) = (a[c], b[c]);
                 let at = plane * p.hw;
                 for (o, v) in out.iter_mut().zip(&x[at..at + p.hw]) {
-                    *o = T::of(v.f64() * ac + bc);
+                    let y = v.f64() * ac + bc;
+                    *o = T::of(if relu { y.max(0.0) } else { y });
                 }
             });
         }
@@ -174,7 +185,11 @@ impl Forward {
 
 impl CustomOp3 for Forward {
     fn name(&self) -> &'static str {
-        "ft-batch-norm"
+        if self.relu {
+            "ft-batch-norm-relu"
+        } else {
+            "ft-batch-norm"
+        }
     }
 
     fn cpu_fwd(
@@ -209,7 +224,7 @@ impl CustomOp3 for Forward {
         &self,
         x: &Tensor,
         gamma: &Tensor,
-        _beta: &Tensor,
+        beta: &Tensor,
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -219,10 +234,12 @@ impl CustomOp3 for Forward {
             .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))?
             .clone();
         let sums = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+        let wide = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
         let op = Backward {
             rstd: rstd(&stats, self.eps),
             mean: stats.mean,
-            gamma: gamma.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+            gamma: wide(gamma)?,
+            beta: if self.relu { Some(wide(beta)?) } else { None },
             sums: sums.clone(),
         };
         let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &op)?;
@@ -238,11 +255,13 @@ impl CustomOp3 for Forward {
 }
 
 /// The backward's passes: per channel sum(dy) and sum(dy * xhat) (left in `sums` as dgamma and
-/// dbeta), then dx.
+/// dbeta), then dx. With `beta` (the fused ReLU's backward) `dy` counts only where the output
+/// `xhat * gamma + beta` was positive.
 struct Backward {
     mean: Vec<f64>,
     rstd: Vec<f64>,
     gamma: Vec<f64>,
+    beta: Option<Vec<f64>>,
     sums: Arc<Mutex<(Vec<f64>, Vec<f64>)>>,
 }
 
@@ -255,6 +274,11 @@ impl Backward {
                 x.len()
             );
         }
+        // dy where the fused ReLU passed it: where xhat * gamma + beta > 0.
+        let passed = |c: usize, xhat: f64, g: f64| match &self.beta {
+            Some(beta) if xhat * self.gamma[c] + beta[c] <= 0.0 => 0.0,
+            _ => g,
+        };
         let (dgamma, dbeta): (Vec<f64>, Vec<f64>) = (0..p.c)
             .into_par_iter()
             .map(|c| {
@@ -262,9 +286,10 @@ impl Backward {
                 let (mut sg, mut sb) = (0f64, 0f64);
                 for (xp, gp) in p.channel(x, c).zip(p.channel(dy, c)) {
                     for (v, g) in xp.iter().zip(gp) {
-                        let g = g.f64();
+                        let xhat = (v.f64() - mean) * r;
+                        let g = passed(c, xhat, g.f64());
                         sb += g;
-                        sg += g * (v.f64() - mean) * r;
+                        sg += g * xhat;
                     }
                 }
                 (sg, sb)
@@ -287,7 +312,7 @@ impl Backward {
                         .zip(&dy[at..at + p.hw])
                     {
                         let xhat = (v.f64() - mean) * r;
-                        *o = T::of(k * (m * g.f64() - sb - xhat * sg));
+                        *o = T::of(k * (m * passed(c, xhat, g.f64()) - sb - xhat * sg));
                     }
                 });
         }
@@ -352,10 +377,33 @@ pub fn batch_norm_train(
     bias: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, BatchStats)> {
+    train(x, weight, bias, eps, false)
+}
+
+/// [`batch_norm_train`] followed by a ReLU, as one op on the CPU for f32 and f64 (the ReLU's
+/// gradient zero where the output is zero, as PyTorch's); elsewhere the composition and
+/// candle's ReLU.
+pub fn batch_norm_relu_train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, BatchStats)> {
+    train(x, weight, bias, eps, true)
+}
+
+fn train(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, BatchStats)> {
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && op_enabled() {
         let stats = Arc::new(Mutex::new(BatchStats::default()));
         let op = Forward {
             eps,
+            relu,
             stats: stats.clone(),
         };
         let y = x.contiguous()?.apply_op3(
@@ -369,7 +417,8 @@ pub fn batch_norm_train(
             .clone();
         return Ok((y, s));
     }
-    composed(x, weight, bias, eps)
+    let (y, s) = composed(x, weight, bias, eps)?;
+    Ok((if relu { y.relu()? } else { y }, s))
 }
 
 /// Whether the CPU takes the op: `FT_BATCH_NORM_OP=0` turns it off (the composition then runs,

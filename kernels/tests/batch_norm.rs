@@ -1,11 +1,12 @@
 //! Batch norm with batch statistics as one op: values, statistics and gradients against the
 //! composition of candle ops and against finite differences; bad shapes and dtypes are one
-//! error. (What its graph keeps is checked with the models' activation formulas.)
+//! error; the same with the ReLU fused in. (What its graph keeps is checked with the models'
+//! activation formulas.)
 
 mod common;
 use candle_core::{DType, Result, Tensor, Var};
 use common::*;
-use ft_kernels::batch_norm::{batch_norm_train, composed};
+use ft_kernels::batch_norm::{batch_norm_relu_train, batch_norm_train, composed};
 
 /// A weight and bias of `c` channels, away from 1 and 0.
 fn affine(c: usize, seed: u64) -> Result<(Tensor, Tensor)> {
@@ -68,6 +69,60 @@ fn gradients_match_the_composition_and_a_strided_input_reads_right() -> Result<(
     };
     let ours = loss(&|x| Ok(batch_norm_train(x, &w, &b, 1e-5)?.0))?;
     let want = loss(&|x| Ok(composed(x, &w, &b, 1e-5)?.0))?;
+    for (name, (a, b)) in ["x", "weight", "bias"].iter().zip(ours.iter().zip(&want)) {
+        assert!(rel_diff(a, b)? < 1e-12, "{name}: {}", rel_diff(a, b)?);
+    }
+    Ok(())
+}
+
+#[test]
+fn the_fused_relu_matches_batch_norm_then_relu() -> Result<()> {
+    // Values: the op's max(y, 0) against the composition and candle's ReLU, in f64 and f32.
+    for shape in [[4usize, 3, 5, 6], [3, 5, 2, 7]] {
+        let x = ((rand(&shape, 21)? * 3.0)? + 0.7)?;
+        let (w, b) = affine(shape[1], 22)?;
+        let (ours, s) = batch_norm_relu_train(&x, &w, &b, 1e-5)?;
+        let want = composed(&x, &w, &b, 1e-5)?.0.relu()?;
+        assert!(max_diff(&ours, &want)? < 1e-12, "{shape:?}");
+        assert_eq!(s, batch_norm_train(&x, &w, &b, 1e-5)?.1);
+        let zeros = ours
+            .eq(0.0)?
+            .to_dtype(DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+        assert!(zeros > 0.0, "{shape:?}: the ReLU cut nothing");
+        let (w32, b32) = (w.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+        let (y32, _) = batch_norm_relu_train(&x.to_dtype(DType::F32)?, &w32, &b32, 1e-5)?;
+        assert!(max_diff(&y32, &want)? < 2e-6, "{shape:?} f32");
+    }
+    // Gradients: finite differences, and the composition's (the probe weighs every element).
+    let x = (rand(&[3, 2, 4, 3], 23)? * 2.0)?;
+    let (w, b) = affine(2, 24)?;
+    let probe = rand(&[3, 2, 4, 3], 25)?;
+    check_gradients(
+        |xs| batch_norm_relu_train(&xs[0], &xs[1], &xs[2], 1e-5)?.0 * &probe,
+        &[x.clone(), w.clone(), b.clone()],
+        EPS,
+    )?
+    .assert_close(1e-5)?;
+    let (xv, wv, bv) = (
+        Var::from_tensor(&x)?,
+        Var::from_tensor(&w)?,
+        Var::from_tensor(&b)?,
+    );
+    let grads = |y: Tensor| -> Result<Vec<Tensor>> {
+        let g = (y * &probe)?.sum_all()?.backward()?;
+        [xv.as_tensor(), wv.as_tensor(), bv.as_tensor()]
+            .iter()
+            .map(|t| {
+                g.get(t)
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))
+            })
+            .collect()
+    };
+    let ours = grads(batch_norm_relu_train(&xv, &wv, &bv, 1e-5)?.0)?;
+    let want = grads(composed(&xv, &wv, &bv, 1e-5)?.0.relu()?)?;
     for (name, (a, b)) in ["x", "weight", "bias"].iter().zip(ours.iter().zip(&want)) {
         assert!(rel_diff(a, b)? < 1e-12, "{name}: {}", rel_diff(a, b)?);
     }

@@ -88,7 +88,7 @@ pub(crate) struct BasicBlock {
 
 impl ConvBlock {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.bn.forward(&self.conv.forward(x)?, mode)?.relu()?;
+        let h = self.bn.forward_relu(&self.conv.forward(x)?, mode)?;
         if self.pool {
             pool::max_pool2d(&h, (2, 2), (2, 2))
         } else {
@@ -105,7 +105,7 @@ impl ConvBlock {
 
 impl BasicBlock {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.bn1.forward(&self.c1.forward(x)?, mode)?.relu()?;
+        let h = self.bn1.forward_relu(&self.c1.forward(x)?, mode)?;
         let h = self.bn2.forward(&self.c2.forward(&h)?, mode)?;
         let s = match &self.shortcut {
             Some((c, bn)) => bn.forward(&c.forward(x)?, mode)?,
@@ -136,7 +136,7 @@ pub(crate) struct Stem {
 
 impl Stem {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.bn.forward(&self.conv.forward(x)?, mode)?.relu()?;
+        let h = self.bn.forward_relu(&self.conv.forward(x)?, mode)?;
         // 3x3 stride-2 max pool with padding 1: after ReLU every value is >= 0, so zero
         // padding gives the result of PyTorch's -inf padding.
         let h = h.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;

@@ -65,10 +65,26 @@ impl BatchNorm2d {
     /// With batch statistics it is one op ([`ft_kernels::batch_norm`]: on the CPU it keeps
     /// its input alone for backward, not six tensors of its size).
     pub fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
+        self.normalise(x, mode, false)
+    }
+
+    /// [`Self::forward`] and a ReLU: with batch statistics one op on the CPU
+    /// ([`ft_kernels::batch_norm::batch_norm_relu_train`]), which keeps no map for the ReLU and
+    /// makes none in its backward.
+    pub fn forward_relu(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
+        self.normalise(x, mode, true)
+    }
+
+    fn normalise(&self, x: &Tensor, mode: BnMode, relu: bool) -> candle_core::Result<Tensor> {
         let (n, c, h, w) = x.dims4()?;
         if mode != BnMode::Eval {
-            let (y, stats) =
-                ft_kernels::batch_norm::batch_norm_train(x, &self.weight, &self.bias, self.eps)?;
+            use ft_kernels::batch_norm::{batch_norm_relu_train, batch_norm_train};
+            let op = if relu {
+                batch_norm_relu_train
+            } else {
+                batch_norm_train
+            };
+            let (y, stats) = op(x, &self.weight, &self.bias, self.eps)?;
             if mode == BnMode::Train {
                 let device = self.running_mean.device();
                 let mean = Tensor::new(stats.mean.as_slice(), device)?;
@@ -83,8 +99,14 @@ impl BatchNorm2d {
         let y = x
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        y.broadcast_mul(&self.weight.reshape(shape)?)?
-            .broadcast_add(&self.bias.reshape(shape)?)
+        let y = y
+            .broadcast_mul(&self.weight.reshape(shape)?)?
+            .broadcast_add(&self.bias.reshape(shape)?)?;
+        if relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
     }
 
     /// Moves the running statistics towards this batch's (momentum 0.1, unbiased variance).
