@@ -7,6 +7,7 @@
 //! central differences in `tests/`.
 
 pub mod activation;
+pub mod add_relu;
 pub mod arch;
 pub mod attention;
 pub mod batch_norm;

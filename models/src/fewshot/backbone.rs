@@ -111,7 +111,7 @@ impl BasicBlock {
             Some((c, bn)) => bn.forward(&c.forward(x)?, mode)?,
             None => x.clone(),
         };
-        (h + s)?.relu()
+        ft_kernels::add_relu::add_relu(&h, &s)
     }
 
     fn tensors(&self) -> Vec<Tensor> {
