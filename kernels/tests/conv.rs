@@ -1,5 +1,5 @@
 //! conv2d (im2col + matmul, own backward): values against candle's conv2d forward and gradients
-//! against finite differences for 1x1 and 3x3 kernels, strides 1 and 2, padding 0 and 1, odd
+//! against finite differences for 1x1, 3x3, 5x5 and 7x7 kernels, strides 1 to 3, padding 0 to 3, odd
 //! sizes, batch 2 and a strided input; f32/bf16 forwards within their tolerance of f64.
 
 mod common;
@@ -7,7 +7,17 @@ use candle_core::{DType, Device, Result, Tensor};
 use common::*;
 use ft_kernels::conv::conv2d;
 
-const CASES: [(usize, usize, usize); 5] = [(3, 1, 1), (3, 2, 1), (1, 1, 0), (3, 1, 0), (3, 2, 0)];
+/// (kernel, stride, padding): with the ResNet stem's 7x7 stride-2 pad-3 and a 5x5 stride-3 pad-2, whose
+/// taps reach past the image on both sides.
+const CASES: [(usize, usize, usize); 7] = [
+    (3, 1, 1),
+    (3, 2, 1),
+    (1, 1, 0),
+    (3, 1, 0),
+    (3, 2, 0),
+    (7, 2, 3),
+    (5, 3, 2),
+];
 
 #[test]
 fn values_match_candle_forward() -> Result<()> {

@@ -110,6 +110,7 @@ impl Geometry {
             let (ci, tap) = (j / (k * k), j % (k * k));
             let (ky, kx) = (tap / k, tap % k);
             let plane = &x[(bi * self.c + ci) * self.h * self.w..][..self.h * self.w];
+            let (lo, hi, base) = self.inside(kx);
             for oy in 0..oh {
                 let out = &mut row[oy * ow..(oy + 1) * ow];
                 let y = (oy * s) as isize + ky as isize - p;
@@ -118,13 +119,14 @@ impl Geometry {
                     continue;
                 }
                 let src = &plane[y as usize * self.w..][..self.w];
-                for (ox, o) in out.iter_mut().enumerate() {
-                    let x = (ox * s) as isize + kx as isize - p;
-                    *o = if x < 0 || x >= self.w as isize {
-                        T::zero()
-                    } else {
-                        src[x as usize]
-                    };
+                out[..lo].fill(T::zero());
+                out[hi..].fill(T::zero());
+                if s == 1 {
+                    out[lo..hi].copy_from_slice(&src[base..][..hi - lo]);
+                } else {
+                    for (i, o) in out[lo..hi].iter_mut().enumerate() {
+                        *o = src[base + i * s];
+                    }
                 }
             }
         };
@@ -138,6 +140,24 @@ impl Geometry {
         } else {
             rows.enumerate().for_each(|(j, row)| fill(j, row));
         }
+    }
+
+    /// For kernel column `kx`: the output columns `lo..hi` whose input column `ox * stride + kx
+    /// - pad` lies inside the image (the others read the zero padding), and `base`, the input
+    /// column of `lo` (column `lo + i` reads `base + i * stride`). So the unfolding and the fold
+    /// loop over the inside without a test per value.
+    fn inside(&self, kx: usize) -> (usize, usize, usize) {
+        let (ow, s) = (self.out_hw().1, self.stride.max(1));
+        let (w, p) = (self.w, self.pad);
+        // The first ox with ox * s + kx >= p, and one past the last with ox * s + kx < p + w.
+        let lo = p.saturating_sub(kx).div_ceil(s).min(ow);
+        let hi = if p + w > kx {
+            (p + w - kx).div_ceil(s).min(ow)
+        } else {
+            0
+        }
+        .max(lo);
+        (lo, hi, (lo * s + kx).saturating_sub(p))
     }
 
     /// The adjoint of [`Self::image_columns`]: the column gradient `dcols` [C*k*k, Ho*Wo] of image
@@ -159,10 +179,15 @@ impl Geometry {
                         continue;
                     }
                     let dst = &mut acc[y as usize * self.w..][..self.w];
-                    for (ox, g) in row[oy * ow..(oy + 1) * ow].iter().enumerate() {
-                        let x = (ox * s) as isize + kx as isize - p;
-                        if x >= 0 && x < self.w as isize {
-                            dst[x as usize] += g.to_f64();
+                    let (lo, hi, base) = self.inside(kx);
+                    let g = &row[oy * ow..(oy + 1) * ow][lo..hi];
+                    if s == 1 {
+                        for (d, g) in dst[base..][..hi - lo].iter_mut().zip(g) {
+                            *d += g.to_f64();
+                        }
+                    } else {
+                        for (i, g) in g.iter().enumerate() {
+                            dst[base + i * s] += g.to_f64();
                         }
                     }
                 }
