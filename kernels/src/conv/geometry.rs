@@ -142,10 +142,10 @@ impl Geometry {
         }
     }
 
-    /// For kernel column `kx`: the output columns `lo..hi` whose input column `ox * stride + kx
-    /// - pad` lies inside the image (the others read the zero padding), and `base`, the input
-    /// column of `lo` (column `lo + i` reads `base + i * stride`). So the unfolding and the fold
-    /// loop over the inside without a test per value.
+    /// For kernel column `kx`: the output columns `lo..hi` whose input column
+    /// (`ox * stride + kx - pad`) lies inside the image (the others read the zero padding), and
+    /// `base`, the input column of `lo` (column `lo + i` reads `base + i * stride`). So the
+    /// unfolding and the fold loop over the inside without a test per value.
     fn inside(&self, kx: usize) -> (usize, usize, usize) {
         let (ow, s) = (self.out_hw().1, self.stride.max(1));
         let (w, p) = (self.w, self.pad);
