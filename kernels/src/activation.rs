@@ -1,11 +1,12 @@
-//! GELU (tanh approximation and exact erf) and SiLU as single passes forward and backward.
+//! GELU (tanh approximation and exact erf), SiLU and ReLU as single passes forward and backward.
 //!
 //! candle computes these activations' backward as a chain of ops (GELU: a cube by `powf`, a
 //! tanh, then `powf(2)` and five elementwise maps, each a fresh tensor and, on the CPU, a rayon
 //! dispatch however small the tensor): on the tiny T5 of t5-ft's demo that chain was about a
 //! tenth of the step (docs/benchmarks.md, #21). Here the forward is one pass and the backward one
 //! pass `g * f'(x)`, with exact derivatives (candle's GELU backward rounds its constants to six
-//! digits). On the CPU the pass runs on the calling thread below [`host::CHUNK`] elements and in
+//! digits). ReLU's backward is `g` where `x > 0`, else 0, as PyTorch's (candle's makes five
+//! tensors of the input's size and passes the gradient at exactly 0). On the CPU the pass runs on the calling thread below [`host::CHUNK`] elements and in
 //! chunks on rayon's threads above; f32, f16 and bf16 compute in f32, f64 in f64. On CUDA the
 //! candle ops run as before.
 
@@ -23,6 +24,8 @@ pub enum Activation {
     GeluErf,
     /// x sigmoid(x).
     Silu,
+    /// max(x, 0) (the original T5's feed-forward).
+    Relu,
 }
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -31,6 +34,7 @@ const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 /// A float type the passes compute in (f32 or f64).
 trait Real: Copy + Send + Sync {
     fn f(x: f64) -> Self;
+    fn positive(self) -> bool;
     fn tanh(self) -> Self;
     fn exp(self) -> Self;
     fn erf(self) -> Self;
@@ -45,6 +49,9 @@ macro_rules! real {
         impl Real for $t {
             fn f(x: f64) -> Self {
                 x as $t
+            }
+            fn positive(self) -> bool {
+                self > 0.0
             }
             fn tanh(self) -> Self {
                 <$t>::tanh(self)
@@ -87,6 +94,8 @@ impl Activation {
                 .mul(x)
                 .mul(one.add(x.mul(R::f(std::f64::consts::FRAC_1_SQRT_2)).erf())),
             Activation::Silu => x.div(one.add(R::f(0.0).sub(x).exp())),
+            Activation::Relu if x.positive() => x,
+            Activation::Relu => R::f(0.0),
         }
     }
 
@@ -113,6 +122,8 @@ impl Activation {
                 let s = one.div(one.add(R::f(0.0).sub(x).exp()));
                 s.mul(one.add(x.mul(one.sub(s))))
             }
+            Activation::Relu if x.positive() => one,
+            Activation::Relu => R::f(0.0),
         }
     }
 }
@@ -278,6 +289,7 @@ pub fn activate(x: &Tensor, act: Activation) -> Result<Tensor> {
             Activation::GeluTanh => x.gelu(),
             Activation::GeluErf => x.gelu_erf(),
             Activation::Silu => x.silu(),
+            Activation::Relu => x.relu(),
         };
     }
     x.apply_op1(Forward(act))
@@ -296,4 +308,9 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
 /// SiLU (the UNet's and VAE's nonlinearity).
 pub fn silu(x: &Tensor) -> Result<Tensor> {
     activate(x, Activation::Silu)
+}
+
+/// ReLU (the original T5's feed-forward).
+pub fn relu(x: &Tensor) -> Result<Tensor> {
+    activate(x, Activation::Relu)
 }

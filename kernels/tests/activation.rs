@@ -1,4 +1,4 @@
-//! GELU (tanh and erf) and SiLU: forward against candle's ops, backward against finite
+//! GELU (tanh and erf), SiLU and ReLU: forward against candle's ops, backward against finite
 //! differences, the threaded pass (above `host::CHUNK` elements) equal to the single one.
 
 mod common;
@@ -6,13 +6,19 @@ use candle_core::{DType, Device, Result, Tensor};
 use common::*;
 use ft_kernels::activation::{activate, Activation};
 
-const ALL: [Activation; 3] = [Activation::GeluTanh, Activation::GeluErf, Activation::Silu];
+const ALL: [Activation; 4] = [
+    Activation::GeluTanh,
+    Activation::GeluErf,
+    Activation::Silu,
+    Activation::Relu,
+];
 
 fn candle(x: &Tensor, a: Activation) -> Result<Tensor> {
     match a {
         Activation::GeluTanh => x.gelu(),
         Activation::GeluErf => x.gelu_erf(),
         Activation::Silu => x.silu(),
+        Activation::Relu => x.relu(),
     }
 }
 

@@ -180,7 +180,7 @@ impl FeedForward {
 
     fn forward(&self, x: &Tensor, drop: &DropoutCtx, site: &str) -> candle_core::Result<Tensor> {
         let act = |t: Tensor| match self.act {
-            FfAct::Relu => t.relu(),
+            FfAct::Relu => activation::relu(&t),
             FfAct::GeluNew => activation::gelu_tanh(&t),
             FfAct::Silu => activation::silu(&t),
         };
