@@ -161,6 +161,34 @@ impl Comm {
         }
     }
 
+    /// `buf` to rank `to`, which must call [`Self::recv`] from this rank with a buffer of the
+    /// same length: what rank 0 alone needs (a checkpoint's gathered shards), without every
+    /// rank receiving it as a broadcast would. Blocks until `to` takes it (for large buffers).
+    pub fn send<T: Element>(&self, buf: &[T], to: usize) -> Result<()> {
+        self.check_peer("send", to)?;
+        match &self.inner {
+            Inner::Solo => {
+                let _ = buf;
+                unreachable_peer()
+            }
+            #[cfg(feature = "mpi")]
+            Inner::Mpi(m) => m.send(buf, to),
+        }
+    }
+
+    /// Rank `from`'s [`Self::send`] into `buf`; a message of another length is an error.
+    pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
+        self.check_peer("recv", from)?;
+        match &self.inner {
+            Inner::Solo => {
+                let _ = buf;
+                unreachable_peer()
+            }
+            #[cfg(feature = "mpi")]
+            Inner::Mpi(m) => m.recv(buf, from),
+        }
+    }
+
     /// Returns once every rank has called it.
     pub fn barrier(&self) {
         match &self.inner {
@@ -213,6 +241,18 @@ impl Comm {
         Ok(())
     }
 
+    /// A point-to-point peer: another rank of the world (one process has none).
+    fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
+        if peer >= self.world() || peer == self.rank() {
+            return Err(DistError::Shape(format!(
+                "{op}: rank {peer} is not another rank of rank {}'s world of {}",
+                self.rank(),
+                self.world()
+            )));
+        }
+        Ok(())
+    }
+
     fn check(&self, op: &str, have: usize, want: usize) -> Result<()> {
         if have != want {
             return Err(DistError::Shape(format!(
@@ -222,6 +262,12 @@ impl Comm {
         }
         Ok(())
     }
+}
+
+/// One process has no peer to send to or receive from: [`Comm::check_peer`] refuses every rank
+/// before this is reached.
+fn unreachable_peer() -> Result<()> {
+    Err(DistError::Shape("one process has no other rank".into()))
 }
 
 /// FNV-1a, 64 bits: enough to tell two configurations apart, with no dependency.
@@ -256,6 +302,10 @@ mod tests {
         assert!(e.is_err_and(|e| e.to_string().contains("3 elements")));
         c.barrier();
         c.agree("the configuration", b"same")?;
+        // One process has no peer.
+        let e = c.send(&[1u8], 0).err().map(|e| e.to_string());
+        assert!(e.is_some_and(|e| e.contains("not another rank")));
+        assert!(c.recv(&mut [0u8], 1).is_err());
         Ok(())
     }
 

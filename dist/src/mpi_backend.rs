@@ -72,6 +72,23 @@ impl Mpi {
         Ok(())
     }
 
+    pub fn send<T: Element>(&self, buf: &[T], to: usize) -> Result<()> {
+        self.world.process_at_rank(to as i32).send(buf);
+        Ok(())
+    }
+
+    pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
+        let status = self.world.process_at_rank(from as i32).receive_into(buf);
+        let got = status.count(T::equivalent_datatype()) as usize;
+        if got != buf.len() {
+            return Err(DistError::Shape(format!(
+                "recv: {got} values from rank {from}, {} expected",
+                buf.len()
+            )));
+        }
+        Ok(())
+    }
+
     pub fn barrier(&self) {
         self.world.barrier();
     }

@@ -55,6 +55,27 @@ fn rank_body() -> anyhow::Result<()> {
     let want: Vec<u64> = (0..w as u64).flat_map(|q| [10 * q, 10 * q + 1]).collect();
     assert_eq!(all, want);
 
+    // Point to point: every rank past 0 sends rank 0 its own values, which rank 0 takes in
+    // rank order; a shorter message than the buffer is an error, not a partial read.
+    if r == 0 {
+        for q in 1..w {
+            let mut got = [0f32; 2];
+            c.recv(&mut got, q)?;
+            assert_eq!(got, [q as f32, 0.5 * q as f32]);
+        }
+        let mut longer = [0u64; 3];
+        assert!(
+            c.recv(&mut longer, 1).is_err(),
+            "a 2-value message taken as 3"
+        );
+    } else {
+        c.send(&[r as f32, 0.5 * r as f32], 0)?;
+        if r == 1 {
+            c.send(&[1u64, 2], 0)?;
+        }
+    }
+    assert!(c.send(&[0u8], r).is_err(), "a send to itself");
+
     let mut b = if r == w - 1 { [7u8, 8, 9] } else { [0u8; 3] };
     c.broadcast(&mut b, w - 1)?;
     assert_eq!(b, [7, 8, 9]);

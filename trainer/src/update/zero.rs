@@ -268,44 +268,40 @@ impl Zero {
     }
 
     /// Every rank's optimizer state (`local` on each) on rank 0, sorted by name and parameter;
-    /// empty on the other ranks. Every rank must call it.
+    /// empty on the other ranks. Every rank must call it. Each rank sends its shards to rank 0
+    /// alone, one tensor at a time, so the other ranks neither receive nor hold them.
     pub fn gather_state(&self, local: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
         let me = self.comm.rank();
-        let mut all = if me == 0 { local.clone() } else { Vec::new() };
-        for root in 1..self.comm.world() {
-            // What the sending rank holds: names, dtypes and shapes, as one line of JSON.
-            let header = if me == root {
-                let list: Vec<serde_json::Value> = local
-                    .iter()
-                    .map(|(n, t)| serde_json::json!([n, t.dtype().as_str(), t.dims()]))
-                    .collect();
-                serde_json::Value::from(list).to_string().into_bytes()
-            } else {
-                Vec::new()
-            };
-            let mut len = [header.len() as u64];
-            self.comm.broadcast(&mut len, root)?;
-            let mut header = if me == root {
-                header
-            } else {
-                vec![0u8; len[0] as usize]
-            };
-            self.comm.broadcast(&mut header, root)?;
+        if me != 0 {
+            // What this rank holds: names, dtypes and shapes, as one line of JSON; then each
+            // tensor's values.
+            let list: Vec<serde_json::Value> = local
+                .iter()
+                .map(|(n, t)| serde_json::json!([n, t.dtype().as_str(), t.dims()]))
+                .collect();
+            let header = serde_json::Value::from(list).to_string().into_bytes();
+            self.comm.send(&[header.len() as u64], 0)?;
+            self.comm.send(&header, 0)?;
+            for (_, t) in &local {
+                self.comm.send(&to_wire(t)?, 0)?;
+            }
+            return Ok(Vec::new());
+        }
+        let mut all = local;
+        for from in 1..self.comm.world() {
+            let mut len = [0u64];
+            self.comm.recv(&mut len, from)?;
+            let mut header = vec![0u8; len[0] as usize];
+            self.comm.recv(&mut header, from)?;
             let list: Vec<(String, String, Vec<usize>)> = serde_json::from_slice(&header)
-                .map_err(|e| Error::Invalid(format!("rank {root}'s optimizer state list: {e}")))?;
-            for (k, (name, dtype, dims)) in list.into_iter().enumerate() {
-                let n: usize = dims.iter().product();
-                let mut buf = match local.get(k) {
-                    Some((_, t)) if me == root => to_wire(t)?,
-                    _ => vec![0f32; n],
-                };
-                self.comm.broadcast(&mut buf, root)?;
-                if me == 0 {
-                    let dtype: DType = dtype.parse().map_err(|_| {
-                        Error::Invalid(format!("rank {root}'s state `{name}`: dtype {dtype}"))
-                    })?;
-                    all.push((name, from_wire(&buf, dtype, &dims, &Device::Cpu)?));
-                }
+                .map_err(|e| Error::Invalid(format!("rank {from}'s optimizer state list: {e}")))?;
+            for (name, dtype, dims) in list {
+                let mut buf = vec![0f32; dims.iter().product()];
+                self.comm.recv(&mut buf, from)?;
+                let dtype: DType = dtype.parse().map_err(|_| {
+                    Error::Invalid(format!("rank {from}'s state `{name}`: dtype {dtype}"))
+                })?;
+                all.push((name, from_wire(&buf, dtype, &dims, &Device::Cpu)?));
             }
         }
         all.sort_by(|(a, _), (b, _)| state_key(a).cmp(&state_key(b)));
