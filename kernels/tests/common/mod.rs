@@ -29,3 +29,24 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
         .max(1e-12);
     Ok(max_diff(a, b)? / scale)
 }
+
+/// The gradients of `sum(y * probe)` with respect to each of `of`, in order: a weighted sum,
+/// so that every element's gradient differs.
+pub fn probed_gradients(y: &Tensor, probe: &Tensor, of: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let g = (y * probe)?.sum_all()?.backward()?;
+    of.iter()
+        .map(|t| {
+            g.get(t)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))
+        })
+        .collect()
+}
+
+/// How many elements of `t` are exactly zero (a ReLU's cut).
+pub fn zeros_in(t: &Tensor) -> Result<f64> {
+    t.eq(0.0)?
+        .to_dtype(DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()
+}
