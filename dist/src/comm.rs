@@ -176,7 +176,8 @@ impl Comm {
         }
     }
 
-    /// Rank `from`'s [`Self::send`] into `buf`; a message of another length is an error.
+    /// Rank `from`'s [`Self::send`] into `buf`; a message of another length is taken and
+    /// dropped, and is an error.
     pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
         self.check_peer("recv", from)?;
         match &self.inner {

@@ -78,14 +78,20 @@ impl Mpi {
     }
 
     pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
-        let status = self.world.process_at_rank(from as i32).receive_into(buf);
+        // The message's length is read before it is taken: a longer one received into `buf`
+        // would be MPI's truncation error, which ends the job.
+        let (msg, status) = self.world.process_at_rank(from as i32).matched_probe();
         let got = status.count(T::equivalent_datatype()) as usize;
         if got != buf.len() {
+            // Taken into a buffer of its own length, so that it leaves the queue.
+            let mut other = vec![T::default(); got];
+            msg.matched_receive_into(&mut other[..]);
             return Err(DistError::Shape(format!(
                 "recv: {got} values from rank {from}, {} expected",
                 buf.len()
             )));
         }
+        msg.matched_receive_into(buf);
         Ok(())
     }
 

@@ -126,6 +126,16 @@ impl Activation {
             Activation::Relu => R::f(0.0),
         }
     }
+
+    /// `g * f'(x)`; for ReLU `g` where `x > 0` and 0 elsewhere, whatever `g` is (an infinite
+    /// or NaN gradient where the ReLU cut gives 0, as PyTorch's, not `g * 0`).
+    fn backward<R: Real>(self, g: R, x: R) -> R {
+        match self {
+            Activation::Relu if x.positive() => g,
+            Activation::Relu => R::f(0.0),
+            _ => g.mul(self.derivative(x)),
+        }
+    }
 }
 
 /// Where the i-th element (row-major over the shape) of a tensor with `layout` sits in its
@@ -251,25 +261,25 @@ impl CustomOp2 for Backward {
         let out = match (gs, xs) {
             (CpuStorage::F32(g), CpuStorage::F32(x)) => {
                 let mut o = vec![0f32; n];
-                fill(&mut o, |i| g[gi.at(i)] * a.derivative(x[xi.at(i)]));
+                fill(&mut o, |i| a.backward(g[gi.at(i)], x[xi.at(i)]));
                 CpuStorage::F32(o)
             }
             (CpuStorage::F64(g), CpuStorage::F64(x)) => {
                 let mut o = vec![0f64; n];
-                fill(&mut o, |i| g[gi.at(i)] * a.derivative(x[xi.at(i)]));
+                fill(&mut o, |i| a.backward(g[gi.at(i)], x[xi.at(i)]));
                 CpuStorage::F64(o)
             }
             (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
                 let mut o = vec![bf16::ZERO; n];
                 fill(&mut o, |i| {
-                    bf16::from_f32(g[gi.at(i)].to_f32() * a.derivative(x[xi.at(i)].to_f32()))
+                    bf16::from_f32(a.backward(g[gi.at(i)].to_f32(), x[xi.at(i)].to_f32()))
                 });
                 CpuStorage::BF16(o)
             }
             (CpuStorage::F16(g), CpuStorage::F16(x)) => {
                 let mut o = vec![f16::ZERO; n];
                 fill(&mut o, |i| {
-                    f16::from_f32(g[gi.at(i)].to_f32() * a.derivative(x[xi.at(i)].to_f32()))
+                    f16::from_f32(a.backward(g[gi.at(i)].to_f32(), x[xi.at(i)].to_f32()))
                 });
                 CpuStorage::F16(o)
             }

@@ -128,6 +128,14 @@ fn rstd(s: &BatchStats, eps: f64) -> Vec<f64> {
     s.var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect()
 }
 
+/// Per channel, `a` and `b` of the forward's `y = x * a + b`: the fused ReLU's backward finds
+/// where `y > 0` with these same values, so its mask is the forward's, bit for bit.
+fn scale_shift(s: &BatchStats, r: &[f64], gamma: &[f64], beta: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let a: Vec<f64> = r.iter().zip(gamma).map(|(r, g)| r * g).collect();
+    let b = (0..a.len()).map(|c| beta[c] - s.mean[c] * a[c]).collect();
+    (a, b)
+}
+
 /// The forward: `y = (x - mean) * rstd * gamma + beta` (then `max(y, 0)` with `relu`), its
 /// statistics left in `stats`.
 struct Forward {
@@ -160,8 +168,8 @@ impl Forward {
         let s = stats(x, p);
         let r = rstd(&s, self.eps);
         // Per channel: y = x * a + b.
-        let a: Vec<f64> = (0..p.c).map(|c| r[c] * gamma[c].f64()).collect();
-        let b: Vec<f64> = (0..p.c).map(|c| beta[c].f64() - s.mean[c] * a[c]).collect();
+        let wide = |v: &[T]| v.iter().map(|g| g.f64()).collect::<Vec<f64>>();
+        let (a, b) = scale_shift(&s, &r, &wide(gamma), &wide(beta));
         let mut y = vec![T::of(0.0); x.len()];
         let relu = self.relu;
         if p.hw > 0 {
@@ -235,11 +243,17 @@ impl CustomOp3 for Forward {
             .clone();
         let sums = Arc::new(Mutex::new((Vec::new(), Vec::new())));
         let wide = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
+        let (r, g) = (rstd(&stats, self.eps), wide(gamma)?);
+        let relu = if self.relu {
+            Some(scale_shift(&stats, &r, &g, &wide(beta)?))
+        } else {
+            None
+        };
         let op = Backward {
-            rstd: rstd(&stats, self.eps),
+            rstd: r,
             mean: stats.mean,
-            gamma: wide(gamma)?,
-            beta: if self.relu { Some(wide(beta)?) } else { None },
+            gamma: g,
+            relu,
             sums: sums.clone(),
         };
         let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &op)?;
@@ -255,13 +269,13 @@ impl CustomOp3 for Forward {
 }
 
 /// The backward's passes: per channel sum(dy) and sum(dy * xhat) (left in `sums` as dgamma and
-/// dbeta), then dx. With `beta` (the fused ReLU's backward) `dy` counts only where the output
-/// `xhat * gamma + beta` was positive.
+/// dbeta), then dx. With `relu` (the fused ReLU's backward: the forward's per-channel `a` and
+/// `b`) `dy` counts only where the forward's `x * a + b` was positive.
 struct Backward {
     mean: Vec<f64>,
     rstd: Vec<f64>,
     gamma: Vec<f64>,
-    beta: Option<Vec<f64>>,
+    relu: Option<(Vec<f64>, Vec<f64>)>,
     sums: Arc<Mutex<(Vec<f64>, Vec<f64>)>>,
 }
 
@@ -274,9 +288,9 @@ impl Backward {
                 x.len()
             );
         }
-        // dy where the fused ReLU passed it: where xhat * gamma + beta > 0.
-        let passed = |c: usize, xhat: f64, g: f64| match &self.beta {
-            Some(beta) if xhat * self.gamma[c] + beta[c] <= 0.0 => 0.0,
+        // dy where the fused ReLU passed it: where the forward's x * a + b > 0.
+        let passed = |c: usize, v: f64, g: f64| match &self.relu {
+            Some((a, b)) if v * a[c] + b[c] <= 0.0 => 0.0,
             _ => g,
         };
         let (dgamma, dbeta): (Vec<f64>, Vec<f64>) = (0..p.c)
@@ -287,7 +301,7 @@ impl Backward {
                 for (xp, gp) in p.channel(x, c).zip(p.channel(dy, c)) {
                     for (v, g) in xp.iter().zip(gp) {
                         let xhat = (v.f64() - mean) * r;
-                        let g = passed(c, xhat, g.f64());
+                        let g = passed(c, v.f64(), g.f64());
                         sb += g;
                         sg += g * xhat;
                     }
@@ -312,7 +326,7 @@ impl Backward {
                         .zip(&dy[at..at + p.hw])
                     {
                         let xhat = (v.f64() - mean) * r;
-                        *o = T::of(k * (m * passed(c, xhat, g.f64()) - sb - xhat * sg));
+                        *o = T::of(k * (m * passed(c, v.f64(), g.f64()) - sb - xhat * sg));
                     }
                 });
         }
@@ -382,7 +396,8 @@ pub fn batch_norm_train(
 
 /// [`batch_norm_train`] followed by a ReLU, as one op on the CPU for f32 and f64 (the ReLU's
 /// gradient zero where the output is zero, as PyTorch's); elsewhere the composition and
-/// candle's ReLU.
+/// candle's ReLU, whose gradient passes where the normalised value is exactly 0 (the two
+/// differ only there).
 pub fn batch_norm_relu_train(
     x: &Tensor,
     weight: &Tensor,

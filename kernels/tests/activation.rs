@@ -139,3 +139,18 @@ fn long_tensors_take_the_threaded_pass_with_the_same_values() -> Result<()> {
     }
     Ok(())
 }
+
+/// Where the ReLU cut, an infinite or NaN gradient gives 0 (PyTorch's), not `g * 0`.
+#[test]
+fn relu_cuts_non_finite_gradients() -> Result<()> {
+    let x = Tensor::new(&[-1.0f32, 2.0, -3.0, 0.0], &Device::Cpu)?;
+    let v = candle_core::Var::from_tensor(&x)?;
+    let y = activate(v.as_tensor(), Activation::Relu)?;
+    let g = Tensor::new(&[f32::INFINITY, 1.5, f32::NAN, f32::NAN], &Device::Cpu)?;
+    let grads = (y * g)?.sum_all()?.backward()?;
+    let dx = grads
+        .get(v.as_tensor())
+        .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?;
+    assert_eq!(dx.to_vec1::<f32>()?, [0.0, 1.5, 0.0, 0.0]);
+    Ok(())
+}

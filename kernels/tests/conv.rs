@@ -37,6 +37,28 @@ fn values_match_candle_forward() -> Result<()> {
     Ok(())
 }
 
+/// Images narrower than the kernel's reach past the padding (1x1 under a 5x5 kernel with
+/// padding 2, 2x3 under 7x7 with padding 3): some taps read only padding on a side.
+#[test]
+fn kernels_wider_than_the_image_read_padding() -> Result<()> {
+    let dev = Device::Cpu;
+    for (h, w, k, s, p) in [(1, 1, 5, 1, 2), (2, 3, 7, 1, 3), (2, 3, 7, 2, 3)] {
+        let x = random_tensor(&[2, 3, h, w], 11, &dev)?;
+        let wt = random_tensor(&[4, 3, k, k], 12, &dev)?;
+        let ours = conv2d(&x, &wt, None, s, p)?;
+        let want = x.conv2d(&wt, p, s, 1, 1)?;
+        let d = (ours - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(d < 1e-12, "{h}x{w} k {k} s {s} p {p}: {d}");
+        check_gradients(
+            |t: &[Tensor]| conv2d(&t[0], &t[1], None, s, p),
+            &[x, wt],
+            1e-5,
+        )?
+        .assert_close(1e-6)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn gradients_match_finite_differences() -> Result<()> {
     let dev = Device::Cpu;

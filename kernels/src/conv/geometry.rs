@@ -157,7 +157,13 @@ impl Geometry {
             0
         }
         .max(lo);
-        (lo, hi, (lo * s + kx).saturating_sub(p))
+        // An empty range reads nothing: its base is 0, inside any row.
+        let base = if hi > lo {
+            (lo * s + kx).saturating_sub(p)
+        } else {
+            0
+        };
+        (lo, hi, base)
     }
 
     /// The adjoint of [`Self::image_columns`]: the column gradient `dcols` [C*k*k, Ho*Wo] of image

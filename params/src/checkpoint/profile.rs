@@ -231,7 +231,12 @@ impl ActivationProfile {
             let before = self.kept_before(strategy);
             for (i, s) in self.segments.iter().enumerate() {
                 let own = if matched { step.segments[i] } else { largest };
-                moment = moment.max(outer + before[i] + s.kept() + own);
+                // The graphs held at segment i's early step: under `none` the whole graph.
+                let held_graphs = match strategy {
+                    Strategy::None => graphs,
+                    _ => before[i] + s.kept(),
+                };
+                moment = moment.max(outer + held_graphs + own);
             }
         }
         held.step = moment.saturating_sub(held.kept + held.backward);
@@ -515,5 +520,13 @@ mod tests {
         // segment 0 1000 with 4250: the most is segment 1's, 100 + 6000 + 3000 + 4150.
         let h = t.held_with(st("none"), &none, Some(&late));
         assert_eq!(h.peak() + all, 100 + 6000 + 3000 + 4150);
+        // A fused step under `none` (the fit never picks it: a check of the walk alone) runs
+        // beside the whole graph: 100 + 6000 and segment 2's own 30.
+        let fused = StepTemporaries {
+            segments: vec![10, 20, 30],
+            fused: true,
+            ..StepTemporaries::default()
+        };
+        assert_eq!(p.held_with(st("none"), &fused, None).peak(), 6130);
     }
 }

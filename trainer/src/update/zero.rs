@@ -280,10 +280,16 @@ impl Zero {
                 .map(|(n, t)| serde_json::json!([n, t.dtype().as_str(), t.dims()]))
                 .collect();
             let header = serde_json::Value::from(list).to_string().into_bytes();
+            // Every tensor made ready before the first send: an error after it would leave
+            // rank 0 waiting for a message that never comes.
+            let wires = local
+                .iter()
+                .map(|(_, t)| to_wire(t))
+                .collect::<Result<Vec<_>>>()?;
             self.comm.send(&[header.len() as u64], 0)?;
             self.comm.send(&header, 0)?;
-            for (_, t) in &local {
-                self.comm.send(&to_wire(t)?, 0)?;
+            for wire in &wires {
+                self.comm.send(wire, 0)?;
             }
             return Ok(Vec::new());
         }
