@@ -186,3 +186,32 @@ impl T5Config {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decoder block runs its self- and cross-attention's backward one after the other: with
+    /// both of one size (target as long as source) it holds one attention's score temporaries,
+    /// not two; an encoder block adds its per-example bias's.
+    #[test]
+    fn a_block_holds_its_larger_attentions_score_temporaries() {
+        let cfg = T5Config::tiny(32);
+        let (b, l, h) = (2u64, 16u64, cfg.num_heads as u64);
+        let shape = T5Shape {
+            batch: b as usize,
+            source_len: l as usize,
+            target_len: l as usize,
+        };
+        let p = cfg.activations(&shape, DType::F32, Target::Cpu, false);
+        // One attention's scores (no chunks at this size), in f32 bytes.
+        let scores = 4 * b * h * l * l;
+        let decoder = &p.segments[cfg.num_layers];
+        assert_eq!(decoder.score_temporaries, SCORE_TEMPORARIES * scores / 1000);
+        let encoder = &p.segments[0];
+        assert_eq!(
+            encoder.score_temporaries,
+            (SCORE_TEMPORARIES + BIAS_TEMPORARIES) * scores / 1000
+        );
+    }
+}

@@ -406,13 +406,14 @@ mod tests {
         assert_eq!(p.held("full".parse().expect("strategy")).peak(), 9000);
     }
 
-    #[test]
-    fn the_step_counts_where_it_runs() {
+    /// A caller's graph of 100 and segments of 1000, 3000 and 2000, with temporaries of half a
+    /// kept graph and a whole rebuilt one: the walk tests' profile.
+    fn three_segments() -> ActivationProfile {
         let s = |graph| SegmentBytes {
             graph,
             ..SegmentBytes::default()
         };
-        let p = ActivationProfile {
+        ActivationProfile {
             outer: 100,
             segments: vec![s(1000), s(3000), s(2000)],
             op_held: 0,
@@ -421,7 +422,12 @@ mod tests {
                 kept: 500,
                 recomputed: 1000,
             },
-        };
+        }
+    }
+
+    #[test]
+    fn the_step_counts_where_it_runs() {
+        let p = three_segments();
         let st = |x: &str| x.parse::<Strategy>().expect("strategy");
         // blocks: kept 6100, backward's peak the last segment's 1000 of temporaries.
         let plain = p.held(st("blocks"));
@@ -460,20 +466,7 @@ mod tests {
 
     #[test]
     fn gradients_are_counted_as_backward_forms_them() {
-        let s = |graph| SegmentBytes {
-            graph,
-            ..SegmentBytes::default()
-        };
-        let p = ActivationProfile {
-            outer: 100,
-            segments: vec![s(1000), s(3000), s(2000)],
-            op_held: 0,
-            temporaries: Temporaries {
-                whole: 0,
-                kept: 500,
-                recomputed: 1000,
-            },
-        };
+        let p = three_segments();
         let st = |x: &str| x.parse::<Strategy>().expect("strategy");
         let none = StepTemporaries::default();
         // Gradients: 4000 of segment 0's parameters, 100 each of 1 and 2, 50 outside.
