@@ -35,14 +35,6 @@ pub fn run<T: Task>(
     std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::io(&cfg.output_dir, e))?;
     let comm = ranks::world()?;
     let main = comm.is_main();
-    if comm.world() > 1 && cfg.mode.fused_backward() {
-        return Err(Error::Invalid(format!(
-            "--fused-backward with {} ranks: the fused backward updates each segment as its \
-             backward ends, before the ranks' gradients could be summed; run the ranks without \
-             it (the gradients are then summed once, before the update)",
-            comm.world()
-        )));
-    }
     let (mut step, mut epoch) = (0u64, 0usize);
     let mut summary = RunSummary::default();
     let mut best = Best::new(cfg.best.clone());

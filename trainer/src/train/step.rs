@@ -17,7 +17,7 @@ use super::settings::LoopConfig;
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
 use crate::ledger::{measure, Category, Ledger};
-use crate::update::{GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
+use crate::update::{FusedRanks, GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
 /// The seed of one micro-batch's dropout masks: a function of (run seed, step, micro) only.
 fn mix(seed: u64, step: u64, micro: usize) -> u64 {
     let mut r = ft_params::rng::SplitMix64::new(
@@ -361,8 +361,11 @@ impl<T: Task> Loop<'_, T> {
         if self.opt.reduces_each_micro_batch() {
             return self.forward_backward_sharded(pieces, norm);
         }
-        let step = self.step;
         let fused = self.cfg.mode.fused_backward();
+        if fused && self.comm.world() > 1 {
+            return self.forward_backward_fused_across(pieces, norm, lr);
+        }
+        let step = self.step;
         let mut out = Local::default();
         for (i, piece) in pieces.iter().enumerate() {
             let Some(scaled) = self.forward(piece, norm, &mut out)? else {
@@ -397,6 +400,102 @@ impl<T: Task> Loop<'_, T> {
             self.watch_budget("backward", fused && last)?;
         }
         Ok(out)
+    }
+
+    /// [`Self::forward_backward`] with the fused backward over several ranks: this rank's
+    /// micro-batches before its last are accumulated as their segments' backwards end, its last
+    /// one's forward runs, and the ranks agree that none ran out of memory and none met a
+    /// non-finite loss (else all drop the step's gradients: retried split, or skipped, as one
+    /// process would); then the last backward updates each segment's parameters from their sums
+    /// over the ranks, the ranks meeting in rounds (a rank without a micro-batch answers them).
+    /// From the first round on, an error ends the run: part of the weights has moved.
+    fn forward_backward_fused_across(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+        lr: f64,
+    ) -> Result<Local> {
+        let mut out = Local::default();
+        let last = self.all_but_last_backward(pieces, norm, &mut out);
+        let (oom, bad) = match &last {
+            Err(e) if e.is_out_of_memory() => (1u64, 0u64),
+            // Any other error ends every rank (`ranks::main`).
+            Err(_) => return last.map(|_| out),
+            Ok(_) => (0, out.bad_loss as u64),
+        };
+        let mut shared = [oom, bad];
+        self.comm.all_reduce_sum(&mut shared)?;
+        if shared[0] > 0 {
+            drop(self.acc.take());
+            return Err(match last {
+                Err(e) => e,
+                Ok(_) => self.others_out_of_memory(shared[0]),
+            });
+        }
+        if shared[1] > 0 {
+            out.bad_loss = true;
+            drop(self.acc.take());
+            return Ok(out);
+        }
+        let ranks = FusedRanks {
+            comm: super::ranks::world,
+            device: self.acc.device().clone(),
+        };
+        self.updating = true;
+        let scaled = last?;
+        let f = self
+            .opt
+            .backward_and_step_across(
+                self.checkpointer,
+                scaled.as_ref(),
+                lr,
+                &mut self.acc,
+                &ranks,
+            )
+            .map_err(|e| {
+                Error::Invalid(format!(
+                    "rank {} of {}: {e} (in the fused backward, after the ranks began to \
+                     update: the step cannot run again; resume from the last checkpoint)",
+                    self.comm.rank(),
+                    self.comm.world()
+                ))
+            })?;
+        drop(scaled);
+        out.updated_in_backward += f.updated_in_backward;
+        out.non_finite_grads |= f.non_finite > 0;
+        self.ledger.mark("backward", self.step)?;
+        self.watch_budget("backward", true)?;
+        Ok(out)
+    }
+
+    /// This rank's micro-batches but the last: forward, and backward into the step's sums as
+    /// each segment's ends (the fused backward with accumulation); then the last one's forward,
+    /// its scaled loss returned. None when this rank has no micro-batch, or a loss was not
+    /// finite (`out.bad_loss`: the step's earlier gradients are dropped).
+    fn all_but_last_backward(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+        out: &mut Local,
+    ) -> Result<Option<Tensor>> {
+        let step = self.step;
+        for (i, piece) in pieces.iter().enumerate() {
+            let Some(scaled) = self.forward(piece, norm, out)? else {
+                out.bad_loss = true;
+                drop(self.acc.take());
+                return Ok(None);
+            };
+            if i + 1 == pieces.len() {
+                return Ok(Some(scaled));
+            }
+            self.opt
+                .backward_and_accumulate(self.checkpointer, &scaled, &mut self.acc)?;
+            drop(scaled);
+            self.account_gradients();
+            self.ledger.mark("backward", step)?;
+            self.watch_budget("backward", false)?;
+        }
+        Ok(None)
     }
 
     /// [`Self::forward_backward`] under ZeRO-2 with several ranks: each micro-batch's

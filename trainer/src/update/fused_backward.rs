@@ -3,13 +3,16 @@
 //! produced their gradients, and the gradients are dropped.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Tensor, Var};
+use candle_core::{Device, Tensor, Var};
+use ft_dist::Comm;
 use ft_params::checkpoint::{Checkpointer, EarlyStep};
 
 use super::norm::{clip_factor, sum_of_squares_each};
+use super::reduce::sum_round;
 use super::{GradAccumulator, MixedOptimizer};
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, WriteRules};
@@ -42,12 +45,48 @@ impl MixedOptimizer {
         lr: f64,
         sums: &mut GradAccumulator,
     ) -> Result<FusedOutcome> {
+        self.fused_step(checkpointer, Some(loss), lr, sums, None)
+    }
+
+    /// [`Self::backward_and_step`] on one rank of a data-parallel run: each segment's
+    /// gradients (with this rank's sums of the step's earlier micro-batches) are summed over the
+    /// ranks as its backward ends, and every rank updates those parameters from the sums, so the
+    /// ranks take the update one process takes over all their micro-batches (up to the order
+    /// of the sums). The ranks meet in rounds ([`FusedRanks`]): a rank without a micro-batch this
+    /// step (`loss` None), or whose backward has ended, answers the others' rounds, offering
+    /// nothing, until every rank's backward has ended. Every rank calls this at the same point
+    /// of the step, once the ranks have agreed that every forward succeeded (a failed round
+    /// cannot be taken back: any error here ends the run).
+    pub fn backward_and_step_across(
+        &mut self,
+        checkpointer: &Checkpointer,
+        loss: Option<&Tensor>,
+        lr: f64,
+        sums: &mut GradAccumulator,
+        ranks: &FusedRanks,
+    ) -> Result<FusedOutcome> {
+        self.fused_step(checkpointer, loss, lr, sums, Some(ranks.clone()))
+    }
+
+    fn fused_step(
+        &mut self,
+        checkpointer: &Checkpointer,
+        loss: Option<&Tensor>,
+        lr: f64,
+        sums: &mut GradAccumulator,
+        ranks: Option<FusedRanks>,
+    ) -> Result<FusedOutcome> {
         debug_assert!(self.scaler.is_none(), "StepMode refuses f16 here");
+        debug_assert!(
+            loss.is_some() || ranks.is_some(),
+            "no backward and no ranks"
+        );
         // The optimizer is lent to the early-step hook for the backward (it runs inside
         // candle's backprop), then taken back.
         let t0 = self.optimizer.state().0;
         let optimizer = std::mem::replace(&mut self.optimizer, Box::new(Lent::default()));
         let lent = Arc::new(Mutex::new(optimizer));
+        let n = self.model.len();
         let stepper = ParamStepper {
             optimizer: lent.clone(),
             targets: if self.masters.is_empty() {
@@ -60,28 +99,39 @@ impl MixedOptimizer {
             lr,
             max_grad_norm: self.max_grad_norm,
             non_finite: AtomicUsize::new(0),
+            stepped: AtomicUsize::new(0),
             sums: Mutex::new(sums.take_whole()),
+            rounds: ranks.map(|ranks| Rounds {
+                ranks,
+                params: self.model.clone(),
+                stepped: Mutex::new(vec![false; n]),
+            }),
         };
         let stepper = Arc::new(stepper);
-        let hook = {
-            let stepper = stepper.clone();
-            self.early_hook(move |mine| stepper.step_all(mine))
+        let result = match loss {
+            Some(loss) => {
+                let hook = {
+                    let stepper = stepper.clone();
+                    self.early_hook(move |mine| stepper.step_all(mine))
+                };
+                checkpointer
+                    .gradients_with(loss, &self.model, Some(hook))
+                    .map_err(Error::from)
+            }
+            None => Ok((vec![None; n], 0)),
         };
-        let result = checkpointer.gradients_with(loss, &self.model, Some(hook));
-        let rest = result.map_err(Error::from).and_then(|(grads, taken)| {
+        let rest = result.and_then(|(grads, taken)| {
             let rest: Vec<(usize, Tensor)> = grads
                 .into_iter()
                 .enumerate()
                 .filter_map(|(i, g)| Some((i, g?)))
                 .collect();
-            let after = rest.len();
-            stepper.step_all(rest)?;
+            let mut last = stepper.with_sums(rest)?;
             // Sums of parameters this micro-batch gave no gradient: their own update.
-            let left = locked(&stepper.sums).take_remaining();
-            let stepped = taken + after + left.len();
-            stepper.step_summed(left)?;
+            last.extend(locked(&stepper.sums).take_remaining());
+            stepper.finish(last)?;
             // A step without any gradient still counts, as `step` counts it.
-            if stepped == 0 {
+            if stepper.stepped.load(Ordering::Relaxed) == 0 {
                 let mut opt = locked(&lent);
                 opt.load_state(t0 + 1, &[])?;
             }
@@ -98,6 +148,55 @@ impl MixedOptimizer {
             updated_in_backward: rest?,
             non_finite,
         })
+    }
+}
+
+/// How a fused backward pass meets the other ranks of a data-parallel run
+/// ([`MixedOptimizer::backward_and_step_across`]).
+#[derive(Clone)]
+pub struct FusedRanks {
+    /// The run's communicator, asked for on the thread that runs the backward (the early step
+    /// must be `Send` and `Sync`, while MPI's handles stay on the thread that made them).
+    pub comm: fn() -> Result<Rc<Comm>>,
+    /// Where the sums over the ranks are put (the gradient accumulator's device).
+    pub device: Device,
+}
+
+/// The rounds of one fused backward pass across ranks.
+struct Rounds {
+    ranks: FusedRanks,
+    /// The model's parameters (their shapes, for the sums).
+    params: Vec<Var>,
+    /// Parameters updated in this step's rounds so far.
+    stepped: Mutex<Vec<bool>>,
+}
+
+impl Rounds {
+    /// One round: `offered` (this rank's, maybe none) summed over the ranks with theirs; the
+    /// sums, and whether every rank's backward has ended. A parameter summed in two rounds
+    /// means the ranks' backwards finished it at different times (they hold different models
+    /// or segments): an error, since its first update cannot be taken back.
+    fn round(
+        &self,
+        offered: Vec<(usize, Tensor)>,
+        finished: bool,
+    ) -> Result<(Vec<(usize, Tensor)>, bool)> {
+        let comm = (self.ranks.comm)()?;
+        let (sums, all_finished) =
+            sum_round(&comm, offered, finished, &self.params, &self.ranks.device)?;
+        let mut stepped = locked(&self.stepped);
+        for (i, _) in &sums {
+            if std::mem::replace(&mut stepped[*i], true) {
+                return Err(Error::Invalid(format!(
+                    "rank {}: parameter {i} of shape {:?} was summed in two rounds of a fused \
+                     backward: the ranks finished its gradient at different points of their \
+                     backward (do they hold the same model and checkpointing?)",
+                    comm.rank(),
+                    self.params[*i].dims()
+                )));
+            }
+        }
+        Ok((sums, all_finished))
     }
 }
 
@@ -189,27 +288,52 @@ struct ParamStepper {
     max_grad_norm: Option<f64>,
     /// Updates skipped for a non-finite gradient.
     non_finite: AtomicUsize,
+    /// Gradients this step has updated from (or skipped as non-finite).
+    stepped: AtomicUsize,
     /// The step's earlier micro-batches' gradients (empty without accumulation).
     sums: Mutex<GradAccumulator>,
+    /// With several ranks: each update waits for the sum over the ranks.
+    rounds: Option<Rounds>,
 }
 
 impl ParamStepper {
-    /// Updates parameter `i` from `g` for each `(i, g)`, each clipped by its own norm when
-    /// clipping is on: the norms of all of them are read back from the device at once, and a
-    /// non-finite one skips its tensor's update.
+    /// Updates parameter `i` from `g` for each `(i, g)` (a segment's, during the backward),
+    /// with the step's earlier micro-batches' sums and, with several ranks, summed over them.
     fn step_all(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
-        let grads = {
-            let mut sums = locked(&self.sums);
-            if sums.micro_batches() == 0 {
-                grads
-            } else {
-                grads
-                    .into_iter()
-                    .map(|(i, g)| Ok((i, sums.take_with(i, g)?)))
-                    .collect::<Result<Vec<_>>>()?
-            }
+        let grads = self.with_sums(grads)?;
+        match &self.rounds {
+            None => self.step_summed(grads),
+            Some(rounds) => self.step_summed(rounds.round(grads, false)?.0),
+        }
+    }
+
+    /// The step's last gradients (after the backward): updated from; with several ranks, then
+    /// the rounds answered until every rank's backward has ended.
+    fn finish(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
+        let Some(rounds) = &self.rounds else {
+            return self.step_summed(grads);
         };
-        self.step_summed(grads)
+        let mut offered = grads;
+        loop {
+            let (sums, all_finished) = rounds.round(std::mem::take(&mut offered), true)?;
+            self.step_summed(sums)?;
+            if all_finished {
+                return Ok(());
+            }
+        }
+    }
+
+    /// `grads` plus the step's earlier micro-batches' sums of the same parameters (as they
+    /// are without accumulation).
+    fn with_sums(&self, grads: Vec<(usize, Tensor)>) -> Result<Vec<(usize, Tensor)>> {
+        let mut sums = locked(&self.sums);
+        if sums.micro_batches() == 0 {
+            return Ok(grads);
+        }
+        grads
+            .into_iter()
+            .map(|(i, g)| Ok((i, sums.take_with(i, g)?)))
+            .collect()
     }
 
     /// [`Self::step_all`] for gradients already summed over the step's micro-batches.
@@ -224,6 +348,7 @@ impl ParamStepper {
             }
             None => vec![Some(1.0); grads.len()],
         };
+        self.stepped.fetch_add(grads.len(), Ordering::Relaxed);
         let mut opt = locked(&self.optimizer);
         let mut one: Vec<Option<Tensor>> = vec![None; self.targets.len()];
         for ((i, g), coef) in grads.into_iter().zip(coefs) {

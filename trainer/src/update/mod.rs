@@ -23,7 +23,7 @@ mod scaler;
 pub mod zero;
 
 pub use accumulate::{GradAccumulator, LossNorm};
-pub use fused_backward::FusedOutcome;
+pub use fused_backward::{FusedOutcome, FusedRanks};
 pub use mixed::{MixedOptimizer, OptimizerState, StepOutcome};
 pub use mode::{StepMode, StepModeRequest};
 pub use norm::{

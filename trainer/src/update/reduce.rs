@@ -28,7 +28,40 @@ pub fn all_reduce_gradients(
     if comm.world() == 1 {
         return Ok(grads);
     }
-    Ok(sum_gradients(comm, grads, params, device, None)?.0)
+    Ok(sum_gradients(comm, grads, params, device, None, &mut [])?.0)
+}
+
+/// One round of a fused backward pass over several ranks ([`super::MixedOptimizer::backward_and_step`]):
+/// the gradients this rank offers now (a segment's, as its backward ends; after the backward,
+/// the rest), summed over the ranks with every rank's offer of this round, as `(index, fp32
+/// sum on device)` for each parameter some rank offered. `finished` says this rank's backward
+/// has ended; the second value, that every rank's has, so that a rank whose backward ended
+/// (or that had no micro-batch) keeps answering rounds, offering nothing, until the last one.
+pub(super) fn sum_round(
+    comm: &Comm,
+    offered: Vec<(usize, Tensor)>,
+    finished: bool,
+    params: &[Var],
+    device: &Device,
+) -> Result<(Vec<(usize, Tensor)>, bool)> {
+    let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
+    for (i, g) in offered {
+        let slot = grads.get_mut(i).ok_or_else(|| {
+            Error::Invalid(format!(
+                "parameter {i} of {}: no such parameter",
+                params.len()
+            ))
+        })?;
+        *slot = Some(g);
+    }
+    let mut done = [finished as u64];
+    let (sums, _) = sum_gradients(comm, grads, params, device, None, &mut done)?;
+    let sums = sums
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, g)| Some((i, g?)))
+        .collect();
+    Ok((sums, done[0] == comm.world() as u64))
 }
 
 /// As [`all_reduce_gradients`], but each parameter's sum reaches only the rank `owner[i]` (the
@@ -45,18 +78,20 @@ pub(super) fn reduce_gradients_to_owners(
         let present = grads.iter().map(Option::is_some).collect();
         return Ok((grads, present));
     }
-    sum_gradients(comm, grads, params, device, Some(owner))
+    sum_gradients(comm, grads, params, device, Some(owner), &mut [])
 }
 
 /// The sums over the ranks, to every rank (`owner` None) or to each parameter's owner, bucket
 /// by bucket (with owners, each bucket holds one owner's parameters), and which parameters had
-/// a gradient on some rank.
+/// a gradient on some rank. `counts` are summed over the ranks in the same message as which
+/// parameters each rank has.
 fn sum_gradients(
     comm: &Comm,
     mut grads: Vec<Option<Tensor>>,
     params: &[Var],
     device: &Device,
     owner: Option<&[usize]>,
+    counts: &mut [u64],
 ) -> Result<(Vec<Option<Tensor>>, Vec<bool>)> {
     if grads.len() != params.len() || owner.is_some_and(|o| o.len() != params.len()) {
         return Err(Error::Invalid(format!(
@@ -67,7 +102,10 @@ fn sum_gradients(
     }
     // Which parameters have a gradient on some rank: all ranks must reduce the same ones.
     let mut present: Vec<u64> = grads.iter().map(|g| g.is_some() as u64).collect();
+    present.extend_from_slice(counts);
     comm.all_reduce_sum(&mut present)?;
+    counts.copy_from_slice(&present[grads.len()..]);
+    present.truncate(grads.len());
     let present: Vec<bool> = present.iter().map(|&p| p > 0).collect();
     let roots: Vec<Option<usize>> = match owner {
         None => vec![None],
