@@ -20,6 +20,7 @@ pub mod dropout;
 pub mod gradcheck;
 pub mod host;
 pub mod linear;
+pub mod matmul_scratch;
 pub mod norm;
 pub mod pool;
 pub mod rounding;

@@ -72,6 +72,26 @@ fn small_run<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
     ]
 }
 
+/// Flags of the equality tests: `model` trained from scratch on `data` for 3 steps of
+/// `accum` micro-batches of 2.
+fn three_steps<'a>(model: &'a str, data: &'a str, accum: &'a str) -> Vec<&'a str> {
+    vec![
+        "--model",
+        model,
+        "--from-scratch",
+        "--train-file",
+        data,
+        "--batch-size",
+        "2",
+        "--accum",
+        accum,
+        "--max-steps",
+        "3",
+        "--lr",
+        "1e-3",
+    ]
+}
+
 fn weights(dir: &Path) -> Result<SafetensorsFiles> {
     Ok(SafetensorsFiles::open(&[dir.join("model.safetensors")])?)
 }
@@ -111,25 +131,8 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
     let dir = common::tmp("ranks-equal");
     let (model, data) = model_and_data(&dir)?;
     let (m, d) = (model.display().to_string(), data.display().to_string());
-    let args = |accum: &'static str| {
-        vec![
-            "--model",
-            &m,
-            "--from-scratch",
-            "--train-file",
-            &d,
-            "--eval-file",
-            &d,
-            "--batch-size",
-            "2",
-            "--accum",
-            accum,
-            "--max-steps",
-            "3",
-            "--lr",
-            "1e-3",
-        ]
-    };
+    let args =
+        |accum: &'static str| [&three_steps(&m, &d, accum)[..], &["--eval-file", &d]].concat();
     // 2 ranks x 2 micro-batches against 4 in one process: step 2 is the epoch's last micro-batch
     // alone, rank 1 has none. 3 ranks x 1 against 3. Then the same under ZeRO-1 and ZeRO-2
     // (each rank updating its share of the parameters; under ZeRO-2 each micro-batch's
@@ -231,20 +234,7 @@ fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> 
     let (model, data) = model_and_data(&dir)?;
     let (m, d) = (model.display().to_string(), data.display().to_string());
     let args = |accum: &'static str| {
-        vec![
-            "--model",
-            &m,
-            "--from-scratch",
-            "--train-file",
-            &d,
-            "--batch-size",
-            "2",
-            "--accum",
-            accum,
-            "--max-steps",
-            "3",
-            "--lr",
-            "1e-3",
+        let fused = [
             "--fused-backward",
             "--checkpointing",
             "blocks",
@@ -252,7 +242,8 @@ fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> 
             "0.05",
             "--precision",
             "bf16",
-        ]
+        ];
+        [&three_steps(&m, &d, accum)[..], &fused].concat()
     };
     for (np, per_rank, whole) in [(2, "2", "4"), (3, "1", "3")] {
         let one = dir.join(format!("one-{whole}"));

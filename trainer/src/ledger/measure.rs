@@ -1,6 +1,6 @@
 //! Measured memory of a device: what the ledger compares its told bytes against.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Device;
 
 use super::alloc;
 
@@ -173,14 +173,9 @@ mod cuda_pool {
 /// kept for the life of the thread: on a 2-core VM with 2 MiB of L2, 6 MiB for the calling thread
 /// and rayon's two. Made before the ledger's baseline, the slabs are the process's fixed cost, as
 /// the CUDA context is on a GPU, instead of appearing in whichever phase multiplies first (a t5-ft
-/// run's first forward, sdxl-ft's cache build) and counting against the plan there.
+/// run's first forward, sdxl-ft's cache build) and counting against the plan there. The product
+/// that makes them takes gemm's slab path under its AVX2 and its AVX-512 kernels alike
+/// ([`ft_kernels::matmul_scratch`]).
 pub fn warm_matmul_scratch() {
-    fn multiply_once() {
-        // Small enough that gemm runs on the calling thread.
-        if let Ok(a) = Tensor::ones((8, 8), DType::F32, &Device::Cpu) {
-            let _ = a.matmul(&a);
-        }
-    }
-    multiply_once();
-    rayon::broadcast(|_| multiply_once());
+    ft_kernels::matmul_scratch::warm_all_threads();
 }
