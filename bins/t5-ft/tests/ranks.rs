@@ -263,9 +263,7 @@ fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> 
         }
         let (diff, name) = weights(&many.join("checkpoint-3"))?
             .max_difference(&weights(&one.join("checkpoint-3"))?, |_| true)?;
-        // bf16 weights: one rounding step apart at most where the fp32 masters differ in
-        // their last bits (sums in another order).
-        assert!(diff <= 1e-2, "{np} ranks: `{name}` differs by {diff}");
+        assert!(diff <= 1e-5, "{np} ranks: `{name}` differs by {diff}");
         let state =
             |d: &Path| SafetensorsFiles::open(&[d.join("checkpoint-3/optimizer.safetensors")]);
         let (diff, name) = state(&many)?.max_difference(&state(&one)?, |_| true)?;
@@ -368,7 +366,7 @@ fn zero_checkpoints_resume_at_another_number_of_ranks() -> Result<()> {
 }
 
 #[test]
-fn ranks_that_disagree_or_cannot_run_stop_together() -> Result<()> {
+fn ranks_that_disagree_stop_together() -> Result<()> {
     let dir = common::tmp("ranks-refused");
     let out = dir.display().to_string();
     let Some(mut cmd) = ft_dist::mpirun(1)? else {

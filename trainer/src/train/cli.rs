@@ -206,9 +206,9 @@ impl CommonArgs {
         }
         if self.zero > 0 && self.fused_backward {
             return bad(
-                "--zero with --fused-backward: the fused backward updates each segment as its \
-                 backward ends, before the ranks' gradients could be summed and sent to their \
-                 owners; use one of the two",
+                "--zero with --fused-backward: the fused backward updates each segment on every \
+                 rank from its sums over the ranks, while ZeRO updates each tensor on its owner \
+                 alone (not wired together); use one of the two",
             );
         }
         self.schedule.parse::<ScheduleKind>()?;

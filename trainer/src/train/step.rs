@@ -408,7 +408,7 @@ impl<T: Task> Loop<'_, T> {
     /// non-finite loss (else all drop the step's gradients: retried split, or skipped, as one
     /// process would); then the last backward updates each segment's parameters from their sums
     /// over the ranks, the ranks meeting in rounds (a rank without a micro-batch answers them).
-    /// From the first round on, an error ends the run: part of the weights has moved.
+    /// Any error in that backward ends the run: part of the weights may have moved.
     fn forward_backward_fused_across(
         &mut self,
         pieces: &[Piece<'_, T::Batch>],

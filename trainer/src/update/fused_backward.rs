@@ -81,6 +81,13 @@ impl MixedOptimizer {
             loss.is_some() || ranks.is_some(),
             "no backward and no ranks"
         );
+        if ranks.is_some() && self.zero_stage() > 0 {
+            return Err(Error::Invalid(
+                "the fused backward across ranks under ZeRO: each tensor would be updated on \
+                 every rank, not on its owner alone; run it without --zero"
+                    .into(),
+            ));
+        }
         // The optimizer is lent to the early-step hook for the backward (it runs inside
         // candle's backprop), then taken back.
         let t0 = self.optimizer.state().0;
@@ -152,11 +159,15 @@ impl MixedOptimizer {
 }
 
 /// How a fused backward pass meets the other ranks of a data-parallel run
-/// ([`MixedOptimizer::backward_and_step_across`]).
+/// ([`MixedOptimizer::backward_and_step_across`]). The rounds line up because every rank's
+/// backward finishes the same segments in the same order (the ranks agreed on the model and the
+/// configuration); a rank whose segment gave no gradient at all would shift its rounds, which
+/// the check that no parameter is summed twice turns into an error that ends the run.
 #[derive(Clone)]
 pub struct FusedRanks {
     /// The run's communicator, asked for on the thread that runs the backward (the early step
-    /// must be `Send` and `Sync`, while MPI's handles stay on the thread that made them).
+    /// must be `Send` and `Sync`, while MPI's handles stay on the thread that made them): the
+    /// thread that made it, since candle's backward runs the hook on its calling thread.
     pub comm: fn() -> Result<Rc<Comm>>,
     /// Where the sums over the ranks are put (the gradient accumulator's device).
     pub device: Device,
@@ -336,7 +347,8 @@ impl ParamStepper {
             .collect()
     }
 
-    /// [`Self::step_all`] for gradients already summed over the step's micro-batches.
+    /// [`Self::step_all`] for gradients already summed over the step's micro-batches (and, with
+    /// several ranks, over the ranks).
     fn step_summed(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
         let coefs: Vec<Option<f64>> = match self.max_grad_norm {
             Some(max) => {

@@ -31,7 +31,7 @@ pub fn all_reduce_gradients(
     Ok(sum_gradients(comm, grads, params, device, None, &mut [])?.0)
 }
 
-/// One round of a fused backward pass over several ranks ([`super::MixedOptimizer::backward_and_step`]):
+/// One round of a fused backward pass over several ranks ([`super::MixedOptimizer::backward_and_step_across`]):
 /// the gradients this rank offers now (a segment's, as its backward ends; after the backward,
 /// the rest), summed over the ranks with every rank's offer of this round, as `(index, fp32
 /// sum on device)` for each parameter some rank offered. `finished` says this rank's backward
