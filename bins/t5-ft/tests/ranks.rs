@@ -54,9 +54,8 @@ fn held_most(dir: &Path, component: &str) -> Result<u64> {
         .unwrap_or(0))
 }
 
-/// Flags both resume tests start from: the small model and data trained from scratch in
-/// micro-batches of 2, a checkpoint every 2 steps.
-fn small_run<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
+/// The small model trained from scratch on `data` in micro-batches of 2, at lr 1e-3.
+fn from_scratch<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
     vec![
         "--model",
         model,
@@ -64,32 +63,24 @@ fn small_run<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
         "--train-file",
         data,
         "--batch-size",
-        "2",
-        "--save-every",
         "2",
         "--lr",
         "1e-3",
     ]
 }
 
-/// Flags of the equality tests: `model` trained from scratch on `data` for 3 steps of
-/// `accum` micro-batches of 2.
+/// Flags both resume tests start from: [`from_scratch`] with a checkpoint every 2 steps.
+fn small_run<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
+    [&from_scratch(model, data)[..], &["--save-every", "2"]].concat()
+}
+
+/// Flags of the equality tests: [`from_scratch`] for 3 steps of `accum` micro-batches.
 fn three_steps<'a>(model: &'a str, data: &'a str, accum: &'a str) -> Vec<&'a str> {
-    vec![
-        "--model",
-        model,
-        "--from-scratch",
-        "--train-file",
-        data,
-        "--batch-size",
-        "2",
-        "--accum",
-        accum,
-        "--max-steps",
-        "3",
-        "--lr",
-        "1e-3",
+    [
+        &from_scratch(model, data)[..],
+        &["--accum", accum, "--max-steps", "3"],
     ]
+    .concat()
 }
 
 fn weights(dir: &Path) -> Result<SafetensorsFiles> {

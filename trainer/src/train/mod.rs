@@ -32,6 +32,7 @@ pub mod schedule;
 pub mod session;
 pub mod settings;
 mod step;
+mod step_ranks;
 pub mod task;
 
 pub use binary::{parse_args, parse_args_from, Binary};

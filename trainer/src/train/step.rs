@@ -2,7 +2,8 @@
 //! data-parallel step), each forward under the checkpointer, the backward and the update as the
 //! [`crate::update::StepMode`] says, the ranks' agreement and gradient sum before the update, and
 //! the out-of-memory retry that splits the micro-batches; the run's state between steps
-//! ([`Loop`]) and where it stands for a checkpoint.
+//! ([`Loop`]) and where it stands for a checkpoint. The paths only several ranks take are in
+//! [`super::step_ranks`].
 
 use std::rc::Rc;
 
@@ -17,7 +18,7 @@ use super::settings::LoopConfig;
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
 use crate::ledger::{measure, Category, Ledger};
-use crate::update::{FusedRanks, GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
+use crate::update::{GradAccumulator, LossNorm, MixedOptimizer, StepOutcome};
 /// The seed of one micro-batch's dropout masks: a function of (run seed, step, micro) only.
 fn mix(seed: u64, step: u64, micro: usize) -> u64 {
     let mut r = ft_params::rng::SplitMix64::new(
@@ -42,11 +43,11 @@ pub(super) struct StepReport {
 
 /// What one rank's forward and backward passes of a step gave.
 #[derive(Default)]
-struct Local {
-    loss_sum: f64,
-    bad_loss: bool,
-    updated_in_backward: usize,
-    non_finite_grads: bool,
+pub(super) struct Local {
+    pub(super) loss_sum: f64,
+    pub(super) bad_loss: bool,
+    pub(super) updated_in_backward: usize,
+    pub(super) non_finite_grads: bool,
 }
 
 /// The state of a run between steps.
@@ -78,19 +79,19 @@ pub(super) struct Loop<'a, T: Task> {
 /// A part of a step's micro-batch: the micro-batch it comes from (its index in the step over all
 /// ranks), the position of its first sample there, and the samples (the micro-batch itself
 /// until an out-of-memory retry splits it).
-struct Piece<'b, B> {
+pub(super) struct Piece<'b, B> {
     micro: usize,
     first: usize,
-    batch: Part<'b, B>,
+    pub(super) batch: Part<'b, B>,
 }
 
-enum Part<'b, B> {
+pub(super) enum Part<'b, B> {
     Whole(&'b B),
     Split(B),
 }
 
 impl<B> Part<'_, B> {
-    fn get(&self) -> &B {
+    pub(super) fn get(&self) -> &B {
         match self {
             Part::Whole(b) => b,
             Part::Split(b) => b,
@@ -230,7 +231,7 @@ impl<T: Task> Loop<'_, T> {
     /// On the CPU under `--fit`: an out-of-memory error when the phase that just ended peaked
     /// above the budget (as the plan counts bytes), or, once the fused backward has applied the
     /// update, a note that the next steps split.
-    fn watch_budget(&mut self, phase: &str, applied: bool) -> Result<()> {
+    pub(super) fn watch_budget(&mut self, phase: &str, applied: bool) -> Result<()> {
         let Some(budget) = self.cfg.budget else {
             return Ok(());
         };
@@ -402,173 +403,9 @@ impl<T: Task> Loop<'_, T> {
         Ok(out)
     }
 
-    /// [`Self::forward_backward`] with the fused backward over several ranks: this rank's
-    /// micro-batches before its last are accumulated as their segments' backwards end, its last
-    /// one's forward runs, and the ranks agree that none ran out of memory and none met a
-    /// non-finite loss (else all drop the step's gradients: retried split, or skipped, as one
-    /// process would); then the last backward updates each segment's parameters from their sums
-    /// over the ranks, the ranks meeting in rounds (a rank without a micro-batch answers them).
-    /// Any error in that backward ends the run: part of the weights may have moved.
-    fn forward_backward_fused_across(
-        &mut self,
-        pieces: &[Piece<'_, T::Batch>],
-        norm: LossNorm,
-        lr: f64,
-    ) -> Result<Local> {
-        let mut out = Local::default();
-        let last = self.all_but_last_backward(pieces, norm, &mut out);
-        let (oom, bad) = match &last {
-            Err(e) if e.is_out_of_memory() => (1u64, 0u64),
-            // Any other error ends every rank (`ranks::main`).
-            Err(_) => return last.map(|_| out),
-            Ok(_) => (0, out.bad_loss as u64),
-        };
-        let mut shared = [oom, bad];
-        self.comm.all_reduce_sum(&mut shared)?;
-        if shared[0] > 0 {
-            drop(self.acc.take());
-            return Err(match last {
-                Err(e) => e,
-                Ok(_) => self.others_out_of_memory(shared[0]),
-            });
-        }
-        if shared[1] > 0 {
-            out.bad_loss = true;
-            drop(self.acc.take());
-            return Ok(out);
-        }
-        let ranks = FusedRanks {
-            comm: super::ranks::world,
-            device: self.acc.device().clone(),
-        };
-        self.updating = true;
-        let scaled = last?;
-        let f = self
-            .opt
-            .backward_and_step_across(
-                self.checkpointer,
-                scaled.as_ref(),
-                lr,
-                &mut self.acc,
-                &ranks,
-            )
-            .map_err(|e| {
-                Error::Invalid(format!(
-                    "rank {} of {}: {e} (in the fused backward, after the ranks began to \
-                     update: the step cannot run again; resume from the last checkpoint)",
-                    self.comm.rank(),
-                    self.comm.world()
-                ))
-            })?;
-        drop(scaled);
-        out.updated_in_backward += f.updated_in_backward;
-        out.non_finite_grads |= f.non_finite > 0;
-        self.ledger.mark("backward", self.step)?;
-        self.watch_budget("backward", true)?;
-        Ok(out)
-    }
-
-    /// This rank's micro-batches but the last: forward, and backward into the step's sums as
-    /// each segment's ends (the fused backward with accumulation); then the last one's forward,
-    /// its scaled loss returned. None when this rank has no micro-batch, or a loss was not
-    /// finite (`out.bad_loss`: the step's earlier gradients are dropped).
-    fn all_but_last_backward(
-        &mut self,
-        pieces: &[Piece<'_, T::Batch>],
-        norm: LossNorm,
-        out: &mut Local,
-    ) -> Result<Option<Tensor>> {
-        let step = self.step;
-        for (i, piece) in pieces.iter().enumerate() {
-            let Some(scaled) = self.forward(piece, norm, out)? else {
-                out.bad_loss = true;
-                drop(self.acc.take());
-                return Ok(None);
-            };
-            if i + 1 == pieces.len() {
-                return Ok(Some(scaled));
-            }
-            self.opt
-                .backward_and_accumulate(self.checkpointer, &scaled, &mut self.acc)?;
-            drop(scaled);
-            self.account_gradients();
-            self.ledger.mark("backward", step)?;
-            self.watch_budget("backward", false)?;
-        }
-        Ok(None)
-    }
-
-    /// [`Self::forward_backward`] under ZeRO-2 with several ranks: each micro-batch's
-    /// gradients go to their owners as its backward ends, and this rank's accumulator sums
-    /// its own parameters' alone. The ranks go in rounds, one micro-batch each (a rank out of
-    /// micro-batches sends zeros), and agree after each round's backward, before its reduce,
-    /// whether one ran out of memory or met a non-finite loss: all then stop the step together.
-    fn forward_backward_sharded(
-        &mut self,
-        pieces: &[Piece<'_, T::Batch>],
-        norm: LossNorm,
-    ) -> Result<Local> {
-        let step = self.step;
-        self.opt.discard_reduced();
-        let mut counts = vec![0u64; self.comm.world()];
-        self.comm.all_gather(&[pieces.len() as u64], &mut counts)?;
-        let rounds = counts.iter().copied().max().unwrap_or(0) as usize;
-        let device = self
-            .acc
-            .pinned()
-            .or_else(|| self.params.first().map(|p| p.device()))
-            .cloned()
-            .unwrap_or(candle_core::Device::Cpu);
-        let mut out = Local::default();
-        for round in 0..rounds {
-            let grads = match pieces.get(round) {
-                None => Ok(Some(vec![None; self.params.len()])),
-                Some(piece) => self.forward(piece, norm, &mut out).and_then(|scaled| {
-                    let Some(scaled) = scaled else {
-                        return Ok(None);
-                    };
-                    let grads = self.checkpointer.gradients(&scaled, &self.params)?;
-                    drop(scaled);
-                    self.ledger.mark("backward", step)?;
-                    self.watch_budget("backward", false)?;
-                    Ok(Some(grads))
-                }),
-            };
-            let (oom, bad) = match &grads {
-                Err(e) if e.is_out_of_memory() => (1u64, 0u64),
-                Err(_) => return grads.map(|_| out),
-                Ok(g) => (0, g.is_none() as u64),
-            };
-            let mut shared = [oom, bad];
-            self.comm.all_reduce_sum(&mut shared)?;
-            if shared[0] > 0 || shared[1] > 0 {
-                self.opt.discard_reduced();
-                drop(self.acc.take());
-            }
-            if shared[0] > 0 {
-                return Err(match grads {
-                    Err(e) => e,
-                    Ok(_) => self.others_out_of_memory(shared[0]),
-                });
-            }
-            if shared[1] > 0 {
-                // A non-finite loss on some rank: nothing of this step reaches the weights.
-                out.bad_loss = true;
-                break;
-            }
-            let grads = grads?.unwrap_or_default();
-            let mine = self.opt.reduce_micro_batch(grads, &device)?;
-            self.acc.add(mine)?;
-            self.account_gradients();
-            // The reduce's own peak (its buckets, the sums arriving) and this rank's sums.
-            self.ledger.mark("backward", step)?;
-        }
-        Ok(out)
-    }
-
     /// One piece's forward pass: its loss, normalised by `norm` and added to `out`, scaled by
     /// the loss scale for its backward; `None` when the loss is not finite.
-    fn forward(
+    pub(super) fn forward(
         &mut self,
         piece: &Piece<'_, T::Batch>,
         norm: LossNorm,
@@ -612,21 +449,8 @@ impl<T: Task> Loop<'_, T> {
         }))
     }
 
-    /// The error of a rank that did not run out of memory when `ranks` others did: every rank
-    /// then drops the step and splits it alike.
-    fn others_out_of_memory(&self, ranks: u64) -> Error {
-        Error::OutOfMemory {
-            phase: "forward or backward".into(),
-            step: self.step + 1,
-            detail: format!(
-                "{ranks} of the {} ranks ran out of memory",
-                self.comm.world()
-            ),
-        }
-    }
-
     /// The accumulator's bytes, as the ledger's gradients.
-    fn account_gradients(&mut self) {
+    pub(super) fn account_gradients(&mut self) {
         let (bytes, device) = (self.acc.bytes(), self.acc.device().clone());
         self.ledger
             .set_on(Category::Gradients, "model", bytes, &device);
