@@ -7,11 +7,13 @@
 //! - [`ledger`]: exact bytes by component and phase (the counting allocator, device readings).
 //! - [`train`]: the loop, the shared flags and config, the plan, schedules, EMA, data order.
 //! - [`score`]: distribution metrics of generated samples (KID, CMMD), from host features.
+//! - [`fault`]: failures made on purpose (`FT_FAULT`), for the tests of what one leaves behind.
 //!
 //! Modules depend downwards only: `train` on `update`, `optim` and `ledger`; `update` on
-//! `optim` and `ledger`; `optim`, `ledger` and `score` on nothing here.
+//! `optim` and `ledger`; `optim`, `ledger`, `score` and `fault` on nothing here.
 
 pub mod error;
+pub mod fault;
 pub mod ledger;
 pub mod optim;
 pub mod score;

@@ -79,7 +79,9 @@ fn blockwise_backward_frees_each_segment_as_it_goes() -> anyhow::Result<()> {
         let p = probes.lock().map(|p| p.clone()).unwrap_or_default();
         Ok((end_forward - base, peak, p))
     };
-    // A first pass warms the allocations that persist (matmul packing buffers per thread).
+    // The allocations that persist (matmul packing buffers per thread, on every rayon thread
+    // however many the machine has) are made before measuring, then a first pass warms the rest.
+    ft_trainer::ledger::measure::warm_matmul_scratch();
     run(Strategy::None)?;
     let (fwd_blocks, peak_blocks, probes) = run(Strategy::Blocks)?;
     let (fwd_plain, peak_plain, _) = run(Strategy::None)?;

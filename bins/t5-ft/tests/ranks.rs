@@ -3,7 +3,8 @@
 //! within f32 rounding), through a short last step where a rank has no micro-batch, with
 //! dropout drawn per micro-batch of the whole step; a resumed run continues the same curve; ranks
 //! that disagree stop every rank with one error; the fused backward over ranks trains what one
-//! process's fused backward trains. Needs
+//! process's fused backward trains, a rank failing inside it ends the run and spares the last
+//! checkpoint, and one rank passing its `--fit` budget splits every rank's micro-batches. Needs
 //! the `mpi` feature and `mpirun` (skipped, saying so, without one, unless FT_REQUIRE_MPI=1).
 #![cfg(feature = "mpi")]
 
@@ -259,6 +260,129 @@ fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> 
             |d: &Path| SafetensorsFiles::open(&[d.join("checkpoint-3/optimizer.safetensors")]);
         let (diff, name) = state(&many)?.max_difference(&state(&one)?, |_| true)?;
         assert!(diff <= 1e-5, "{np} ranks: state `{name}` differs by {diff}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// A rank that fails inside the fused backward across ranks (`FT_FAULT`: rank 1, in step 3's
+/// first round, while rank 0 waits in the same collective) ends both ranks promptly with its
+/// error, and the checkpoint of step 2 is whole: resumed from it, 2 ranks train the curve and
+/// the weights of a run that did not fail.
+#[test]
+fn a_rank_failing_in_the_fused_backward_ends_the_run_and_spares_the_checkpoint() -> Result<()> {
+    let dir = common::tmp("ranks-fused-fault");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let fused = ["--fused-backward", "--checkpointing", "blocks"];
+    let base = [&small_run(&m, &d)[..], &fused].concat();
+    let steps = |n: &'static str| [&base[..], &["--max-steps", n]].concat();
+    let Some(whole) = train(2, &dir.join("whole"), &steps("4"))? else {
+        return Ok(());
+    };
+    let failed = dir.join("failed");
+    let Some(mut cmd) = ft_dist::ranks_of(2, BIN)? else {
+        return Ok(());
+    };
+    let r = cmd
+        .args(steps("4"))
+        .arg("--output-dir")
+        .arg(&failed)
+        .arg("--quiet")
+        .env("FT_FAULT", "fused-round:1:3")
+        .env("MPIEXEC_TIMEOUT", "300")
+        .output()?;
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success(), "{err}");
+    assert!(
+        err.contains("Error (rank 1 of 2)")
+            && err.contains("made on purpose at fused-round, rank 1, step 3")
+            && err.contains("in the fused backward"),
+        "{err}"
+    );
+    assert!(!err.contains("time limit"), "a rank hung: {err}");
+    assert!(failed.join("checkpoint-2").exists() && !failed.join("checkpoint-4").exists());
+    let ck = failed.join("checkpoint-2").display().to_string();
+    let resume = [&steps("4")[..], &["--resume", &ck]].concat();
+    let Some(rest) = train(2, &failed, &resume)? else {
+        return Ok(());
+    };
+    assert_eq!(
+        rest, whole,
+        "the resumed curve (with the failed run's 2 steps)"
+    );
+    let (diff, name) = weights(&failed.join("checkpoint-4"))?
+        .max_difference(&weights(&dir.join("whole/checkpoint-4"))?, |_| true)?;
+    assert_eq!(diff, 0.0, "`{name}`");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// Under `--fit` with the fused backward, one rank's phase passing the budget splits every
+/// rank alike (`FT_FAULT` makes rank 1's pass it in step 2): in forward the ranks agree before
+/// any update and run the step again split; in the fused backward the update stands and every
+/// rank splits the steps after it. Either way rank 0 logs the split and runs its micro-batches
+/// split from then on, and the losses are those of a run that never split (f32 rounding).
+#[test]
+fn a_rank_over_its_fit_budget_splits_every_rank() -> Result<()> {
+    let dir = common::tmp("ranks-fit-split");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let fit = [
+        "--fused-backward",
+        "--checkpointing",
+        "blocks",
+        "--fit",
+        "2GiB",
+        "--max-steps",
+        "4",
+    ];
+    let args = [&from_scratch(&m, &d)[..], &fit].concat();
+    let Some(plain) = train(2, &dir.join("plain"), &args)? else {
+        return Ok(());
+    };
+    for (point, first_split) in [("fit-budget-forward", 2), ("fit-budget-backward", 3)] {
+        let out = dir.join(point);
+        let Some(mut cmd) = ft_dist::ranks_of(2, BIN)? else {
+            return Ok(());
+        };
+        let r = cmd
+            .args(&args)
+            .arg("--output-dir")
+            .arg(&out)
+            .arg("--quiet")
+            .env("FT_FAULT", format!("{point}:1:2"))
+            .env("MPIEXEC_TIMEOUT", "300")
+            .output()?;
+        ensure!(
+            r.status.success(),
+            "{point}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))?
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let events: Vec<&serde_json::Value> = lines
+            .iter()
+            .filter(|l| l["event"] == "out_of_memory")
+            .collect();
+        assert_eq!(events.len(), 1, "{point}: {lines:?}");
+        assert_eq!(events[0]["step"], 2, "{point}: {lines:?}");
+        let steps: Vec<&serde_json::Value> =
+            lines.iter().filter(|l| l.get("loss").is_some()).collect();
+        assert_eq!(steps.len(), 4, "{point}: {lines:?}");
+        for (k, s) in steps.iter().enumerate() {
+            let split = if k + 1 >= first_split { 2 } else { 1 };
+            assert_eq!(
+                s["micro_batches"],
+                split,
+                "{point}, step {}: {lines:?}",
+                k + 1
+            );
+            let (a, b) = (s["loss"].as_f64().unwrap_or(f64::NAN), plain[k]);
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{point}: loss {a} vs {b}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

@@ -112,7 +112,9 @@ impl<T: Task> Loop<'_, T> {
                 .and_then(|pieces| self.attempt(&pieces));
             match attempt {
                 Ok(r) => {
-                    // The step stands (its update is applied): the next ones split, if they can.
+                    // The step stands (its update is applied): the next ones split, if they can
+                    // (on every rank, if one's passed the budget).
+                    self.agree_on_halving()?;
                     if let Some(why) = self.halve_next.take() {
                         self.halve(&batches, why, self.step, true)?;
                     }
@@ -241,12 +243,19 @@ impl<T: Task> Loop<'_, T> {
         let Some(peak) = self.ledger.last_peak_as_planned() else {
             return Ok(());
         };
-        if peak <= budget {
+        let point = format!("fit-budget-{phase}");
+        let forced = crate::fault::fires(&point, self.comm.rank(), self.step + 1)?;
+        if peak <= budget && !forced {
             return Ok(());
         }
         let detail = format!(
-            "the {phase} peaked at {}, over the --fit budget of {}",
+            "the {phase} peaked at {}, {} the --fit budget of {}",
             format_bytes(peak as i64),
+            if forced {
+                "taken by FT_FAULT to be over"
+            } else {
+                "over"
+            },
             format_bytes(budget as i64)
         );
         if applied {

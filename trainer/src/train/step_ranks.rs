@@ -1,8 +1,9 @@
 //! The step's paths that exist only with several ranks ([`super::step`] is the loop's step):
 //! the fused backward across ranks (the ranks agree once after the last forward, then sum each
 //! segment's gradients in rounds and update), ZeRO-2's micro-batch rounds (each micro-batch's
-//! gradients reduced onto their owners as its backward ends), and the error a rank reports when
-//! others ran out of memory.
+//! gradients reduced onto their owners as its backward ends), the error a rank reports when
+//! others ran out of memory, and the agreement that all split the next steps when one's fused
+//! backward passed the `--fit` budget.
 
 use candle_core::Tensor;
 
@@ -174,6 +175,27 @@ impl<T: Task> Loop<'_, T> {
             self.ledger.mark("backward", step)?;
         }
         Ok(out)
+    }
+
+    /// After a step that stood: whether a rank's fused backward passed the CPU `--fit` budget
+    /// (its `halve_next`), agreed over the ranks, so that every rank splits its next steps
+    /// alike (one micro-batch size for the run: the one rank 0's checkpoint keeps, the one rank
+    /// 0 logs). Nothing for one process or without `--fit`.
+    pub(super) fn agree_on_halving(&mut self) -> Result<()> {
+        let world = self.comm.world();
+        if world == 1 || self.cfg.budget.is_none() {
+            return Ok(());
+        }
+        let mut passed = [u64::from(self.halve_next.is_some())];
+        self.comm.all_reduce_sum(&mut passed)?;
+        if passed[0] > 0 && self.halve_next.is_none() {
+            self.halve_next = Some(format!(
+                "out of memory in backward at step {} on {} of the {world} ranks: the fused \
+                 backward passed the --fit budget (the update was applied)",
+                self.step, passed[0]
+            ));
+        }
+        Ok(())
     }
 
     /// The error of a rank that did not run out of memory when `ranks` others did: every rank

@@ -112,6 +112,7 @@ impl MixedOptimizer {
                 ranks,
                 params: self.model.clone(),
                 stepped: Mutex::new(vec![false; n]),
+                step: t0 + 1,
             }),
         };
         let stepper = Arc::new(stepper);
@@ -180,6 +181,8 @@ struct Rounds {
     params: Vec<Var>,
     /// Parameters updated in this step's rounds so far.
     stepped: Mutex<Vec<bool>>,
+    /// The optimizer step these rounds belong to (from 1): where `FT_FAULT` may fail one.
+    step: u64,
 }
 
 impl Rounds {
@@ -193,6 +196,7 @@ impl Rounds {
         finished: bool,
     ) -> Result<(Vec<(usize, Tensor)>, bool)> {
         let comm = (self.ranks.comm)()?;
+        crate::fault::at("fused-round", comm.rank(), self.step)?;
         let (sums, all_finished) =
             sum_round(&comm, offered, finished, &self.params, &self.ranks.device)?;
         let mut stepped = locked(&self.stepped);
