@@ -14,6 +14,10 @@ use crate::optim::registry::{self, OptimSettings, OptimSpec};
 use crate::update::{MixedOptimizer, Precision, StatePlacement, StepMode, StepModeRequest};
 use ft_params::checkpoint::Strategy;
 
+/// `--fit-reserve` when not given: above the largest share by which a CPU plan fell short of
+/// its run's measured peak in the `--fit` matrices (3.3%, docs/benchmarks.md).
+pub const DEFAULT_FIT_RESERVE: &str = "5%";
+
 /// Settings every trainer shares.
 #[derive(clap::Args, Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
 pub struct CommonArgs {
@@ -160,6 +164,11 @@ pub struct CommonArgs {
     /// --plan, print the choice and its plan and stop.
     #[arg(long)]
     pub fit: Option<String>,
+    /// What --fit holds back from its budget when it chooses (a share, e.g. 5%, or a size, e.g.
+    /// 1GiB; default 5%): the plan is an estimate (measured within a few percent on the CPU),
+    /// and a GPU's allocator rounds and fragments. The run itself is held to the whole budget.
+    #[arg(long)]
+    pub fit_reserve: Option<String>,
     /// The settings the user gave (command-line flags and --config keys), which --fit keeps.
     #[arg(skip)]
     #[serde(skip)]
@@ -213,7 +222,7 @@ impl CommonArgs {
         }
         self.schedule.parse::<ScheduleKind>()?;
         self.checkpoint_strategy()?;
-        self.fit_budget()?;
+        self.fit_target()?;
         let cuda_n = |s: &str| {
             s.strip_prefix("cuda:")
                 .is_some_and(|n| n.parse::<usize>().is_ok())
@@ -273,6 +282,36 @@ impl CommonArgs {
                     })
             })
             .transpose()
+    }
+
+    /// What `--fit` plans within: the budget less `--fit-reserve` (5% of it by default), when
+    /// `--fit` is given.
+    pub fn fit_target(&self) -> Result<Option<u64>> {
+        let Some(budget) = self.fit_budget()? else {
+            return Ok(None);
+        };
+        let text = self
+            .fit_reserve
+            .as_deref()
+            .unwrap_or(DEFAULT_FIT_RESERVE)
+            .trim();
+        let bad = |why: &str| Err(Error::Invalid(format!("--fit-reserve {text}: {why}")));
+        let reserve = match text.strip_suffix('%') {
+            Some(share) => match share.trim().parse::<f64>() {
+                Ok(p) if (0.0..100.0).contains(&p) => (budget as f64 * p / 100.0).ceil() as u64,
+                _ => return bad("expected a share from 0% to under 100%"),
+            },
+            None if text == "0" => 0,
+            None => ft_params::bytes::parse_bytes(text)
+                .map_err(|e| Error::Invalid(format!("--fit-reserve {e}")))?,
+        };
+        if reserve >= budget {
+            return bad(&format!(
+                "holds back the whole --fit budget of {}",
+                super::plan::fmt(budget)
+            ));
+        }
+        Ok(Some(budget - reserve))
     }
 
     /// The checkpointing strategy: `--checkpointing`, or `full` for `--gradient-checkpointing`.

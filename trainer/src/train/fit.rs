@@ -20,6 +20,10 @@
 //! The precision is not turned: bf16 with fp32 masters is already the GPU default, and
 //! `--full-bf16` changes how updates round, which is the user's call.
 //!
+//! The search plans within the budget less `--fit-reserve` (5% by default): a plan is an
+//! estimate, and one a little low would pack the budget past its end, where the run, held to
+//! the whole budget, would split its micro-batches after the fact.
+//!
 //! The search: knob by knob, the earlier ones at their most saving level (the one with the
 //! smallest plan), each level of the current knob is tried, cheapest first; at the first plan
 //! that fits, the earlier knobs are walked back,
@@ -80,7 +84,10 @@ impl<A> Knob<A> {
 pub struct Fitted<A> {
     pub args: A,
     pub plan: StatePlan,
+    /// `--fit`'s budget, which the run is held to.
     pub budget: u64,
+    /// What the choice was planned within: the budget less `--fit-reserve`.
+    pub target: u64,
     /// The flags chosen, as the user would type them (empty: the run fits as it is).
     pub chosen: Vec<String>,
 }
@@ -96,11 +103,13 @@ impl<A> Fitted<A> {
         };
         format!(
             "--fit {}: {choice}; predicted peak {} on the {} ({:.0}% of the budget; backward's \
-             temporaries estimated)\n",
+             temporaries estimated; planned within {}, {} held in reserve)\n",
             fmt(self.budget),
             fmt(peak),
             if self.plan.gpu { "GPU" } else { "CPU" },
-            100.0 * peak as f64 / self.budget as f64
+            100.0 * peak as f64 / self.budget as f64,
+            fmt(self.target),
+            fmt(self.budget - self.target)
         )
     }
 
@@ -227,15 +236,32 @@ pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
     args: &B,
     plan: impl Fn(&B) -> std::result::Result<StatePlan, E>,
 ) -> Result<Option<Fitted<B>>> {
-    let Some(budget) = args.common().fit_budget()? else {
+    let (Some(budget), Some(target)) = (args.common().fit_budget()?, args.common().fit_target()?)
+    else {
         return Ok(None);
     };
     // The arguments as given must make a run: their own error otherwise, not a search.
     args.common().validate()?;
     plan(args).map_err(|e| Error::Invalid(format!("{e:#}")))?;
     let given = args.common().given.clone();
-    match search(args, &plan, budget, &given)? {
-        Ok(f) => Ok(Some(f)),
+    let within = if target < budget {
+        format!(
+            "{} (planned within {}: --fit-reserve {})",
+            fmt(budget),
+            fmt(target),
+            args.common()
+                .fit_reserve
+                .as_deref()
+                .unwrap_or(super::cli::DEFAULT_FIT_RESERVE)
+        )
+    } else {
+        fmt(budget)
+    };
+    match search(args, &plan, target, &given)? {
+        Ok(mut f) => {
+            f.budget = budget;
+            Ok(Some(f))
+        }
         Err(smallest) => {
             // Would it fit if the given settings could change?
             let frozen: Vec<&'static str> = knobs(args)
@@ -243,7 +269,7 @@ pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
                 .flat_map(|k| k.keys.iter().copied())
                 .filter(|key| given.contains(*key))
                 .collect();
-            let free = search(args, &plan, budget, &BTreeSet::new())?;
+            let free = search(args, &plan, target, &BTreeSet::new())?;
             let flags = |keys: &[&str]| {
                 keys.iter()
                     .map(|k| format!("--{}", k.replace('_', "-")))
@@ -254,7 +280,7 @@ pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
                 (false, Ok(f)) => format!(
                     "--fit {}: not with {} as given (the smallest plan with them needs {}); \
                      it fits with {} (predicted {})",
-                    fmt(budget),
+                    within,
                     flags(&frozen),
                     fmt(smallest),
                     f.chosen.join(" "),
@@ -263,7 +289,7 @@ pub fn fit<B: Binary + Clone, E: std::fmt::Display>(
                 _ => format!(
                     "--fit {}: no setting fits; the smallest plan needs {} (smaller images, \
                      sequences or batches, or a device with more memory)",
-                    fmt(budget),
+                    within,
                     fmt(smallest)
                 ),
             }))
@@ -440,6 +466,7 @@ fn fitted<B: Binary>(
         args,
         plan,
         budget,
+        target: budget,
         chosen,
     }
 }
