@@ -4,9 +4,16 @@ use std::process::Command;
 
 use crate::error::{DistError, Result};
 
+/// How long a job that [`mpirun`] starts may run unless `MPIEXEC_TIMEOUT` says otherwise: the
+/// tests' jobs take seconds to a minute on two cores; ten minutes is a hang (a rank waiting in
+/// a collective that another never joins), which then fails instead of holding CI.
+pub const TIMEOUT_S: u64 = 600;
+
 /// `mpirun -np {np}` (add the program and its arguments), with what Open MPI needs to start
-/// more ranks than the machine has cores and to run as root in a container. `None` when no
-/// `mpirun` is on PATH, unless `FT_REQUIRE_MPI=1` (CI) makes that an error.
+/// more ranks than the machine has cores and to run as root in a container, and a time limit
+/// ([`TIMEOUT_S`], as `MPIEXEC_TIMEOUT`, which Open MPI's and MPICH's launchers both read; a
+/// value already in the environment is kept). `None` when no `mpirun` is on PATH, unless
+/// `FT_REQUIRE_MPI=1` (CI) makes that an error.
 pub fn mpirun(np: usize) -> Result<Option<Command>> {
     let version = match Command::new("mpirun").arg("--version").output() {
         Ok(o) => String::from_utf8_lossy(&o.stdout).to_string(),
@@ -24,6 +31,9 @@ pub fn mpirun(np: usize) -> Result<Option<Command>> {
         cmd.arg("--oversubscribe")
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    if std::env::var_os("MPIEXEC_TIMEOUT").is_none() {
+        cmd.env("MPIEXEC_TIMEOUT", TIMEOUT_S.to_string());
     }
     cmd.args(["-np", &np.to_string()]);
     Ok(Some(cmd))

@@ -25,6 +25,7 @@ pub mod norm;
 pub mod pool;
 pub mod rounding;
 pub mod softmax;
+pub mod threads;
 pub mod upsample;
 
 /// Whether `x` runs through this crate's own kernels: always on the CPU, on CUDA for the dtypes

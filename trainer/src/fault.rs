@@ -1,7 +1,7 @@
 //! Failures on purpose, for the tests of what a failure leaves behind (where no input can make
 //! the code fail at that point on one rank alone): `FT_FAULT=POINT:RANK:STEP` makes
 //! [`fires`] say so (and [`at`] return an error) the first time the code reaches the place it names `POINT` on rank
-//! `RANK` in optimizer step `STEP` (counted from 1); once only, so that a step retried after it
+//! `RANK` in the loop's step `STEP` (counted from 1, skipped steps too); once only, so that a step retried after it
 //! goes through. Unset, [`fires`] is one load of a cached `None`.
 //!
 //! Points: `fused-round` (each round of the fused backward across ranks, where the others are
@@ -16,6 +16,9 @@ use crate::error::{Error, Result};
 /// What `FT_FAULT` asks for: the point, the rank and the step.
 type Spec = (String, usize, u64);
 
+/// The points the code names (a spec naming another is refused: it would never fire).
+const POINTS: [&str; 3] = ["fused-round", "fit-budget-forward", "fit-budget-backward"];
+
 /// Parses `POINT:RANK:STEP`.
 fn parse(text: &str) -> Result<Spec> {
     let bad = || {
@@ -29,6 +32,12 @@ fn parse(text: &str) -> Result<Spec> {
     else {
         return Err(bad());
     };
+    if !POINTS.contains(&point) {
+        return Err(Error::Invalid(format!(
+            "FT_FAULT={text:?}: no point `{point}` (the points: {})",
+            POINTS.join(", ")
+        )));
+    }
     Ok((
         point.to_string(),
         rank.parse().map_err(|_| bad())?,
@@ -79,5 +88,10 @@ mod tests {
             let e = parse(bad).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains("POINT:RANK:STEP"), "{bad}: {e}");
         }
+        let e = parse("fused_round:1:3")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("no point `fused_round`"), "{e}");
     }
 }

@@ -37,12 +37,12 @@ fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
     let shapes = [
         // Conv4 keeps most of its activations in its first block, whose rebuild (with its
         // backward's temporaries) costs more than checkpointing the rest saves: a budget just
-        // under its plan with `--fit`'s reserve (5%) takes 8-bit moments.
-        shape("Conv4, 28 px, 5-way 1-shot", &[], &[1.3, 1.03]),
+        // under its plan with `--fit`'s reserve (8%) takes 8-bit moments.
+        shape("Conv4, 28 px, 5-way 1-shot", &[], &[1.3, 1.07]),
         shape(
             "Conv4, 56 px, 5-way 5-shot",
             &["--image-size", "56", "--k-shot", "5"],
-            &[1.3, 1.04],
+            &[1.3, 1.07],
         ),
         shape(
             "ResNet10, 28 px, 5-way 1-shot",
@@ -50,7 +50,7 @@ fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
             // At 0.7 --fit once took the fused backward with `budget:19MiB`, 3% over the
             // budget: the optimizer's step inside the fused backward was not in the plan. It
             // is now (`OptimSpec::step_bytes`, counted where each segment steps).
-            &[1.3, 0.8, 0.72],
+            &[1.3, 0.8, 0.74],
         ),
     ];
     let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, fewshot_ft::run::plan)?;

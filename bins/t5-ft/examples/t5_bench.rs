@@ -181,6 +181,8 @@ fn data_throughput() -> anyhow::Result<(usize, f64)> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the binaries do: candle's per-product thread count read once, not per product.
+    ft_kernels::threads::settle();
     let cfg = small();
     println!(
         "t5-small-sized train step on CPU ({} threads): d_model 512, 6+6 layers, 8 heads, vocab 32128, \

@@ -470,23 +470,23 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
         table += &format!("| {budget} | {row} |\n");
     }
     eprintln!("{table}");
-    assert_eq!(fitted, ["24GiB", "16GiB", "8GiB"], "{table}");
+    assert_eq!(fitted, ["24GiB", "16GiB"], "{table}");
     // At 24 GiB a budget keeps segments (`--fit` searches B; before, B was the budget less
     // `full`'s plan, overshot, and `full` was chosen).
     assert!(
         table.contains("| 24GiB | `--checkpointing budget:"),
         "{table}"
     );
-    // 8 GiB (7.6 planned within, after the reserve) fits batch 8 with the fused backward and
-    // the boundaries on the host (dropout keeps no masks). 7 GiB needs a smaller micro-batch
-    // than the one given: the error says which, and that it fits with the rest turned too.
+    // 8 GiB (7.36 GiB planned within, after the 8% reserve) no longer fits the given batch 8
+    // (7.47 GiB at the least: the fused backward, the boundaries on the host); nor does 7 GiB:
+    // the errors name the micro-batch that would fit, with the rest turned too.
     let row = table
         .lines()
         .find(|l| l.starts_with("| 8GiB |"))
         .unwrap_or_default();
     assert!(
-        row.contains("`--checkpointing full-host")
-            && row.contains("--optim adamw8bit --offload-optimizer --fused-backward` |"),
+        row.contains("not with --batch-size, --accum as given")
+            && row.contains("--fused-backward --batch-size 4 --accum 32"),
         "{table}"
     );
     let row = table
@@ -709,18 +709,18 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
         Err(e) => e.to_string(),
     };
     let mib = 1u64 << 20;
-    // Room to spare beyond the reserve (5% of the budget): nothing changes.
+    // Room to spare beyond the reserve (8% of the budget): nothing changes.
     let base = parse(&[])?;
     let whole = t5_ft::run::plan(&base)?.device_bytes();
-    let f = fitted(&parse(&["--fit", &format!("{}", whole * 20 / 19 + mib)])?)?;
+    let f = fitted(&parse(&["--fit", &format!("{}", whole * 100 / 92 + mib)])?)?;
     assert!(f.chosen.is_empty(), "{:?}", f.chosen);
     assert_eq!(f.args.common.checkpointing, base.common.checkpointing);
-    // A MiB to spare but not the reserve: a choice is made within 95% of the budget; with
+    // A MiB to spare but not the reserve: a choice is made within 92% of the budget; with
     // `--fit-reserve 0` the run fits as it is, to the budget's last MiB.
     let tight = format!("{}", whole + mib);
     let f = fitted(&parse(&["--fit", &tight])?)?;
     assert!(!f.chosen.is_empty(), "{}", f.report());
-    assert!(f.plan.device_bytes() <= (whole + mib) * 95 / 100 + 1);
+    assert!(f.plan.device_bytes() <= (whole + mib) * 92 / 100 + 1);
     assert!(f.report().contains("held in reserve"), "{}", f.report());
     let f = fitted(&parse(&["--fit", &tight, "--fit-reserve", "0"])?)?;
     assert!(f.chosen.is_empty(), "{}", f.report());
@@ -730,6 +730,7 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
         ("300MiB", "holds back the whole --fit budget"),
         ("100%", "a share from 0% to under 100%"),
         ("lots", "`lots` is not a size"),
+        ("10", "a size with its unit"),
     ] {
         let e = refusal(&fitted(&parse(&[
             "--fit",
@@ -742,13 +743,19 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
             "{reserve}: {e}"
         );
     }
+    for none in ["0", "0MiB", "0%"] {
+        let f = fitted(&parse(&["--fit", &tight, "--fit-reserve", none])?)?;
+        assert!(f.chosen.is_empty(), "{none}: {}", f.report());
+    }
+    let e = refusal(&fitted(&parse(&["--fit-reserve", "8%"])?));
+    assert!(e.contains("without --fit"), "{e}");
     // Tighter: the checkpointing first, then smaller micro-batches with the same effective
     // batch; every choice's plan within the budget.
     let effective = base.common.batch_size * base.common.accum;
-    for budget in [300 * mib, 84 * mib] {
+    for budget in [320 * mib, 84 * mib] {
         let f = fitted(&parse(&["--fit", &budget.to_string()])?)?;
         assert!(f.plan.device_bytes() <= f.target, "{}", f.report());
-        assert!(f.target <= budget * 95 / 100, "{}", f.report());
+        assert!(f.target <= budget * 92 / 100, "{}", f.report());
         assert_eq!(f.plan, t5_ft::run::plan(&f.args)?);
         assert!(f.args.common.checkpointing.is_some(), "{}", f.report());
         assert_eq!(f.args.common.batch_size * f.args.common.accum, effective);
@@ -792,7 +799,7 @@ fn fit_chooses_the_cheapest_settings_that_fit_and_keeps_given_ones() -> anyhow::
         halved.report()
     );
     // Cheapest first: where the checkpointing suffices, nothing else changes.
-    let roomy = fitted(&parse(&["--fit", "1200MiB"])?)?;
+    let roomy = fitted(&parse(&["--fit", "1300MiB"])?)?;
     assert_eq!(roomy.chosen.len(), 1, "{}", roomy.report());
     assert_eq!(roomy.args.common.batch_size, base.common.batch_size);
     assert_eq!(roomy.args.common.optim, base.common.optim);

@@ -20,7 +20,7 @@
 //! The precision is not turned: bf16 with fp32 masters is already the GPU default, and
 //! `--full-bf16` changes how updates round, which is the user's call.
 //!
-//! The search plans within the budget less `--fit-reserve` (5% by default): a plan is an
+//! The search plans within the budget less `--fit-reserve` (8% by default): a plan is an
 //! estimate, and one a little low would pack the budget past its end, where the run, held to
 //! the whole budget, would split its micro-batches after the fact.
 //!

@@ -40,12 +40,14 @@ pub fn world() -> Result<Rc<Comm>> {
     })
 }
 
-/// Runs a binary's `body`. One process: returns what it returns. One rank of several: on
-/// success the ranks finish together (MPI finalised); on an error this rank prints it, naming
-/// itself, and ends every rank with exit status 1.
+/// Runs a binary's `body`, the CPU's thread counts settled first
+/// ([`ft_kernels::threads::settle`]). One process: returns what it returns. One rank of
+/// several: on success the ranks finish together (MPI finalised); on an error this rank prints
+/// it, naming itself, and ends every rank with exit status 1.
 pub fn main<E: Display>(
     body: impl FnOnce() -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
+    ft_kernels::threads::settle();
     let result = body();
     let Some(comm) = WORLD.with(|w| w.borrow_mut().take()) else {
         return result;
@@ -97,19 +99,12 @@ pub fn say(text: impl Display) {
     }
 }
 
-/// How long [`train_as_ranks`] lets a job of several ranks run: the tests' runs take seconds to
-/// a minute on two cores; ten minutes is a hang.
-pub const RANKS_TIMEOUT_S: u64 = 600;
-
 /// Runs `program` (one of the binaries) with `args`, `--output-dir out` and `--quiet` as `np`
 /// ranks (by itself for one, under `mpirun` for more) and returns the step losses rank 0 logged
 /// in `out/metrics.jsonl`: how a data-parallel run is set beside one process (the binaries'
 /// `tests/ranks.rs`). `None` when more ranks are asked for and there is no `mpirun` (see
 /// [`ft_dist::mpirun`]); a run that fails is an error carrying its stderr.
-///
-/// Under `mpirun` the job is given [`RANKS_TIMEOUT_S`] seconds (`MPIEXEC_TIMEOUT`, which Open
-/// MPI's and MPICH's launchers both read; a value already in the environment is kept): a rank
-/// left waiting in a collective that another never joins fails the test instead of hanging it.
+/// Under `mpirun` the job has [`ft_dist::mpirun`]'s time limit.
 pub fn train_as_ranks(
     np: usize,
     program: &str,
@@ -120,9 +115,6 @@ pub fn train_as_ranks(
         eprintln!("skipped: no mpirun on PATH");
         return Ok(None);
     };
-    if np > 1 && std::env::var_os("MPIEXEC_TIMEOUT").is_none() {
-        cmd.env("MPIEXEC_TIMEOUT", RANKS_TIMEOUT_S.to_string());
-    }
     let r = cmd
         .args(args)
         .arg("--output-dir")

@@ -170,7 +170,7 @@ impl<T: Task> Loop<'_, T> {
 
     /// After an out-of-memory error (`why`) in `step`: drops what the step holds and splits
     /// each micro-batch once more, or stops with the memory table of the moment when the parts
-    /// are single samples already (or the update had begun). When the step `stood` (its update
+    /// are single samples already on every rank (or the update had begun). When the step `stood` (its update
     /// applied before the budget was found passed), parts that cannot split further are left
     /// as they are: the run goes on, and the next step that passes the budget stops it.
     fn halve(
@@ -187,10 +187,19 @@ impl<T: Task> Loop<'_, T> {
             .remove(Category::Activations, "checkpoint inputs");
         let before = self.pieces(batches, self.halvings)?.len();
         let after = self.pieces(batches, self.halvings + 1)?.len();
-        if stood && after == before {
+        // With several ranks, every rank splits when any one's parts can (one whose parts
+        // cannot, or that has none this step, keeps them whole), so that the ranks keep one
+        // micro-batch size. Every rank is here at once (an out-of-memory error or a split
+        // they agreed on), except once this rank's update has begun: that ends the run.
+        let splits = if was_updating {
+            after > before
+        } else {
+            self.any_rank_splits(after > before)?
+        };
+        if stood && !splits {
             return Ok(());
         }
-        if was_updating || after == before {
+        if was_updating || !splits {
             self.ledger.mark("out-of-memory", self.step)?;
             let device = self.params.first().map(|p| p.device().clone());
             let allocator = device

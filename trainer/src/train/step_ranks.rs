@@ -51,6 +51,7 @@ impl<T: Task> Loop<'_, T> {
         let ranks = FusedRanks {
             comm: super::ranks::world,
             device: self.acc.device().clone(),
+            step: self.step + 1,
         };
         self.updating = true;
         let scaled = last?;
@@ -183,7 +184,8 @@ impl<T: Task> Loop<'_, T> {
     /// 0 logs). Nothing for one process or without `--fit`.
     pub(super) fn agree_on_halving(&mut self) -> Result<()> {
         let world = self.comm.world();
-        if world == 1 || self.cfg.budget.is_none() {
+        // Only a fused backward's update stands before its budget is checked.
+        if world == 1 || self.cfg.budget.is_none() || !self.cfg.mode.fused_backward() {
             return Ok(());
         }
         let mut passed = [u64::from(self.halve_next.is_some())];
@@ -196,6 +198,17 @@ impl<T: Task> Loop<'_, T> {
             ));
         }
         Ok(())
+    }
+
+    /// Whether the parts of some rank's micro-batches split further: this rank's (`here`), or,
+    /// with several ranks, any one's (every rank asks at once: see [`Self::halve`]).
+    pub(super) fn any_rank_splits(&self, here: bool) -> Result<bool> {
+        if self.comm.world() == 1 {
+            return Ok(here);
+        }
+        let mut splits = [u64::from(here)];
+        self.comm.all_reduce_sum(&mut splits)?;
+        Ok(splits[0] > 0)
     }
 
     /// The error of a rank that did not run out of memory when `ranks` others did: every rank

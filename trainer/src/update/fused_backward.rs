@@ -112,7 +112,6 @@ impl MixedOptimizer {
                 ranks,
                 params: self.model.clone(),
                 stepped: Mutex::new(vec![false; n]),
-                step: t0 + 1,
             }),
         };
         let stepper = Arc::new(stepper);
@@ -172,6 +171,8 @@ pub struct FusedRanks {
     pub comm: fn() -> Result<Rc<Comm>>,
     /// Where the sums over the ranks are put (the gradient accumulator's device).
     pub device: Device,
+    /// The loop's step (from 1), where `FT_FAULT` may fail a round.
+    pub step: u64,
 }
 
 /// The rounds of one fused backward pass across ranks.
@@ -181,8 +182,6 @@ struct Rounds {
     params: Vec<Var>,
     /// Parameters updated in this step's rounds so far.
     stepped: Mutex<Vec<bool>>,
-    /// The optimizer step these rounds belong to (from 1): where `FT_FAULT` may fail one.
-    step: u64,
 }
 
 impl Rounds {
@@ -196,7 +195,7 @@ impl Rounds {
         finished: bool,
     ) -> Result<(Vec<(usize, Tensor)>, bool)> {
         let comm = (self.ranks.comm)()?;
-        crate::fault::at("fused-round", comm.rank(), self.step)?;
+        crate::fault::at("fused-round", comm.rank(), self.ranks.step)?;
         let (sums, all_finished) =
             sum_round(&comm, offered, finished, &self.params, &self.ranks.device)?;
         let mut stepped = locked(&self.stepped);
