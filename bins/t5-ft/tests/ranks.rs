@@ -84,6 +84,23 @@ fn three_steps<'a>(model: &'a str, data: &'a str, accum: &'a str) -> Vec<&'a str
     .concat()
 }
 
+/// 2 ranks of `args` into `out` with the failure `fault` made on purpose (`FT_FAULT`), under a
+/// 300 s limit; the launch's output (whatever its status), or None without `mpirun`.
+fn with_fault(args: &[&str], out: &Path, fault: &str) -> Result<Option<std::process::Output>> {
+    let Some(mut cmd) = ft_dist::ranks_of(2, BIN)? else {
+        return Ok(None);
+    };
+    Ok(Some(
+        cmd.args(args)
+            .arg("--output-dir")
+            .arg(out)
+            .arg("--quiet")
+            .env("FT_FAULT", fault)
+            .env("MPIEXEC_TIMEOUT", "300")
+            .output()?,
+    ))
+}
+
 fn weights(dir: &Path) -> Result<SafetensorsFiles> {
     Ok(SafetensorsFiles::open(&[dir.join("model.safetensors")])?)
 }
@@ -281,18 +298,10 @@ fn a_rank_failing_in_the_fused_backward_ends_the_run_and_spares_the_checkpoint()
         return Ok(());
     };
     let failed = dir.join("failed");
-    let Some(mut cmd) = ft_dist::ranks_of(2, BIN)? else {
+    let started = std::time::Instant::now();
+    let Some(r) = with_fault(&steps("4"), &failed, "fused-round:1:3")? else {
         return Ok(());
     };
-    let started = std::time::Instant::now();
-    let r = cmd
-        .args(steps("4"))
-        .arg("--output-dir")
-        .arg(&failed)
-        .arg("--quiet")
-        .env("FT_FAULT", "fused-round:1:3")
-        .env("MPIEXEC_TIMEOUT", "300")
-        .output()?;
     let took = started.elapsed().as_secs_f64();
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(!r.status.success(), "{err}");
@@ -355,17 +364,9 @@ fn a_rank_over_its_fit_budget_splits_every_rank() -> Result<()> {
         ("fit-budget-forward", 0, 3, 3),
     ] {
         let out = dir.join(format!("{point}-{rank}-{at}"));
-        let Some(mut cmd) = ft_dist::ranks_of(2, BIN)? else {
+        let Some(r) = with_fault(&args, &out, &format!("{point}:{rank}:{at}"))? else {
             return Ok(());
         };
-        let r = cmd
-            .args(&args)
-            .arg("--output-dir")
-            .arg(&out)
-            .arg("--quiet")
-            .env("FT_FAULT", format!("{point}:{rank}:{at}"))
-            .env("MPIEXEC_TIMEOUT", "300")
-            .output()?;
         ensure!(
             r.status.success(),
             "{point}: {}",
