@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-bench.sh runs, with --features cuda (release): `gpu_bench` (ft-trainer),
 # the ft-kernels and ft-trainer CUDA test executables (`cuda_tests`, `memory_cuda_tests`), the
-# per-family kernel timings (ft-kernels' `time_*` examples), and the `t5-ft`, `sdxl-ft` and
+# per-family kernel timings (ft-kernels' `time_*` examples), NCCL's tests on one GPU
+# (`nccl_tests`, `nccl_trainer_tests`), and the `t5-ft`, `sdxl-ft` and
 # `fewshot-ft` binaries (scripts/gpu-fit-xl.sh, the demos on the card), copied into DIR.
 #
 #   bash scripts/gpu-build.sh DIR             # CUDA_COMPUTE_CAP=90 (H100/H200) by default
@@ -27,3 +28,17 @@ for f in kernels/examples/time_*.rs; do
 done
 cp "$(test_exe ft-kernels)" "$DIR/cuda_tests"
 cp "$(test_exe ft-trainer)" "$DIR/memory_cuda_tests"
+
+# NCCL on one GPU (the `nccl` feature without `mpi`: no libmpi needed there): ft-dist's
+# collectives and ft-trainer's GPU bucket (its unit tests; scripts/gpu-checks.sh runs
+# `gpu_tests`). Links libnccl.so.2: the wheel of scripts/cuda-toolchain.sh unless one is installed.
+if ! ldconfig -p 2> /dev/null | grep -q "libnccl.so " && [[ "${LIBRARY_PATH:-}" != *nccl* ]]; then
+  # shellcheck disable=SC1090
+  . "$(WITH_NCCL=1 bash scripts/cuda-toolchain.sh "${CUDA_PIP_PREFIX:-$HOME/.cache/cuda13-pip}" | tail -1)"
+fi
+nccl_exe() {
+  cargo test --release --features nccl -p "$1" "${@:2}" --no-run --message-format=json \
+    | "$PY" -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])'
+}
+cp "$(nccl_exe ft-dist --test nccl)" "$DIR/nccl_tests"
+cp "$(nccl_exe ft-trainer --lib)" "$DIR/nccl_trainer_tests"

@@ -11,10 +11,13 @@
 #    temporaries (2026-11-28): `xl-fit-24GiB` chooses a B the plan prints at start, where the
 #    old plan chose `budget:12106MiB` and measured 24% under it; expected: measured at or under
 #    the plan, and under 24 GiB;
-# 4. the CUDA op tests, with what time is left.
+# 4. the CUDA op tests, with what time is left;
+# 0. first (seconds; added 2026-11-28): NCCL on the card as a world of one (`nccl_tests`:
+#    ft-dist's all-reduce, reduce and broadcast; `nccl_trainer_tests gpu_tests`: a gradient
+#    bucket concatenated, summed in place and split back), libnccl.so.2 from PyTorch's wheel.
 #
-#   bash scripts/gpu-pack.sh                            # here: builds .gpu/main (and .gpu/kernels)
-#   # device call, carrying .gpu/main:  OUT=$OUT bash scripts/gpu-checks.sh
+#   bash scripts/gpu-pack.sh                            # here: builds .gpu/main (and .gpu/kernels, .gpu/nccl)
+#   # device call, carrying .gpu/main and .gpu/nccl:  OUT=$OUT bash scripts/gpu-checks.sh
 #
 # FS_T, FIT_T, TEST_T: each part's time limit in seconds; ROWS: gpu-fit-xl.sh's rows.
 set -uo pipefail
@@ -22,11 +25,18 @@ cd "$(dirname "$0")/.."
 O=${OUT:-gpu-checks-out}
 mkdir -p "$O"
 python3 -c "import tarfile; tarfile.open('.gpu/main/bins.tar.xz').extractall('/tmp')"
-for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null); do
+[ -f .gpu/nccl/bins.tar.xz ] && python3 -c "import tarfile; tarfile.open('.gpu/nccl/bins.tar.xz').extractall('/tmp')"
+for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"), os.path.join(nvidia.__path__[0], "nccl", "lib"))' 2>/dev/null); do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 date -u +%FT%TZ
+echo "== NCCL on one GPU"
+if [ -x /tmp/b/nccl_tests ]; then
+  FT_REQUIRE_GPU=1 timeout 60 /tmp/b/nccl_tests --test-threads=1 > "$O/nccl.log" 2>&1
+  FT_REQUIRE_GPU=1 timeout 60 /tmp/b/nccl_trainer_tests gpu_tests --test-threads=1 >> "$O/nccl.log" 2>&1
+  grep -E "^test |test result|panicked|NCCL" "$O/nccl.log" | head -20
+fi
 echo "== fewshot-ft --demo --device cuda"
 (time timeout "${FS_T:-90}" /tmp/b/fewshot-ft --demo --device cuda --output-dir /tmp/fs-demo) > "$O/fewshot-demo.log" 2>&1
 tail -25 "$O/fewshot-demo.log"

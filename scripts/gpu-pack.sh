@@ -2,8 +2,8 @@
 # Prepares a GPU run on a machine that has no network: builds here what scripts/gpu-bench.sh
 # runs there (scripts/gpu-build.sh), packed in two parts so that each, with the repository and
 # the wheels, stays under a 64 MiB transfer: .gpu/main/bins.tar.xz (gpu_bench, the CUDA tests,
-# t5-ft, sdxl-ft, fewshot-ft: about 43 MB) and .gpu/kernels/bins.tar.xz (the `time_*` kernel timings: about
-# 45 MB); and downloads the diffusers wheel the PyTorch side imports into .whl/. Both folders
+# t5-ft, sdxl-ft, fewshot-ft: about 43 MB), .gpu/kernels/bins.tar.xz (the `time_*` kernel timings: about
+# 45 MB) and .gpu/nccl/bins.tar.xz (NCCL's tests on one GPU, scripts/gpu-checks.sh); and downloads the diffusers wheel the PyTorch side imports into .whl/. Both folders
 # are git-ignored: carry them to the GPU machine.
 #
 #   bash scripts/gpu-pack.sh                 # CUDA_COMPUTE_CAP=90 (H100/H200) by default
@@ -21,10 +21,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
-rm -rf .gpu && mkdir -p .gpu/main .gpu/kernels
+rm -rf .gpu && mkdir -p .gpu/main .gpu/kernels .gpu/nccl
 bash scripts/gpu-build.sh .gpu/b
 strip .gpu/b/* 2> /dev/null || true
 (cd .gpu && tar cf - b/time_* | xz -T0 > kernels/bins.tar.xz && rm b/time_*)
+(cd .gpu && tar cf - b/nccl_* | xz -T0 > nccl/bins.tar.xz && rm b/nccl_*)
 (cd .gpu && tar cf - b | xz -T0 > main/bins.tar.xz && rm -rf b)
 
 # diffusers 0.42 imports next to transformers 5 (0.35 does not: huggingface_hub's

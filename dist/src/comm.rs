@@ -8,6 +8,9 @@ use crate::launch::Launch;
 /// in the same order, with buffers of the same lengths.
 pub struct Comm {
     launch: Launch,
+    /// The ranks' GPUs under NCCL, once [`Comm::join_gpus`] made it (dropped before `inner`).
+    #[cfg(feature = "nccl")]
+    gpus: std::cell::OnceCell<crate::nccl_backend::Nccl>,
     inner: Inner,
 }
 
@@ -23,6 +26,8 @@ impl Comm {
     pub fn solo() -> Self {
         Comm {
             launch: Launch::single(),
+            #[cfg(feature = "nccl")]
+            gpus: Default::default(),
             inner: Inner::Solo,
         }
     }
@@ -39,6 +44,8 @@ impl Comm {
         if !launch.is_distributed() {
             return Ok(Comm {
                 launch,
+                #[cfg(feature = "nccl")]
+                gpus: Default::default(),
                 inner: Inner::Solo,
             });
         }
@@ -56,6 +63,8 @@ impl Comm {
     fn join(launch: Launch) -> Result<Self> {
         Ok(Comm {
             launch,
+            #[cfg(feature = "nccl")]
+            gpus: Default::default(),
             inner: Inner::Mpi(crate::mpi_backend::Mpi::init(&launch)?),
         })
     }
@@ -90,6 +99,25 @@ impl Comm {
     /// Rank 0: the one that logs, evaluates, samples and saves.
     pub fn is_main(&self) -> bool {
         self.launch.rank == 0
+    }
+
+    /// Joins the ranks' GPUs (each rank's on `stream`, its candle device's) to one NCCL
+    /// communicator, which [`Self::gpus`] then returns: a collective, every rank calls it once
+    /// its device is open. A second call keeps the first communicator.
+    #[cfg(feature = "nccl")]
+    pub fn join_gpus(&self, stream: std::sync::Arc<cudarc::driver::CudaStream>) -> Result<()> {
+        if self.gpus.get().is_none() {
+            let nccl = crate::nccl_backend::Nccl::join(self, stream)?;
+            let _ = self.gpus.set(nccl);
+        }
+        Ok(())
+    }
+
+    /// The ranks' GPUs under NCCL, once [`Self::join_gpus`] joined them: where tensors on the
+    /// GPU are summed without leaving it.
+    #[cfg(feature = "nccl")]
+    pub fn gpus(&self) -> Option<&crate::nccl_backend::Nccl> {
+        self.gpus.get()
     }
 
     /// `buf` summed element by element over the ranks, on every rank.

@@ -13,6 +13,9 @@ pub enum DistError {
     /// The ranks disagree on something they must share (the configuration, the model).
     #[error("{0}")]
     Disagree(String),
+    /// NCCL refused or failed a call (its library missing, a GPU it cannot reach).
+    #[error("NCCL: {0}")]
+    Nccl(String),
     /// A collective's buffers do not fit its world size.
     #[error("{0}")]
     Shape(String),

@@ -231,6 +231,49 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
     Ok(())
 }
 
+/// Ranks on GPUs sum their gradients there, over NCCL (the `nccl` feature): 2 ranks x 2
+/// micro-batches on 2 GPUs train what one process of 4 trains on one GPU, with the gradients
+/// all-reduced, reduced to their owners (ZeRO-2) and summed segment by segment (the fused
+/// backward). f32 weights, so that only the order of the sums differs. Needs 2 GPUs: skipped,
+/// saying so, on a machine with fewer.
+#[cfg(feature = "nccl")]
+#[test]
+fn ranks_on_gpus_sum_over_nccl_what_one_gpu_trains() -> Result<()> {
+    let gpus = ft_dist::cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    if gpus < 2 {
+        eprintln!("skipped: 2 ranks on GPUs need 2 GPUs; this machine has {gpus}");
+        return Ok(());
+    }
+    let dir = common::tmp("ranks-nccl");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let gpu = ["--device", "cuda", "--precision", "f32"];
+    let fused = ["--fused-backward", "--checkpointing", "blocks"];
+    for (case, extra) in [&[][..], &["--zero", "2"], &fused].into_iter().enumerate() {
+        let args = |accum| [&three_steps(&m, &d, accum)[..], &gpu, extra].concat();
+        let one = dir.join(format!("one-{case}"));
+        let Some(expected) = train(1, &one, &args("4"))? else {
+            unreachable!("one process needs no mpirun")
+        };
+        let many = dir.join(format!("ranks-{case}"));
+        let Some(got) = train(2, &many, &args("2"))? else {
+            return Ok(());
+        };
+        assert_eq!(got.len(), 3);
+        for (a, b) in got.iter().zip(&expected) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{extra:?}: {got:?} vs {expected:?}"
+            );
+        }
+        let (diff, name) = weights(&many.join("checkpoint-3"))?
+            .max_difference(&weights(&one.join("checkpoint-3"))?, |_| true)?;
+        assert!(diff <= 1e-5, "{extra:?}: `{name}` differs by {diff}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 /// The fused backward over ranks: each segment's gradients summed over the ranks as its
 /// backward ends, then updated. 2 ranks x 2 micro-batches (the earlier one accumulated, the
 /// epoch's short last step leaving rank 1 without one, so that it only answers the rounds) and

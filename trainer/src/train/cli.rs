@@ -365,7 +365,7 @@ impl CommonArgs {
             })
         };
         let world = super::ranks::world()?;
-        match self.device.as_str() {
+        let device = match self.device.as_str() {
             "cpu" => Ok(Device::Cpu),
             // Each rank of a data-parallel run on its host's GPU `local_rank`.
             "cuda" => cuda(world.local_rank()),
@@ -380,7 +380,13 @@ impl CommonArgs {
                     "--device `{s}`: expected cpu, cuda or cuda:N"
                 ))),
             },
+        }?;
+        // Several ranks on GPUs sum their gradients there, over NCCL (once a run).
+        #[cfg(feature = "nccl")]
+        if let (true, Device::Cuda(d)) = (world.world() > 1, &device) {
+            world.join_gpus(d.cuda_stream())?;
         }
+        Ok(device)
     }
 
     /// `--precision`, or bf16 with fp32 master weights on a GPU and f32 on the CPU (where some

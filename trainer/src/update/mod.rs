@@ -19,6 +19,8 @@ mod norm;
 mod placement;
 mod precision;
 mod reduce;
+#[cfg(feature = "nccl")]
+mod reduce_gpu;
 mod scaler;
 pub mod zero;
 

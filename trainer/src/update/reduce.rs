@@ -4,8 +4,10 @@
 //! Each rank's accumulator holds the sum over its own micro-batches, each already divided by the
 //! units (tokens or samples) of the whole step on all ranks, so the sum over the ranks is the
 //! gradient one process would get from all the micro-batches: the ranks then take the same
-//! update. The sums travel in fp32 through the host, in buckets of at most [`BUCKET`] values
-//! (fewer, larger messages than one a tensor; a tensor larger than a bucket goes alone).
+//! update. The sums travel in fp32, in buckets of at most [`BUCKET`] values (fewer, larger
+//! messages than one a tensor; a tensor larger than a bucket goes alone): through host memory
+//! over the host communicator, or, for gradients on a GPU whose ranks joined NCCL (the `nccl`
+//! feature, [`ft_dist::Comm::join_gpus`]), on the GPU ([`super::reduce_gpu`]).
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_dist::Comm;
@@ -112,75 +114,142 @@ fn sum_gradients(
         Some(_) => (0..comm.world()).map(Some).collect(),
     };
     let mut out: Vec<Option<Tensor>> = vec![None; grads.len()];
-    let mut bucket = Bucket::default();
+    let mut bucket = Bucket::new(comm, device);
     for root in roots {
         for i in 0..grads.len() {
             if !present[i] || root.is_some_and(|r| owner.is_some_and(|o| o[i] != r)) {
                 continue;
             }
             let n = params[i].elem_count();
-            if !bucket.values.is_empty() && bucket.values.len() + n > BUCKET {
-                bucket.flush(comm, root, params, device, &mut out)?;
+            if bucket.len > 0 && bucket.len + n > BUCKET {
+                bucket.flush(root, params, &mut out)?;
             }
-            match grads[i].take() {
-                Some(g) => {
-                    if g.elem_count() != n {
-                        return Err(Error::Invalid(format!(
-                            "parameter {i}: a gradient of {} values for {n}",
-                            g.elem_count()
-                        )));
-                    }
-                    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                    bucket.values.extend(g);
+            let g = grads[i].take();
+            if let Some(g) = &g {
+                if g.elem_count() != n {
+                    return Err(Error::Invalid(format!(
+                        "parameter {i}: a gradient of {} values for {n}",
+                        g.elem_count()
+                    )));
                 }
-                None => bucket.values.resize(bucket.values.len() + n, 0.0),
             }
-            bucket.members.push(i);
+            bucket.push(i, g, n)?;
         }
-        bucket.flush(comm, root, params, device, &mut out)?;
+        bucket.flush(root, params, &mut out)?;
     }
     Ok((out, present))
 }
 
-/// The values of the parameters `members`, one after the other, on their way to a collective.
-#[derive(Default)]
-struct Bucket {
+/// The values of the parameters `members`, one after the other, on their way to a collective:
+/// in host memory (`values`), or as tensors on the GPU (`parts`) when the ranks' GPUs sum them.
+struct Bucket<'a> {
+    comm: &'a Comm,
+    device: &'a Device,
+    /// Summed on the GPU under NCCL rather than through host memory.
+    on_gpu: bool,
     values: Vec<f32>,
+    parts: Vec<Tensor>,
     members: Vec<usize>,
+    /// How many values the bucket holds.
+    len: usize,
 }
 
-impl Bucket {
+impl<'a> Bucket<'a> {
+    /// An empty bucket: summed on the GPU when `device` is one and its ranks joined NCCL.
+    fn new(comm: &'a Comm, device: &'a Device) -> Self {
+        #[cfg(feature = "nccl")]
+        let on_gpu = device.is_cuda() && comm.gpus().is_some();
+        #[cfg(not(feature = "nccl"))]
+        let on_gpu = false;
+        Bucket {
+            comm,
+            device,
+            on_gpu,
+            values: Vec::new(),
+            parts: Vec::new(),
+            members: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// Adds parameter `i`'s gradient `g` of `n` values (zeros where this rank has none).
+    fn push(&mut self, i: usize, g: Option<Tensor>, n: usize) -> Result<()> {
+        if self.on_gpu {
+            self.parts.push(match g {
+                Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
+                None => Tensor::zeros(n, DType::F32, self.device)?,
+            });
+        } else {
+            match g {
+                Some(g) => {
+                    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    self.values.extend(g);
+                }
+                None => self.values.resize(self.values.len() + n, 0.0),
+            }
+        }
+        self.members.push(i);
+        self.len += n;
+        Ok(())
+    }
+
     /// Sums the values over the ranks (into `root` alone, when given) and, where the sum
     /// arrived, puts each member's part back as its parameter's gradient.
     fn flush(
         &mut self,
-        comm: &Comm,
         root: Option<usize>,
         params: &[Var],
-        device: &Device,
         out: &mut [Option<Tensor>],
     ) -> Result<()> {
         if self.members.is_empty() {
             return Ok(());
         }
-        match root {
-            None => comm.all_reduce_sum(&mut self.values)?,
-            Some(r) => comm.reduce_sum(&mut self.values, r)?,
-        }
-        if root.is_none_or(|r| r == comm.rank()) {
+        let arrives = root.is_none_or(|r| r == self.comm.rank());
+        if self.on_gpu {
+            let sum = self.sum_on_gpu(root)?;
             let mut at = 0;
-            for &i in &self.members {
+            for &i in self.members.iter().take_while(|_| arrives) {
+                let n = params[i].elem_count();
+                // Views of the one summed buffer, freed with the last of them.
+                out[i] = Some(sum.narrow(0, at, n)?.reshape(params[i].shape())?);
+                at += n;
+            }
+        } else {
+            match root {
+                None => self.comm.all_reduce_sum(&mut self.values)?,
+                Some(r) => self.comm.reduce_sum(&mut self.values, r)?,
+            }
+            let mut at = 0;
+            for &i in self.members.iter().take_while(|_| arrives) {
                 let n = params[i].elem_count();
                 let part = self.values.get(at..at + n).ok_or_else(|| {
                     Error::Invalid(format!("parameter {i}: the reduced bucket is short"))
                 })?;
-                out[i] = Some(Tensor::from_slice(part, params[i].shape(), device)?);
+                out[i] = Some(Tensor::from_slice(part, params[i].shape(), self.device)?);
                 at += n;
             }
         }
         self.values.clear();
+        self.parts.clear();
         self.members.clear();
+        self.len = 0;
         Ok(())
+    }
+
+    #[cfg(feature = "nccl")]
+    fn sum_on_gpu(&self, root: Option<usize>) -> Result<Tensor> {
+        let gpus = self
+            .comm
+            .gpus()
+            .ok_or_else(|| Error::Invalid("a GPU bucket without NCCL".into()))?;
+        super::reduce_gpu::sum_parts(gpus, &self.parts, root)
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn sum_on_gpu(&self, _: Option<usize>) -> Result<Tensor> {
+        Err(Error::Invalid(
+            "a GPU bucket in a build without the `nccl` feature".into(),
+        ))
     }
 }
 
@@ -210,6 +279,50 @@ mod tests {
         )?;
         assert_eq!(present, [true, false]);
         assert!(out[0].is_some() && out[1].is_none());
+        Ok(())
+    }
+}
+
+/// The GPU bucket on one GPU, NCCL's world of one (the sum is then each rank's own): the
+/// buckets' concatenation, the in-place sum and the split back to each parameter's shape, on
+/// every rank and to an owner. Skips without a GPU (fails with `FT_REQUIRE_GPU=1`).
+#[cfg(all(test, feature = "nccl"))]
+mod gpu_tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_bucket_sums_in_place_and_splits_back() -> Result<()> {
+        let Some(device) = ft_kernels::cuda::check::gpu() else {
+            return Ok(());
+        };
+        let Device::Cuda(d) = &device else {
+            return Err(Error::Invalid("gpu() gave another device".into()));
+        };
+        let comm = Comm::solo();
+        comm.join_gpus(d.cuda_stream())?;
+        let params = [
+            Var::zeros((2, 3), DType::BF16, &device)?,
+            Var::zeros(4, DType::F32, &device)?,
+            Var::zeros(2, DType::F32, &device)?,
+        ];
+        let g0 = Tensor::arange(0f32, 6.0, &device)?
+            .reshape((2, 3))?
+            .to_dtype(DType::BF16)?;
+        let g2 = Tensor::new(&[-1.5f32, 2.5], &device)?;
+        let host = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        for owner in [None, Some(&[0usize, 0, 0][..])] {
+            let grads = vec![Some(g0.clone()), None, Some(g2.clone())];
+            let (out, present) = sum_gradients(&comm, grads, &params, &device, owner, &mut [])?;
+            assert_eq!(present, [true, false, true]);
+            let s0 = out[0].as_ref().ok_or(Error::Invalid("no sum 0".into()))?;
+            assert_eq!((s0.dims(), s0.dtype()), (&[2usize, 3][..], DType::F32));
+            assert_eq!(host(s0)?, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+            assert!(out[1].is_none());
+            let s2 = out[2].as_ref().ok_or(Error::Invalid("no sum 2".into()))?;
+            assert_eq!(host(s2)?, [-1.5, 2.5]);
+        }
         Ok(())
     }
 }

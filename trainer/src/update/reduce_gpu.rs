@@ -1,0 +1,54 @@
+//! A bucket of gradients summed over the ranks' GPUs under NCCL (the `nccl` feature), where the
+//! host path ([`super::reduce`]) copies each bucket to host memory, sums it over MPI and copies
+//! it back: here the bucket is one fp32 tensor on the GPU, summed in place on candle's stream.
+
+use candle_core::{CpuStorage, CudaStorage, Layout, Tensor};
+use ft_dist::Nccl;
+
+use crate::error::Result;
+
+/// `parts` (flat fp32 tensors on the GPU, one a parameter, in the bucket's order) as one
+/// tensor summed over the ranks: on every rank (`root` None) or on rank `root` alone (the
+/// others' tensor then holds their own values). A fresh buffer: the parts are left as they are.
+pub(super) fn sum_parts(nccl: &Nccl, parts: &[Tensor], root: Option<usize>) -> Result<Tensor> {
+    let flat = match parts {
+        // `cat` of one tensor is that tensor; the sum is written in place, so copy it.
+        [one] => one.copy()?,
+        _ => Tensor::cat(parts, 0)?,
+    };
+    flat.inplace_op1(&Sum { nccl, root })?;
+    Ok(flat)
+}
+
+/// The in-place sum of one contiguous fp32 buffer over the ranks' GPUs.
+struct Sum<'a> {
+    nccl: &'a Nccl,
+    root: Option<usize>,
+}
+
+impl candle_core::InplaceOp1 for Sum<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-sum"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("NCCL sums tensors on a GPU; this bucket is in host memory")
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        let n = l.shape().elem_count();
+        let buf = s.as_cuda_slice_mut::<f32>()?;
+        if !l.is_contiguous() || l.start_offset() != 0 || buf.len() != n {
+            candle_core::bail!(
+                "nccl-sum: a bucket of {n} values in a buffer of {} at offset {}",
+                buf.len(),
+                l.start_offset()
+            )
+        }
+        match self.root {
+            None => self.nccl.all_reduce_sum(buf),
+            Some(r) => self.nccl.reduce_sum(buf, r),
+        }
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
