@@ -45,42 +45,59 @@ trait Real: Copy + Send + Sync {
 }
 
 macro_rules! real {
-    ($t:ty, $erf:path) => {
+    ($t:ty, $erf:path, $tanh:path, $exp:path) => {
         impl Real for $t {
+            #[inline(always)]
             fn f(x: f64) -> Self {
                 x as $t
             }
+            #[inline(always)]
             fn positive(self) -> bool {
                 self > 0.0
             }
+            #[inline(always)]
             fn tanh(self) -> Self {
-                <$t>::tanh(self)
+                $tanh(self)
             }
+            #[inline(always)]
             fn exp(self) -> Self {
-                <$t>::exp(self)
+                $exp(self)
             }
+            #[inline(always)]
             fn erf(self) -> Self {
                 $erf(self)
             }
+            #[inline(always)]
             fn add(self, o: Self) -> Self {
                 self + o
             }
+            #[inline(always)]
             fn mul(self, o: Self) -> Self {
                 self * o
             }
+            #[inline(always)]
             fn sub(self, o: Self) -> Self {
                 self - o
             }
+            #[inline(always)]
             fn div(self, o: Self) -> Self {
                 self / o
             }
         }
     };
 }
-real!(f32, candle_core::cpu::erf::erf_f32);
-real!(f64, candle_core::cpu::erf::erf_f64);
+// f32 (and f16/bf16, computed in f32) without libm's calls, so that the loops vectorise
+// (`crate::fastmath`: a few ulp); f64, the finite-difference checks' dtype, keeps libm's.
+real!(
+    f32,
+    candle_core::cpu::erf::erf_f32,
+    crate::fastmath::tanh,
+    crate::fastmath::exp
+);
+real!(f64, candle_core::cpu::erf::erf_f64, f64::tanh, f64::exp);
 
 impl Activation {
+    #[inline(always)]
     fn forward<R: Real>(self, x: R) -> R {
         let (half, one) = (R::f(0.5), R::f(1.0));
         match self {
@@ -100,6 +117,7 @@ impl Activation {
     }
 
     /// f'(x).
+    #[inline(always)]
     fn derivative<R: Real>(self, x: R) -> R {
         let (half, one) = (R::f(0.5), R::f(1.0));
         match self {
@@ -129,6 +147,7 @@ impl Activation {
 
     /// `g * f'(x)`; for ReLU `g` where `x > 0` and 0 elsewhere, whatever `g` is (an infinite
     /// or NaN gradient where the ReLU cut gives 0, as PyTorch's, not `g * 0`).
+    #[inline(always)]
     fn backward<R: Real>(self, g: R, x: R) -> R {
         match self {
             Activation::Relu if x.positive() => g,
@@ -187,6 +206,58 @@ fn fill<T: Send>(out: &mut [T], f: impl Fn(usize) -> T + Sync) {
     }
 }
 
+/// `out[i] = f(x[i])` over contiguous slices of equal length, on this thread when short, in
+/// chunks on rayon's when long: a loop the compiler vectorises.
+fn map1(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    let run = |at: usize, c: &mut [f32]| {
+        let x = &x[at..at + c.len()];
+        for (o, &v) in c.iter_mut().zip(x) {
+            *o = f(v);
+        }
+    };
+    if out.len() <= host::CHUNK {
+        run(0, out);
+    } else {
+        host::par_chunks(out, run);
+    }
+}
+
+/// `out[i] = f(g[i], x[i])`, as [`map1`].
+fn map2(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let run = |at: usize, c: &mut [f32]| {
+        let len = c.len();
+        let (g, x) = (&g[at..at + len], &x[at..at + len]);
+        for ((o, &g), &x) in c.iter_mut().zip(g).zip(x) {
+            *o = f(g, x);
+        }
+    };
+    if out.len() <= host::CHUNK {
+        run(0, out);
+    } else {
+        host::par_chunks(out, run);
+    }
+}
+
+/// The forward of contiguous f32, one loop per activation (the match outside the loop).
+fn forward_f32(a: Activation, out: &mut [f32], x: &[f32]) {
+    match a {
+        Activation::GeluTanh => map1(out, x, |v| Activation::GeluTanh.forward(v)),
+        Activation::GeluErf => map1(out, x, |v| Activation::GeluErf.forward(v)),
+        Activation::Silu => map1(out, x, |v| Activation::Silu.forward(v)),
+        Activation::Relu => map1(out, x, |v| Activation::Relu.forward(v)),
+    }
+}
+
+/// The backward of contiguous f32, as [`forward_f32`].
+fn backward_f32(a: Activation, out: &mut [f32], g: &[f32], x: &[f32]) {
+    match a {
+        Activation::GeluTanh => map2(out, g, x, |g, v| Activation::GeluTanh.backward(g, v)),
+        Activation::GeluErf => map2(out, g, x, |g, v| Activation::GeluErf.backward(g, v)),
+        Activation::Silu => map2(out, g, x, |g, v| Activation::Silu.backward(g, v)),
+        Activation::Relu => map2(out, g, x, |g, v| Activation::Relu.backward(g, v)),
+    }
+}
+
 struct Forward(Activation);
 
 impl CustomOp1 for Forward {
@@ -199,7 +270,10 @@ impl CustomOp1 for Forward {
         let out = match s {
             CpuStorage::F32(x) => {
                 let mut o = vec![0f32; n];
-                fill(&mut o, |i| a.forward(x[ix.at(i)]));
+                match l.contiguous_offsets() {
+                    Some((lo, hi)) => forward_f32(a, &mut o, &x[lo..hi]),
+                    None => fill(&mut o, |i| a.forward(x[ix.at(i)])),
+                }
                 CpuStorage::F32(o)
             }
             CpuStorage::F64(x) => {
@@ -261,7 +335,12 @@ impl CustomOp2 for Backward {
         let out = match (gs, xs) {
             (CpuStorage::F32(g), CpuStorage::F32(x)) => {
                 let mut o = vec![0f32; n];
-                fill(&mut o, |i| a.backward(g[gi.at(i)], x[xi.at(i)]));
+                match (gl.contiguous_offsets(), xl.contiguous_offsets()) {
+                    (Some((g0, g1)), Some((x0, x1))) => {
+                        backward_f32(a, &mut o, &g[g0..g1], &x[x0..x1])
+                    }
+                    _ => fill(&mut o, |i| a.backward(g[gi.at(i)], x[xi.at(i)])),
+                }
                 CpuStorage::F32(o)
             }
             (CpuStorage::F64(g), CpuStorage::F64(x)) => {

@@ -17,6 +17,7 @@ pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dropout;
+pub mod fastmath;
 pub mod gradcheck;
 pub mod host;
 pub mod linear;

@@ -1,0 +1,39 @@
+//! `cargo run --release -p ft-kernels --example activation_bench`: forward and forward + backward
+//! time of `ft_kernels::activation` (GELU tanh, SiLU, exact GELU) on f32 CPU tensors, one chunk
+//! (on the calling thread) to several (rayon's threads): the measurement behind
+//! `ft_kernels::fastmath`.
+
+use std::time::Instant;
+
+use candle_core::{Device, Result, Tensor, Var};
+use ft_kernels::activation::{activate, Activation};
+
+fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?; // warm-up
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    Ok(t0.elapsed().as_secs_f64() / reps as f64 * 1e3)
+}
+
+fn main() -> Result<()> {
+    ft_kernels::threads::settle();
+    println!("f32, CPU, ms per call (mean after a warm-up)\n");
+    println!("| activation | elements | forward | forward + backward |");
+    println!("|---|---|---|---|");
+    for act in [Activation::GeluTanh, Activation::Silu, Activation::GeluErf] {
+        for n in [1usize << 16, 1 << 20, 1 << 23] {
+            let reps = (1 << 26) / n;
+            let x = Var::from_tensor(&Tensor::randn(0f32, 2., n, &Device::Cpu)?)?;
+            let g = Tensor::randn(0f32, 1., n, &Device::Cpu)?;
+            let f = time(reps, || activate(x.as_tensor(), act).map(|_| ()))?;
+            let fb = time(reps, || {
+                let y = activate(x.as_tensor(), act)?;
+                (y * &g)?.sum_all()?.backward().map(|_| ())
+            })?;
+            println!("| {act:?} | {n} | {f:.3} | {fb:.3} |");
+        }
+    }
+    Ok(())
+}
