@@ -32,7 +32,8 @@ cp "$(test_exe ft-trainer)" "$DIR/memory_cuda_tests"
 # NCCL on one GPU (the `nccl` feature without `mpi`: no libmpi needed there): ft-dist's
 # collectives and ft-trainer's GPU bucket (its unit tests; scripts/gpu-checks.sh runs
 # `gpu_tests`). Links libnccl.so.2: the wheel of scripts/cuda-toolchain.sh unless one is installed.
-if ! ldconfig -p 2> /dev/null | grep -q "libnccl.so " && [[ "${LIBRARY_PATH:-}" != *nccl* ]]; then
+# (grep -c reads all of ldconfig's output: -q could stop early and, under pipefail, fail.)
+if ! ldconfig -p 2> /dev/null | grep -c "libnccl.so " > /dev/null && [[ "${LIBRARY_PATH:-}" != *nccl* ]]; then
   # shellcheck disable=SC1090
   . "$(WITH_NCCL=1 bash scripts/cuda-toolchain.sh "${CUDA_PIP_PREFIX:-$HOME/.cache/cuda13-pip}" | tail -1)"
 fi

@@ -12,7 +12,7 @@
 #    old plan chose `budget:12106MiB` and measured 24% under it; expected: measured at or under
 #    the plan, and under 24 GiB;
 # 4. the CUDA op tests, with what time is left;
-# 0. first (seconds; added 2026-11-28): NCCL on the card as a world of one (`nccl_tests`:
+# 5. run first (seconds; added 2026-11-28): NCCL on the card as a world of one (`nccl_tests`:
 #    ft-dist's all-reduce, reduce and broadcast; `nccl_trainer_tests gpu_tests`: a gradient
 #    bucket concatenated, summed in place and split back), libnccl.so.2 from PyTorch's wheel.
 #

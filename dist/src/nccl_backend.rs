@@ -42,6 +42,11 @@ impl Nccl {
         for (c, b) in internal.iter_mut().zip(bytes) {
             *c = b as std::ffi::c_char;
         }
+        // NCCL takes the GPU of the calling thread's current context: make it the stream's.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| nccl_error("binding the stream's GPU to this thread", e))?;
         let comm = NcclComm::from_rank(stream, host.rank(), host.world(), Id::uninit(internal))
             .map_err(|e| {
                 nccl_error(

@@ -18,7 +18,10 @@ fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 fn main() -> Result<()> {
-    ft_kernels::threads::settle();
+    ft_kernels::threads::run(bench)
+}
+
+fn bench() -> Result<()> {
     println!("f32, CPU, ms per call (mean after a warm-up)\n");
     println!("| activation | elements | forward | forward + backward |");
     println!("|---|---|---|---|");

@@ -90,7 +90,7 @@ macro_rules! real {
 // (`crate::fastmath`: a few ulp); f64, the finite-difference checks' dtype, keeps libm's.
 real!(
     f32,
-    candle_core::cpu::erf::erf_f32,
+    crate::fastmath::erf,
     crate::fastmath::tanh,
     crate::fastmath::exp
 );

@@ -86,8 +86,12 @@ fn fmt(b: Option<u64>) -> String {
 }
 
 fn main() -> anyhow::Result<()> {
-    // As the binaries do: candle's per-product thread count read once, not per product.
-    ft_kernels::threads::settle();
+    // As the binaries do: candle's per-product thread count read once, not per product, and
+    // the work on one of rayon's threads.
+    ft_kernels::threads::run(bench)
+}
+
+fn bench() -> anyhow::Result<()> {
     println!(
         "FSCT_cosine training episode, {N_WAY}-way K-shot, {N_QUERY} queries a class, {SIZE} px, \
          f32, AdamW, CPU ({} threads); mean of {STEPS} episodes after a warm-up\n",

@@ -140,8 +140,12 @@ fn fmt(b: Option<u64>) -> String {
 }
 
 fn main() -> anyhow::Result<()> {
-    // As the binaries do: candle's per-product thread count read once, not per product.
-    ft_kernels::threads::settle();
+    // As the binaries do: candle's per-product thread count read once, not per product, and
+    // the work on one of rayon's threads.
+    ft_kernels::threads::run(bench)
+}
+
+fn bench() -> anyhow::Result<()> {
     let json = mid_config();
     let cfg: UNetConfig = serde_json::from_value(json.clone())?;
     let path = std::env::temp_dir().join(format!("sdxl-bench-{}.json", std::process::id()));

@@ -181,8 +181,12 @@ fn data_throughput() -> anyhow::Result<(usize, f64)> {
 }
 
 fn main() -> anyhow::Result<()> {
-    // As the binaries do: candle's per-product thread count read once, not per product.
-    ft_kernels::threads::settle();
+    // As the binaries do: candle's per-product thread count read once, not per product, and
+    // the work on one of rayon's threads.
+    ft_kernels::threads::run(bench)
+}
+
+fn bench() -> anyhow::Result<()> {
     let cfg = small();
     println!(
         "t5-small-sized train step on CPU ({} threads): d_model 512, 6+6 layers, 8 heads, vocab 32128, \

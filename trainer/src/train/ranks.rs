@@ -40,15 +40,19 @@ pub fn world() -> Result<Rc<Comm>> {
     })
 }
 
-/// Runs a binary's `body`, the CPU's thread counts settled first
-/// ([`ft_kernels::threads::settle`]). One process: returns what it returns. One rank of
-/// several: on success the ranks finish together (MPI finalised); on an error this rank prints
+/// Runs a binary's `body` on one of rayon's threads, the CPU's thread counts settled first
+/// ([`ft_kernels::threads::run`]: the CPU ops then split without waking the calling thread).
+/// One process: returns what it returns. One rank of several: on success the ranks finish
+/// together (MPI finalised, on the thread that initialised it); on an error this rank prints
 /// it, naming itself, and ends every rank with exit status 1.
-pub fn main<E: Display>(
-    body: impl FnOnce() -> std::result::Result<(), E>,
+pub fn main<E: Display + Send>(
+    body: impl FnOnce() -> std::result::Result<(), E> + Send,
 ) -> std::result::Result<(), E> {
-    ft_kernels::threads::settle();
-    let result = body();
+    ft_kernels::threads::run(|| finish(body()))
+}
+
+/// The end of [`main`]'s work, on the thread that ran it (the communicator is that thread's).
+fn finish<E: Display>(result: std::result::Result<(), E>) -> std::result::Result<(), E> {
     let Some(comm) = WORLD.with(|w| w.borrow_mut().take()) else {
         return result;
     };

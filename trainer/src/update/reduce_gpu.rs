@@ -12,8 +12,9 @@ use crate::error::Result;
 /// others' tensor then holds their own values). A fresh buffer: the parts are left as they are.
 pub(super) fn sum_parts(nccl: &Nccl, parts: &[Tensor], root: Option<usize>) -> Result<Tensor> {
     let flat = match parts {
-        // `cat` of one tensor is that tensor; the sum is written in place, so copy it.
-        [one] => one.copy()?,
+        // `cat` of one tensor is that tensor; the sum is written in place, so copy it, into a
+        // buffer of its own values alone (`copy` keeps a view's offset and the whole buffer).
+        [one] => one.force_contiguous()?,
         _ => Tensor::cat(parts, 0)?,
     };
     flat.inplace_op1(&Sum { nccl, root })?;
