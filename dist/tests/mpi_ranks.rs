@@ -4,6 +4,8 @@
 //! failure.
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use ft_dist::Comm;
 
 /// Every collective against its value on `world` ranks; run by each rank under `mpirun`.
@@ -89,50 +91,15 @@ fn rank_body() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("rank {r}: a disagreement passed"))?
         .to_string();
     assert!(e.contains("rank 1 differs from rank 0"), "{e}");
-    // Each rank that got here says so with a file of its own (their stdout lines interleave).
-    if let Ok(dir) = std::env::var("FT_MPI_RANKS_DIR") {
-        std::fs::write(std::path::Path::new(&dir).join(format!("rank-{r}")), b"ok")?;
-    }
-    Ok(())
+    common::finished(r)
 }
 
 #[test]
 fn collectives_over_mpi_on_2_and_3_ranks() -> anyhow::Result<()> {
-    let exe = std::env::current_exe()?;
     for n in [2, 3] {
-        let Some(mut cmd) = ft_dist::mpirun(n)? else {
-            eprintln!("skipped: no mpirun on PATH");
+        if !common::ranks_run(n, "rank_body")? {
             return Ok(());
-        };
-        let dir = std::env::temp_dir().join(format!("ft-mpi-ranks-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        let out = cmd
-            .env("FT_MPI_RANKS_DIR", &dir)
-            .arg(&exe)
-            .args([
-                "--ignored",
-                "--exact",
-                "rank_body",
-                "--test-threads=1",
-                "--color=never",
-            ])
-            .output()?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "mpirun -np {n} failed ({}):\n{stdout}\n{stderr}",
-            out.status
-        );
-        // Every rank ran the whole body (its file written after the last check).
-        for r in 0..n {
-            assert!(
-                dir.join(format!("rank-{r}")).is_file(),
-                "rank {r} of {n} did not finish:\n{stdout}\n{stderr}"
-            );
         }
-        std::fs::remove_dir_all(&dir)?;
     }
     Ok(())
 }

@@ -4,6 +4,9 @@
 //! failure; with one GPU the 2-rank test says it needs two.
 #![cfg(feature = "nccl")]
 
+#[cfg(feature = "mpi")]
+mod common;
+
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -71,10 +74,7 @@ fn gpu_rank_body() -> anyhow::Result<()> {
     g.broadcast(&mut z, w - 1)?;
     assert_eq!(s.clone_dtoh(&z)?, [(w - 1) as f32; 3]);
     c.barrier();
-    if let Ok(dir) = std::env::var("FT_MPI_RANKS_DIR") {
-        std::fs::write(std::path::Path::new(&dir).join(format!("rank-{r}")), b"ok")?;
-    }
-    Ok(())
+    common::finished(r)
 }
 
 #[cfg(feature = "mpi")]
@@ -85,33 +85,6 @@ fn two_ranks_on_two_gpus() -> anyhow::Result<()> {
         eprintln!("skipped: 2 ranks under NCCL need 2 GPUs; this machine has {gpus}");
         return Ok(());
     }
-    let Some(mut cmd) = ft_dist::mpirun(2)? else {
-        eprintln!("skipped: no mpirun on PATH");
-        return Ok(());
-    };
-    let dir = std::env::temp_dir().join(format!("ft-nccl-ranks-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    let out = cmd
-        .env("FT_MPI_RANKS_DIR", &dir)
-        .arg(std::env::current_exe()?)
-        .args(["--ignored", "--exact", "gpu_rank_body", "--test-threads=1"])
-        .output()?;
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(
-        out.status.success(),
-        "mpirun -np 2 failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    for r in 0..2 {
-        assert!(
-            dir.join(format!("rank-{r}")).is_file(),
-            "rank {r} did not finish:\n{stdout}\n{stderr}"
-        );
-    }
-    std::fs::remove_dir_all(&dir)?;
+    common::ranks_run(2, "gpu_rank_body")?;
     Ok(())
 }
