@@ -2,12 +2,14 @@
 //! (out = (H - k) / s + 1, no padding), and a correct backward.
 //!
 //! candle's `max_pool2d` backward scales the gradient by 1/k^2 and errors for kernel != stride;
-//! its `avg_pool2d` is wrong for odd inputs. The forward here runs on the CPU storage; the
-//! backward computes on the host (the gradient goes to the first maximum of each window, as in
-//! PyTorch, or is spread evenly for average pooling) and is checked against finite differences.
+//! its `avg_pool2d` is wrong for odd inputs. Both passes here read the CPU storage in its dtype
+//! (comparing and summing in f64 per window, planes in parallel) and write the result once: the
+//! gradient goes to the first maximum of each window, as in PyTorch, or is spread evenly for
+//! average pooling, checked against finite differences.
 //! On CUDA both passes are kernels (`crate::cuda`), tested against this CPU version.
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
 
 use crate::cpu;
 
@@ -50,90 +52,191 @@ impl Pool {
         Ok(((h - kh) / sh + 1, (w - kw) / sw + 1))
     }
 
-    /// Forward on one [H, W] plane; `arg` receives the flat input index of each output's source
-    /// (max) when given.
-    fn plane(&self, x: &[f64], w: usize, out: &mut [f64], mut arg: Option<&mut [usize]>) {
+    /// Forward on one [H, W] plane of width `w` into `out` (`oh * ow` outputs); `arg` receives
+    /// the plane index of each output's source (max) when given. Max compares in the dtype
+    /// itself (exact); average sums in f64 and rounds once.
+    fn plane<T: WithDType>(&self, x: &[T], w: usize, out: &mut [T], arg: Option<&mut [usize]>) {
         let (kh, kw) = self.kernel;
         let (sh, sw) = self.stride;
         let ow = (w - kw) / sw + 1;
-        for (o, y) in out.iter_mut().enumerate() {
-            let (oy, ox) = (o / ow, o % ow);
-            let (mut best, mut best_at, mut sum) = (f64::NEG_INFINITY, 0usize, 0.0);
-            for dy in 0..kh {
-                for dx in 0..kw {
-                    let idx = (oy * sh + dy) * w + ox * sw + dx;
-                    let v = x[idx];
-                    sum += v;
-                    // First maximum wins ties, like PyTorch; NaN propagates.
-                    if v > best || v.is_nan() && !best.is_nan() {
-                        best = v;
-                        best_at = idx;
-                    }
-                }
-            }
-            *y = match self.kind {
-                Kind::Max => best,
-                Kind::Avg => sum / (kh * kw) as f64,
-            };
-            if let Some(a) = arg.as_deref_mut() {
-                a[o] = best_at;
-            }
-        }
-    }
-
-    fn forward_vec(&self, x: &[f64], dims: (usize, usize, usize, usize)) -> Result<Vec<f64>> {
-        let (n, c, h, w) = dims;
-        let (oh, ow) = self.out_hw(h, w)?;
-        let mut out = vec![0f64; n * c * oh * ow];
-        for (p, o) in out.chunks_mut(oh * ow).enumerate() {
-            self.plane(&x[p * h * w..(p + 1) * h * w], w, o, None);
-        }
-        Ok(out)
-    }
-
-    fn backward_vec(
-        &self,
-        x: &[f64],
-        g: &[f64],
-        dims: (usize, usize, usize, usize),
-    ) -> Result<Vec<f64>> {
-        let (n, c, h, w) = dims;
-        let (oh, ow) = self.out_hw(h, w)?;
-        let (kh, kw) = self.kernel;
-        let (sh, sw) = self.stride;
-        let mut dx = vec![0f64; n * c * h * w];
-        let mut out = vec![0f64; oh * ow];
-        let mut arg = vec![0usize; oh * ow];
-        for p in 0..n * c {
-            let xp = &x[p * h * w..(p + 1) * h * w];
-            let gp = &g[p * oh * ow..(p + 1) * oh * ow];
-            let dxp = &mut dx[p * h * w..(p + 1) * h * w];
-            match self.kind {
-                Kind::Max => {
-                    self.plane(xp, w, &mut out, Some(&mut arg));
-                    for (o, &a) in arg.iter().enumerate() {
-                        dxp[a] += gp[o];
-                    }
-                }
-                Kind::Avg => {
-                    let share = 1.0 / (kh * kw) as f64;
-                    for (o, &go) in gp.iter().enumerate() {
-                        let (oy, ox) = (o / ow, o % ow);
+        match self.kind {
+            Kind::Max if (kh, kw, sh, sw) == (2, 2, 2, 2) => max_2x2(x, w, out, arg),
+            Kind::Max => {
+                let mut arg = arg;
+                for (oy, row) in out.chunks_mut(ow).enumerate() {
+                    for (ox, y) in row.iter_mut().enumerate() {
+                        let first = oy * sh * w + ox * sw;
+                        let (mut best, mut best_at) = (x[first], first);
                         for dy in 0..kh {
-                            for dxx in 0..kw {
-                                dxp[(oy * sh + dy) * w + ox * sw + dxx] += go * share;
+                            let at = first + dy * w;
+                            for (dx, &v) in x[at..at + kw].iter().enumerate() {
+                                // First maximum wins ties, like PyTorch; the first NaN wins.
+                                // Selects, not branches: on real data `v > best` is a coin
+                                // flip, and mispredicted branches made this loop 15% of an
+                                // FSCT episode.
+                                let take = beats(v, best);
+                                best = if take { v } else { best };
+                                best_at = if take { at + dx } else { best_at };
                             }
+                        }
+                        *y = best;
+                        if let Some(a) = arg.as_deref_mut() {
+                            a[oy * ow + ox] = best_at;
                         }
                     }
                 }
             }
+            Kind::Avg => {
+                let area = (kh * kw) as f64;
+                for (oy, row) in out.chunks_mut(ow).enumerate() {
+                    for (ox, y) in row.iter_mut().enumerate() {
+                        let first = oy * sh * w + ox * sw;
+                        let sum: f64 = (0..kh)
+                            .flat_map(|dy| &x[first + dy * w..first + dy * w + kw])
+                            .map(|v| v.to_f64())
+                            .sum();
+                        *y = T::from_f64(sum / area);
+                    }
+                }
+            }
         }
+    }
+
+    /// The forward over all planes, in the input's dtype, planes in parallel.
+    fn forward<T: WithDType>(&self, x: &[T], dims: (usize, usize, usize, usize)) -> Result<Vec<T>> {
+        let (n, c, h, w) = dims;
+        let (oh, ow) = self.out_hw(h, w)?;
+        let mut out = vec![T::zero(); n * c * oh * ow];
+        out.par_chunks_mut(oh * ow)
+            .zip(x.par_chunks(h * w))
+            .for_each(|(o, xp)| self.plane(xp, w, o, None));
+        Ok(out)
+    }
+
+    /// The input's gradient: each output's gradient to the first maximum of its window (max) or
+    /// spread evenly over it (average). Windows that overlap sum their shares in f64 before the
+    /// one rounding to `T`; disjoint windows write theirs directly (the same value).
+    fn backward<T: WithDType>(
+        &self,
+        x: &[T],
+        g: &[T],
+        dims: (usize, usize, usize, usize),
+    ) -> Result<Vec<T>> {
+        let (n, c, h, w) = dims;
+        let (oh, ow) = self.out_hw(h, w)?;
+        let (kh, kw) = self.kernel;
+        let (sh, sw) = self.stride;
+        let overlap = sh < kh || sw < kw;
+        let share = 1.0 / (kh * kw) as f64;
+        let mut dx = vec![T::zero(); n * c * h * w];
+        dx.par_chunks_mut(h * w)
+            .zip(x.par_chunks(h * w))
+            .zip(g.par_chunks(oh * ow))
+            .for_each_init(
+                || {
+                    let acc = vec![0f64; if overlap { h * w } else { 0 }];
+                    (acc, vec![T::zero(); oh * ow], vec![0usize; oh * ow])
+                },
+                |(acc, out, arg), ((dxp, xp), gp)| {
+                    // Each input index and the gradient share it receives.
+                    let mut add = |i: usize, v: f64| {
+                        if overlap {
+                            acc[i] += v;
+                        } else {
+                            dxp[i] = T::from_f64(v);
+                        }
+                    };
+                    match self.kind {
+                        Kind::Max => {
+                            self.plane(xp, w, out, Some(arg));
+                            for (&a, go) in arg.iter().zip(gp) {
+                                add(a, go.to_f64());
+                            }
+                        }
+                        Kind::Avg => {
+                            for (o, go) in gp.iter().enumerate() {
+                                let (oy, ox) = (o / ow, o % ow);
+                                let v = go.to_f64() * share;
+                                for dy in 0..kh {
+                                    for dxx in 0..kw {
+                                        add((oy * sh + dy) * w + ox * sw + dxx, v);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    if overlap {
+                        for (d, a) in dxp.iter_mut().zip(acc.iter_mut()) {
+                            *d = T::from_f64(*a);
+                            *a = 0.0;
+                        }
+                    }
+                },
+            );
         Ok(dx)
     }
 }
 
-fn to_f64_vec(t: &Tensor) -> Result<Vec<f64>> {
-    t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()
+/// Whether `v`, later in the window, replaces `best`: larger, or the first NaN.
+#[inline(always)]
+fn beats<T: WithDType>(v: T, best: T) -> bool {
+    #[allow(clippy::eq_op)]
+    let nan_over_number = (v != v) & (best == best);
+    (v > best) | nan_over_number
+}
+
+/// Max pooling 2x2 with stride 2 (every CNN backbone's), a row pair at a time without index
+/// arithmetic or bounds checks in the loop; the same result as the general loop.
+fn max_2x2<T: WithDType>(x: &[T], w: usize, out: &mut [T], arg: Option<&mut [usize]>) {
+    let ow = w / 2;
+    let rows = out.chunks_mut(ow).enumerate();
+    let window = |a: &[T], b: &[T]| {
+        let (mut best, mut at) = (a[0], 0);
+        for (i, v) in [(1, a[1]), (2, b[0]), (3, b[1])] {
+            let take = beats(v, best);
+            best = if take { v } else { best };
+            at = if take { i } else { at };
+        }
+        (best, at)
+    };
+    match arg {
+        None => {
+            for (oy, row) in rows {
+                let (r0, r1) = (&x[2 * oy * w..][..2 * ow], &x[(2 * oy + 1) * w..][..2 * ow]);
+                for ((y, a), b) in row
+                    .iter_mut()
+                    .zip(r0.chunks_exact(2))
+                    .zip(r1.chunks_exact(2))
+                {
+                    *y = window(a, b).0;
+                }
+            }
+        }
+        Some(arg) => {
+            for ((oy, row), arg) in rows.zip(arg.chunks_mut(ow)) {
+                let (r0, r1) = (&x[2 * oy * w..][..2 * ow], &x[(2 * oy + 1) * w..][..2 * ow]);
+                let cells = row
+                    .iter_mut()
+                    .zip(arg)
+                    .zip(r0.chunks_exact(2))
+                    .zip(r1.chunks_exact(2));
+                for (ox, (((y, g), a), b)) in cells.enumerate() {
+                    let (best, at) = window(a, b);
+                    *y = best;
+                    // Window cell `at` (row-major in the 2x2) as a plane index.
+                    *g = (2 * oy + at / 2) * w + 2 * ox + at % 2;
+                }
+            }
+        }
+    }
+}
+
+/// Dimensions of an [N, C, H, W] layout.
+fn dims4(l: &Layout) -> Result<(usize, usize, usize, usize)> {
+    match l.dims() {
+        [n, c, h, w] => Ok((*n, *c, *h, *w)),
+        d => candle_core::bail!("pool expects [N, C, H, W], got {d:?}"),
+    }
 }
 
 impl CustomOp1 for Pool {
@@ -145,28 +248,13 @@ impl CustomOp1 for Pool {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dims = match l.dims() {
-            [n, c, h, w] => (*n, *c, *h, *w),
-            d => candle_core::bail!("pool expects [N, C, H, W], got {d:?}"),
-        };
+        let dims = dims4(l)?;
         let (oh, ow) = self.out_hw(dims.2, dims.3)?;
-        fn run<T: candle_core::WithDType>(
-            p: &Pool,
-            d: &[T],
-            l: &Layout,
-            dims: (usize, usize, usize, usize),
-        ) -> Result<Vec<T>> {
-            let x: Vec<f64> = cpu::slice(d, l)?.iter().map(|v| v.to_f64()).collect();
-            Ok(p.forward_vec(&x, dims)?
-                .into_iter()
-                .map(T::from_f64)
-                .collect())
-        }
         let out = match s {
-            CpuStorage::F32(d) => CpuStorage::F32(run(self, d, l, dims)?),
-            CpuStorage::F64(d) => CpuStorage::F64(run(self, d, l, dims)?),
-            CpuStorage::F16(d) => CpuStorage::F16(run(self, d, l, dims)?),
-            CpuStorage::BF16(d) => CpuStorage::BF16(run(self, d, l, dims)?),
+            CpuStorage::F32(d) => CpuStorage::F32(self.forward(cpu::slice(d, l)?, dims)?),
+            CpuStorage::F64(d) => CpuStorage::F64(self.forward(cpu::slice(d, l)?, dims)?),
+            CpuStorage::F16(d) => CpuStorage::F16(self.forward(cpu::slice(d, l)?, dims)?),
+            CpuStorage::BF16(d) => CpuStorage::BF16(self.forward(cpu::slice(d, l)?, dims)?),
             _ => candle_core::bail!("pool: unsupported dtype"),
         };
         Ok((out, Shape::from((dims.0, dims.1, oh, ow))))
@@ -192,11 +280,55 @@ impl CustomOp1 for Pool {
         if arg.device().is_cuda() {
             return Ok(Some(crate::cuda::pool_backward(arg, g, self.spec())?));
         }
-        let dims = arg.dims4()?;
-        let dx = self.backward_vec(&to_f64_vec(arg)?, &to_f64_vec(g)?, dims)?;
         Ok(Some(
-            Tensor::from_vec(dx, arg.shape(), arg.device())?.to_dtype(arg.dtype())?,
+            arg.contiguous()?
+                .apply_op2_no_bwd(&g.contiguous()?, &Backward(*self))?,
         ))
+    }
+}
+
+/// The CPU backward as an op on (input, output gradient), so it reads both in their dtype
+/// without copies.
+struct Backward(Pool);
+
+impl CustomOp2 for Backward {
+    fn name(&self) -> &'static str {
+        "ft-pool2d-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = dims4(xl)?;
+        let (oh, ow) = self.0.out_hw(dims.2, dims.3)?;
+        if gl.dims() != [dims.0, dims.1, oh, ow] {
+            candle_core::bail!(
+                "pool backward: gradient {:?} for output {:?}",
+                gl.dims(),
+                (dims.0, dims.1, oh, ow)
+            );
+        }
+        let p = &self.0;
+        let out = match (xs, gs) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
+                CpuStorage::F32(p.backward(cpu::slice(x, xl)?, cpu::slice(g, gl)?, dims)?)
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
+                CpuStorage::F64(p.backward(cpu::slice(x, xl)?, cpu::slice(g, gl)?, dims)?)
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
+                CpuStorage::F16(p.backward(cpu::slice(x, xl)?, cpu::slice(g, gl)?, dims)?)
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                CpuStorage::BF16(p.backward(cpu::slice(x, xl)?, cpu::slice(g, gl)?, dims)?)
+            }
+            _ => candle_core::bail!("pool backward: input and gradient differ in dtype"),
+        };
+        Ok((out, xl.shape().clone()))
     }
 }
 

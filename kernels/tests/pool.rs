@@ -93,9 +93,85 @@ fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
         .expect("grad");
     let got: Vec<f64> = g.flatten_all()?.to_vec1()?;
     assert_eq!(got, vec![0., 1., 1., 0., 0., 0., 0., 0.]);
+    // A window of -inf (a masked map) sends its gradient to its own first element, not the
+    // plane's.
+    let ninf = f64::NEG_INFINITY;
+    let x = Tensor::new(
+        &[[[[1f64, 2., ninf, ninf], [0., 0., ninf, ninf]]]],
+        &Device::Cpu,
+    )?;
+    let v = candle_core::Var::from_tensor(&x)?;
+    let w = Tensor::new(&[[[[10f64, 20.]]]], &Device::Cpu)?;
+    let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
+    let grads = (y * &w)?.sum_all()?.backward()?;
+    let got: Vec<f64> = grads
+        .get(v.as_tensor())
+        .expect("grad")
+        .flatten_all()?
+        .to_vec1()?;
+    assert_eq!(got, vec![0., 10., 20., 0., 0., 0., 0., 0.]);
+    // NaN propagates: the first NaN of the window is the output and gets the gradient.
+    let nan = f64::NAN;
+    let x = Tensor::new(&[[[[1f64, nan, 5., 6.], [3., nan, 7., 8.]]]], &Device::Cpu)?;
+    let v = candle_core::Var::from_tensor(&x)?;
+    let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
+    let ys: Vec<f64> = y.flatten_all()?.to_vec1()?;
+    assert!(ys[0].is_nan() && ys[1] == 8.);
+    let grads = (y * &w)?.sum_all()?.backward()?;
+    let got: Vec<f64> = grads
+        .get(v.as_tensor())
+        .expect("grad")
+        .flatten_all()?
+        .to_vec1()?;
+    assert_eq!(got, vec![0., 10., 0., 0., 0., 0., 0., 20.]);
     assert!(
         max_pool2d(&x, (3, 3), (1, 1)).is_err(),
         "kernel larger than the input"
     );
+    Ok(())
+}
+
+/// Forward and gradient of `(pool(x) * w).sum()` for `x` and `w` in `dtype`.
+fn pass(
+    x: &Tensor,
+    w: &Tensor,
+    dtype: candle_core::DType,
+    max: bool,
+    k: (usize, usize),
+    s: (usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let v = candle_core::Var::from_tensor(&x.to_dtype(dtype)?)?;
+    let y = if max {
+        max_pool2d(v.as_tensor(), k, s)?
+    } else {
+        avg_pool2d(v.as_tensor(), k, s)?
+    };
+    let grads = (&y * w.to_dtype(dtype)?)?.sum_all()?.backward()?;
+    let g = grads.get(v.as_tensor()).cloned().expect("gradient");
+    Ok((y, g))
+}
+
+#[test]
+fn every_dtype_gets_the_f64_result_rounded_once() -> Result<()> {
+    use candle_core::DType;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // Values representable in `dtype`, so the f64 pass sees the same input.
+        let x = rand(&[3, 4, 9, 7], 3)?
+            .to_dtype(dtype)?
+            .to_dtype(DType::F64)?;
+        for (k, s) in CASES {
+            let (oh, ow) = ((9 - k.0) / s.0 + 1, (7 - k.1) / s.1 + 1);
+            let w = rand(&[3, 4, oh, ow], 4)?
+                .to_dtype(dtype)?
+                .to_dtype(DType::F64)?;
+            for max in [true, false] {
+                let (y, g) = pass(&x, &w, dtype, max, k, s)?;
+                let (y64, g64) = pass(&x, &w, DType::F64, max, k, s)?;
+                let what = format!("{dtype:?} max={max} {k:?} {s:?}");
+                assert_eq!(max_diff(&y, &y64.to_dtype(dtype)?)?, 0.0, "forward {what}");
+                assert_eq!(max_diff(&g, &g64.to_dtype(dtype)?)?, 0.0, "gradient {what}");
+            }
+        }
+    }
     Ok(())
 }

@@ -229,11 +229,12 @@ impl FewShotModel {
 /// norm's with its ReLU inside, the pool's) next to the gradients in flight through it: the
 /// conv's input and weight gradients (its column buffers are one image's), the pool's and
 /// batch norm's, each a map of the block's size. (Measured again on 2026-11-28, when the ReLU
-/// went inside the batch norm's op: 2770, 3010, 3030 before.)
+/// went inside the batch norm's op: 2770, 3010, 3030 before; and when the pool's backward
+/// stopped converting its input and gradient to f64: 2420, 2810, 2820 before.)
 const CONV_TEMPORARIES: Temporaries = Temporaries {
-    whole: 2420,
-    kept: 2810,
-    recomputed: 2820,
+    whole: 2010,
+    kept: 2470,
+    recomputed: 2490,
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
