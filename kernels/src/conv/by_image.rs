@@ -1,6 +1,7 @@
-//! The image-by-image path on the CPU (f32 and f64): one image's columns in a reused buffer,
-//! gemm writing straight into that image's output (the bias in it), and the backward's two
-//! products per image, the weight gradient summed in image order.
+//! The image-by-image path on the CPU (f32 and f64): one image's columns (or a small group's,
+//! side by side: [`Geometry::group`]) in a reused buffer, gemm writing straight into that image's
+//! output (the bias in it), and the backward's two products per image or group, the weight
+//! gradient summed in group order; no input gradient for an input outside the graph.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
 
@@ -80,8 +81,10 @@ fn gemm_into<T: GemmFloat>(
     Ok(())
 }
 
-/// The image-by-image forward: each image's columns into one reused buffer, multiplied by the
-/// weight straight into its [O, Ho*Wo] output, which starts as the bias where there is one.
+/// The image-by-image forward: each group of images ([`Geometry::group`]; one image unless they
+/// are small) unfolded side by side into one reused buffer and multiplied by the weight; a lone
+/// image's product goes straight into its [O, Ho*Wo] output, which starts as the bias, a group's
+/// into a scratch [O, G*Ho*Wo] that starts as the bias and is split into the images' outputs.
 fn forward_by_image<T: GemmFloat>(
     x: &[T],
     w: &[T],
@@ -90,39 +93,62 @@ fn forward_by_image<T: GemmFloat>(
     o: usize,
 ) -> Result<Vec<T>> {
     let (l, ck) = g.cols();
+    let group = g.group();
     let mut out = vec![T::zero(); g.b * o * l];
-    let image = |bi: usize, y: &mut [T], cols: &mut [T], threads: bool| {
-        if let Some(b) = bias {
-            for (row, v) in y.chunks_mut(l.max(1)).zip(b) {
-                row.fill(*v);
-            }
+    // Group `gi`'s outputs `y` ([n, O, L]) with its column buffer and product scratch.
+    let images = |gi: usize, y: &mut [T], bufs: &mut (Vec<T>, Vec<T>), threads: bool| {
+        let (cols, scratch) = bufs;
+        let n = y.len() / (o * l).max(1);
+        let gl = n * l;
+        for i in 0..n {
+            g.image_columns(x, gi * group + i, cols, (gl, i * l));
         }
-        g.image_columns(x, bi, cols);
         let (lhs, rhs) = (
             Mat {
                 data: w,
                 transposed: false,
             },
             Mat {
-                data: cols,
+                data: &cols[..ck * gl],
                 transposed: false,
             },
         );
-        gemm_into(y, lhs, rhs, o, l, ck, bias.is_some(), threads)
+        if n == 1 {
+            if let Some(b) = bias {
+                for (row, v) in y.chunks_mut(l.max(1)).zip(b) {
+                    row.fill(*v);
+                }
+            }
+            return gemm_into(y, lhs, rhs, o, l, ck, bias.is_some(), threads);
+        }
+        let scratch = &mut scratch[..o * gl];
+        if let Some(b) = bias {
+            for (row, v) in scratch.chunks_mut(gl).zip(b) {
+                row.fill(*v);
+            }
+        }
+        gemm_into(scratch, lhs, rhs, o, gl, ck, bias.is_some(), threads)?;
+        for (i, yi) in y.chunks_mut(o * l).enumerate() {
+            for (oi, row) in yi.chunks_mut(l).enumerate() {
+                row.copy_from_slice(&scratch[oi * gl + i * l..][..l]);
+            }
+        }
+        Ok(())
     };
+    let bufs = || {
+        let scratch = if group > 1 { o * group * l } else { 0 };
+        (vec![T::zero(); ck * group * l], vec![T::zero(); scratch])
+    };
+    let chunk = (group * o * l).max(1);
     if g.images_in_parallel() {
         use rayon::prelude::*;
-        out.par_chunks_mut((o * l).max(1))
+        out.par_chunks_mut(chunk)
             .enumerate()
-            .take(g.b)
-            .try_for_each_init(
-                || vec![T::zero(); ck * l],
-                |cols, (bi, y)| image(bi, y, cols, false),
-            )?;
+            .try_for_each_init(bufs, |b, (gi, y)| images(gi, y, b, false))?;
     } else {
-        let mut cols = vec![T::zero(); ck * l];
-        for (bi, y) in out.chunks_mut((o * l).max(1)).enumerate().take(g.b) {
-            image(bi, y, &mut cols, true)?;
+        let mut b = bufs();
+        for (gi, y) in out.chunks_mut(chunk).enumerate() {
+            images(gi, y, &mut b, true)?;
         }
     }
     Ok(out)
@@ -171,16 +197,20 @@ pub(super) fn forward_storage(
     })
 }
 
-/// What the image-by-image backward gives: the input, weight and (with a bias) bias gradients.
+/// What the image-by-image backward gives: the input (when asked for), weight and (with a bias)
+/// bias gradients.
 struct ConvGrads<T> {
-    dx: Vec<T>,
+    dx: Option<Vec<T>>,
     dw: Vec<T>,
     db: Option<Vec<T>>,
 }
 
 /// The image-by-image backward of `x` [B, C, H, W], `w` [O, C*k*k] and the output gradient `dy`
-/// [B, O, Ho*Wo], images in order; the bias gradient (per channel, summed in f64) when
-/// `with_bias`.
+/// [B, O, Ho*Wo], a group of images ([`Geometry::group`]) at a time, groups in order; the bias
+/// gradient (per channel, summed in f64, images in order) when `with_bias`; the input gradient
+/// only `with_dx` (a network's first layer reads images, which need none: its two products per
+/// image and the folding were a third of that layer's backward).
+#[allow(clippy::too_many_arguments)]
 fn backward_by_image<T: GemmFloat>(
     x: &[T],
     w: &[T],
@@ -188,75 +218,112 @@ fn backward_by_image<T: GemmFloat>(
     g: &Geometry,
     o: usize,
     with_bias: bool,
+    with_dx: bool,
 ) -> Result<ConvGrads<T>> {
     let (l, ck) = g.cols();
+    let group = g.group();
     let chw = g.c * g.h * g.w;
-    let mut dx = vec![T::zero(); g.b * chw];
+    let mut dx = vec![T::zero(); if with_dx { g.b * chw } else { 0 }];
     let mut dw = vec![T::zero(); o * ck];
     let mut db = vec![0f64; if with_bias { o } else { 0 }];
-    let parallel = g.images_in_parallel();
-    let mut cols = vec![T::zero(); ck * l];
-    // dcols_b [CK, L] = W^T [CK, O] x dY_b [O, L], folded onto image b's input: images apart.
-    let input_grad = |bi: usize, dxb: &mut [T], dcols: &mut [T], threads: bool| {
+    let parallel = g.images_in_parallel() && with_dx;
+    // Group `gi`'s output gradient as one [O, n*L] matrix: `dy` itself for a lone image, the
+    // images' rows side by side in `buf` otherwise.
+    let group_dy = |gi: usize, n: usize, buf: &'_ mut Vec<T>| -> Option<()> {
+        if n == 1 {
+            return None;
+        }
+        let gl = n * l;
+        buf.resize(o * gl, T::zero());
+        for i in 0..n {
+            let dyi = &dy[(gi * group + i) * o * l..][..o * l];
+            for (oi, row) in dyi.chunks(l.max(1)).enumerate() {
+                buf[oi * gl + i * l..][..l].copy_from_slice(row);
+            }
+        }
+        Some(())
+    };
+    let images_in = |gi: usize| group.min(g.b - gi * group);
+    // dcols [CK, n L] = W^T [CK, O] x dY_group [O, n L], folded onto each image's input.
+    let input_grad = |gi: usize, dxg: &mut [T], bufs: &mut (Vec<T>, Vec<T>), threads: bool| {
+        let (dcols, dyg) = bufs;
+        let n = images_in(gi);
+        let gl = n * l;
+        let rhs = match group_dy(gi, n, dyg) {
+            Some(()) => &dyg[..o * gl],
+            None => &dy[gi * group * o * l..][..o * l],
+        };
         let (lhs, rhs) = (
             Mat {
                 data: w,
                 transposed: true,
             },
             Mat {
-                data: &dy[bi * o * l..][..o * l],
+                data: rhs,
                 transposed: false,
             },
         );
-        gemm_into(dcols, lhs, rhs, ck, l, o, false, threads)?;
-        g.fold_image(dcols, dxb);
+        gemm_into(dcols, lhs, rhs, ck, gl, o, false, threads)?;
+        for (i, dxb) in dxg.chunks_mut(chw.max(1)).enumerate() {
+            g.fold_image(dcols, dxb, (gl, i * l));
+        }
         Ok::<_, candle_core::Error>(())
     };
+    let bufs = || (vec![T::zero(); ck * group * l], Vec::new());
+    let chunk = (group * chw).max(1);
     if parallel {
         use rayon::prelude::*;
-        dx.par_chunks_mut(chw.max(1))
+        dx.par_chunks_mut(chunk)
             .enumerate()
-            .take(g.b)
-            .try_for_each_init(
-                || vec![T::zero(); ck * l],
-                |dcols, (bi, dxb)| input_grad(bi, dxb, dcols, false),
-            )?;
+            .try_for_each_init(bufs, |b, (gi, dxg)| input_grad(gi, dxg, b, false))?;
     }
-    let mut dcols = if parallel {
-        Vec::new()
+    let mut cols = vec![T::zero(); ck * group * l];
+    let mut dyg = Vec::new();
+    let mut own = if parallel || !with_dx {
+        (Vec::new(), Vec::new())
     } else {
-        vec![T::zero(); ck * l]
+        bufs()
     };
-    for bi in 0..g.b {
-        let dyb = &dy[bi * o * l..][..o * l];
-        for (sum, row) in db.iter_mut().zip(dyb.chunks(l.max(1))) {
-            *sum += row.iter().map(|v| v.to_f64()).sum::<f64>();
+    for gi in 0..g.groups() {
+        let n = images_in(gi);
+        let gl = n * l;
+        for i in 0..n {
+            let dyb = &dy[(gi * group + i) * o * l..][..o * l];
+            for (sum, row) in db.iter_mut().zip(dyb.chunks(l.max(1))) {
+                *sum += row.iter().map(|v| v.to_f64()).sum::<f64>();
+            }
+            g.image_columns(x, gi * group + i, &mut cols, (gl, i * l));
         }
-        g.image_columns(x, bi, &mut cols);
-        // dW += dY_b [O, L] x cols_b^T [L, CK], images in order.
+        let lhs = match group_dy(gi, n, &mut dyg) {
+            Some(()) => &dyg[..o * gl],
+            None => &dy[gi * group * o * l..][..o * l],
+        };
+        // dW += dY_group [O, n L] x cols_group^T [n L, CK], groups in order.
         let (lhs, rhs) = (
             Mat {
-                data: dyb,
+                data: lhs,
                 transposed: false,
             },
             Mat {
-                data: &cols,
+                data: &cols[..ck * gl],
                 transposed: true,
             },
         );
-        gemm_into(&mut dw, lhs, rhs, o, ck, l, bi > 0, true)?;
-        if !parallel {
-            input_grad(bi, &mut dx[bi * chw..][..chw], &mut dcols, true)?;
+        gemm_into(&mut dw, lhs, rhs, o, ck, gl, gi > 0, true)?;
+        if with_dx && !parallel {
+            let dxg = &mut dx[gi * group * chw..][..n * chw];
+            input_grad(gi, dxg, &mut own, true)?;
         }
     }
     Ok(ConvGrads {
-        dx,
+        dx: with_dx.then_some(dx),
         dw,
         db: with_bias.then(|| db.into_iter().map(T::from_f64).collect()),
     })
 }
 
-/// [`backward_by_image`] on tensors (f32 or f64, on the CPU), read in place: (dx, dw, db).
+/// [`backward_by_image`] on tensors (f32 or f64, on the CPU), read in place: (dx, dw, db), dx
+/// `None` when `x` is not part of a graph (`Tensor::track_op`: no gradient of it is kept).
 pub(super) fn backward_tensors(
     x: &Tensor,
     w: &Tensor,
@@ -264,7 +331,7 @@ pub(super) fn backward_tensors(
     dy: &Tensor,
     g: &Geometry,
     o: usize,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
     fn run<T: GemmFloat>(
         x: &Tensor,
         w: &Tensor,
@@ -272,7 +339,7 @@ pub(super) fn backward_tensors(
         dy: &Tensor,
         g: &Geometry,
         o: usize,
-    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
         // Each made contiguous first (a no-op for the op's own inputs), then read in place.
         let (x_, w_, dy_) = (
             x.contiguous()?,
@@ -282,7 +349,7 @@ pub(super) fn backward_tensors(
         let grads = crate::host::with_slice(&x_, |xs| {
             crate::host::with_slice(&w_, |ws| {
                 crate::host::with_slice(&dy_, |ds| {
-                    backward_by_image::<T>(xs, ws, ds, g, o, bias.is_some())
+                    backward_by_image::<T>(xs, ws, ds, g, o, bias.is_some(), x.track_op())
                 })
             })
         })
@@ -295,11 +362,11 @@ pub(super) fn backward_tensors(
             (Some(db), Some(b)) => Some(Tensor::from_vec(db, b.shape(), b.device())?),
             _ => None,
         };
-        Ok((
-            Tensor::from_vec(grads.dx, x.shape(), x.device())?,
-            Tensor::from_vec(grads.dw, w.shape(), w.device())?,
-            db,
-        ))
+        let dx = match grads.dx {
+            Some(dx) => Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+            None => None,
+        };
+        Ok((dx, Tensor::from_vec(grads.dw, w.shape(), w.device())?, db))
     }
     match x.dtype() {
         DType::F32 => run::<f32>(x, w, bias, dy, g, o),

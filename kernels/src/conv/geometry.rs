@@ -50,13 +50,28 @@ impl Geometry {
         (oh * ow, self.c * self.k * self.k)
     }
 
-    /// Whether the images go on rayon's threads, one each (each with its own column buffer and
-    /// gemm on one thread): when an image's columns are too few for its unfolding, folding and
-    /// product to be worth splitting ([`PAR_ELEMS`]) and there are images and threads to share.
-    /// Each image's values are computed as on one thread, so the result does not change.
+    /// Whether the groups of images ([`Self::group`]) go on rayon's threads, one each (each with
+    /// its own column buffer and gemm on one thread): when an image's columns are too few for its
+    /// unfolding, folding and product to be worth splitting ([`PAR_ELEMS`]) and there are groups
+    /// and threads to share. Each group's values are computed as on one thread, so the result
+    /// does not change.
     pub(super) fn images_in_parallel(&self) -> bool {
         let (l, ck) = self.cols();
-        ck * l < PAR_ELEMS && self.b > 1 && rayon::current_num_threads() > 1
+        ck * l < PAR_ELEMS && self.groups() > 1 && rayon::current_num_threads() > 1
+    }
+
+    /// Images multiplied together: enough that a product has [`GROUP_COLS`] columns. A deep
+    /// layer's image has few output positions (ResNet's last stage at 84 px: 9), and a product
+    /// per image that narrow (or, for the weight gradient, that short) spends its time packing
+    /// operands, not multiplying. From a shape alone, so the sums do not depend on the threads.
+    pub(super) fn group(&self) -> usize {
+        let l = self.cols().0.max(1);
+        GROUP_COLS.div_ceil(l).clamp(1, self.b.max(1))
+    }
+
+    /// How many groups of [`Self::group`] images the batch makes.
+    pub(super) fn groups(&self) -> usize {
+        self.b.div_ceil(self.group())
     }
 
     /// Calls `f(column index within the image, offset in the column, input offset)` for every
@@ -101,8 +116,15 @@ impl Geometry {
 
     /// Image `bi` of `x` (contiguous [B, C, H, W]) as columns [C*k*k, Ho*Wo] in `cols`, zeros where
     /// the kernel hangs over the edge: each row (a channel and kernel tap) on its own, on rayon's
-    /// threads when the image is large.
-    pub(super) fn image_columns<T: WithDType>(&self, x: &[T], bi: usize, cols: &mut [T]) {
+    /// threads when the image is large. Row `j` starts at `j * stride + offset`: a group of
+    /// images side by side has `stride` = the group's columns and `offset` = this image's first.
+    pub(super) fn image_columns<T: WithDType>(
+        &self,
+        x: &[T],
+        bi: usize,
+        cols: &mut [T],
+        (stride, offset): (usize, usize),
+    ) {
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
@@ -130,15 +152,18 @@ impl Geometry {
                 }
             }
         };
-        let rows = cols[..self.c * k * k * l].chunks_mut(l.max(1));
+        let stride = stride.max(1);
+        let rows = &mut cols[..self.c * k * k * stride];
+        let fill = |j: usize, row: &mut [T]| fill(j, &mut row[offset..][..l]);
         if self.c * k * k * l >= PAR_ELEMS {
             use rayon::prelude::*;
-            cols[..self.c * k * k * l]
-                .par_chunks_mut(l.max(1))
+            rows.par_chunks_mut(stride)
                 .enumerate()
                 .for_each(|(j, row)| fill(j, row));
         } else {
-            rows.enumerate().for_each(|(j, row)| fill(j, row));
+            rows.chunks_mut(stride)
+                .enumerate()
+                .for_each(|(j, row)| fill(j, row));
         }
     }
 
@@ -168,8 +193,14 @@ impl Geometry {
 
     /// The adjoint of [`Self::image_columns`]: the column gradient `dcols` [C*k*k, Ho*Wo] of image
     /// `bi` summed back onto its input positions in `dx` ([C, H, W] of that image), in f64, each
-    /// channel on its own (on rayon's threads when the image is large).
-    pub(super) fn fold_image<T: WithDType>(&self, dcols: &[T], dx: &mut [T]) {
+    /// channel on its own (on rayon's threads when the image is large). Rows are laid out as
+    /// [`Self::image_columns`] writes them (`stride`, `offset`).
+    pub(super) fn fold_image<T: WithDType>(
+        &self,
+        dcols: &[T],
+        dx: &mut [T],
+        (stride, offset): (usize, usize),
+    ) {
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
@@ -178,7 +209,7 @@ impl Geometry {
             let mut acc = vec![0f64; hw];
             for tap in 0..k * k {
                 let (ky, kx) = (tap / k, tap % k);
-                let row = &dcols[(ci * k * k + tap) * l..][..l];
+                let row = &dcols[(ci * k * k + tap) * stride + offset..][..l];
                 for oy in 0..oh {
                     let y = (oy * s) as isize + ky as isize - p;
                     if y < 0 || y >= self.h as isize {
@@ -228,3 +259,7 @@ impl Geometry {
 
 /// Elements of one image's columns from which its unfolding and folding run on rayon's threads.
 pub(super) const PAR_ELEMS: usize = 1 << 16;
+
+/// Columns a product should have at least before images are grouped into it ([`Geometry::group`]):
+/// images of this many output positions or more go one by one, as before groups.
+pub(super) const GROUP_COLS: usize = 256;

@@ -10,10 +10,13 @@
 //! weight gradient image by image into one [O, C k k] matrix and folds each image's column
 //! gradient back (summed in f64). The unfolding runs over the columns' rows and the folding over
 //! the channels on rayon's threads, the products on gemm's; images go in order, so the sums do
-//! not depend on the threads. Where an image's columns are small (a UNet's 8 x 8 latents),
-//! splitting one image costs more than it gains: the images then go on rayon's threads, one
-//! each, for the forward and the input gradient, and the weight gradient still sums them in
-//! order. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
+//! not depend on the threads. Images with few output positions (a deep layer's) are multiplied
+//! a group at a time, side by side in one product of at least 256 columns (ResNet's last stage
+//! at 84 px has 9 per image), and an input outside the graph (the images a network's first
+//! layer reads) gets no input gradient. Where an image's columns are small (a UNet's 8 x 8
+//! latents), splitting one image costs more than it gains: the groups then go on rayon's
+//! threads, one each, for the forward and the input gradient, and the weight gradient still
+//! sums them in order. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
 //! layer: 345 MB of columns, and as many again of their gradient in f64 twice over, each a fresh
 //! allocation the kernel zeroed page by page). bf16 and f16 unfold all images ([`geometry`])
 //! and take candle's matmul. Other devices use candle's conv2d (cuDNN or its im2col kernel on
@@ -126,7 +129,7 @@ impl CustomOp2 for Conv2d {
         let (l, ck) = g.cols();
         if matches!(x.dtype(), DType::F32 | DType::F64) {
             let (dx, dw, _) = backward_tensors(x, w, None, dy, &g, o)?;
-            return Ok((Some(dx), Some(dw)));
+            return Ok((dx, Some(dw)));
         }
         // dY as [B, L, O]
         let dy = dy
@@ -192,7 +195,7 @@ impl CustomOp3 for Conv2dBias {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (g, o) = self.0.geometry(x.dims(), w.dims())?;
         let (dx, dw, db) = backward_tensors(x, w, Some(b), dy, &g, o)?;
-        Ok((Some(dx), Some(dw), db))
+        Ok((dx, Some(dw), db))
     }
 }
 

@@ -227,7 +227,7 @@ impl FewShotModel {
 /// Backward's temporaries through a Conv4/Conv6 block, in thousandths of its graph (measured:
 /// `trainer/tests/backward_temporaries.rs`). Its graph is small (the conv's output, the batch
 /// norm's with its ReLU inside, the pool's) next to the gradients in flight through it: the
-/// conv's input and weight gradients (its column buffers are one image's), the pool's and
+/// conv's input and weight gradients (its column buffers are one image's, or a small group's), the pool's and
 /// batch norm's, each a map of the block's size. (Measured again on 2026-11-28, when the ReLU
 /// went inside the batch norm's op: 2770, 3010, 3030 before; and when the pool's backward
 /// stopped converting its input and gradient to f64: 2420, 2810, 2820 before.)
