@@ -2,7 +2,7 @@
 //! finite differences (candle scales max-pool gradients by 1/k^2 and errors for kernel != stride).
 
 mod common;
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use common::*;
 use ft_kernels::pool::{avg_pool2d, global_avg_pool, max_pool2d};
 
@@ -82,48 +82,28 @@ fn gradients_match_finite_differences() -> Result<()> {
 
 #[test]
 fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
-    let x = Tensor::new(&[[[[1f64, 3., 3., 0.], [2., 0., 1., 1.]]]], &Device::Cpu)?;
-    let v = candle_core::Var::from_tensor(&x)?;
-    let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
-    let g = y
-        .sum_all()?
-        .backward()?
-        .get(v.as_tensor())
-        .cloned()
-        .expect("grad");
-    let got: Vec<f64> = g.flatten_all()?.to_vec1()?;
-    assert_eq!(got, vec![0., 1., 1., 0., 0., 0., 0., 0.]);
+    let dev = Device::Cpu;
+    // One [1, 1, 2, 4] plane, two 2x2 windows: outputs and input gradients of (y * [10, 20]).
+    let run = |row0: [f64; 4], row1: [f64; 4]| -> Result<(Vec<f64>, Vec<f64>)> {
+        let x = Tensor::new(&[[[row0, row1]]], &dev)?;
+        let w = Tensor::new(&[[[[10f64, 20.]]]], &dev)?;
+        let (y, g) = pass(&x, &w, DType::F64, true, (2, 2), (2, 2))?;
+        Ok((y.flatten_all()?.to_vec1()?, g.flatten_all()?.to_vec1()?))
+    };
+    // Ties: the first maximum takes the whole gradient, unscaled.
+    let (_, g) = run([1., 3., 3., 0.], [2., 0., 1., 1.])?;
+    assert_eq!(g, vec![0., 10., 20., 0., 0., 0., 0., 0.]);
     // A window of -inf (a masked map) sends its gradient to its own first element, not the
     // plane's.
     let ninf = f64::NEG_INFINITY;
-    let x = Tensor::new(
-        &[[[[1f64, 2., ninf, ninf], [0., 0., ninf, ninf]]]],
-        &Device::Cpu,
-    )?;
-    let v = candle_core::Var::from_tensor(&x)?;
-    let w = Tensor::new(&[[[[10f64, 20.]]]], &Device::Cpu)?;
-    let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
-    let grads = (y * &w)?.sum_all()?.backward()?;
-    let got: Vec<f64> = grads
-        .get(v.as_tensor())
-        .expect("grad")
-        .flatten_all()?
-        .to_vec1()?;
-    assert_eq!(got, vec![0., 10., 20., 0., 0., 0., 0., 0.]);
+    let (_, g) = run([1., 2., ninf, ninf], [0., 0., ninf, ninf])?;
+    assert_eq!(g, vec![0., 10., 20., 0., 0., 0., 0., 0.]);
     // NaN propagates: the first NaN of the window is the output and gets the gradient.
     let nan = f64::NAN;
-    let x = Tensor::new(&[[[[1f64, nan, 5., 6.], [3., nan, 7., 8.]]]], &Device::Cpu)?;
-    let v = candle_core::Var::from_tensor(&x)?;
-    let y = max_pool2d(v.as_tensor(), (2, 2), (2, 2))?;
-    let ys: Vec<f64> = y.flatten_all()?.to_vec1()?;
-    assert!(ys[0].is_nan() && ys[1] == 8.);
-    let grads = (y * &w)?.sum_all()?.backward()?;
-    let got: Vec<f64> = grads
-        .get(v.as_tensor())
-        .expect("grad")
-        .flatten_all()?
-        .to_vec1()?;
-    assert_eq!(got, vec![0., 10., 0., 0., 0., 0., 0., 20.]);
+    let (y, g) = run([1., nan, 5., 6.], [3., nan, 7., 8.])?;
+    assert!(y[0].is_nan() && y[1] == 8.);
+    assert_eq!(g, vec![0., 10., 0., 0., 0., 0., 0., 20.]);
+    let x = Tensor::new(&[[[[1f64, 3., 3., 0.], [2., 0., 1., 1.]]]], &dev)?;
     assert!(
         max_pool2d(&x, (3, 3), (1, 1)).is_err(),
         "kernel larger than the input"
@@ -135,7 +115,7 @@ fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
 fn pass(
     x: &Tensor,
     w: &Tensor,
-    dtype: candle_core::DType,
+    dtype: DType,
     max: bool,
     k: (usize, usize),
     s: (usize, usize),
@@ -153,7 +133,6 @@ fn pass(
 
 #[test]
 fn every_dtype_gets_the_f64_result_rounded_once() -> Result<()> {
-    use candle_core::DType;
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         // Values representable in `dtype`, so the f64 pass sees the same input.
         let x = rand(&[3, 4, 9, 7], 3)?
