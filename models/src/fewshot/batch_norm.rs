@@ -1,7 +1,7 @@
 //! BatchNorm2d with running statistics, as `torch.nn.BatchNorm2d` (momentum 0.1, eps 1e-5):
 //! batch statistics in training (biased variance to normalise, unbiased for the running
 //! estimate), running statistics in evaluation: with batch statistics one op with its own
-//! backward ([`ft_kernels::batch_norm`]), with running ones a composition of candle ops.
+//! backward ([`ft_kernels::batch_norm`]), with running ones a per-channel scale and shift.
 //!
 //! A checkpoint segment recomputed in backward runs its batch norms a second time on the same
 //! input: [`BnMode::Recompute`] gives the same batch statistics without moving the running ones
@@ -93,17 +93,18 @@ impl BatchNorm2d {
             }
             return Ok(y);
         }
+        // With running statistics the normalisation is an affine map per channel: its scale
+        // and shift are computed on [C] vectors, so the input's size is read once and written
+        // twice (four maps of it and the ReLU's fifth as a chain over the whole input). The
+        // weight and bias stay in the graph, so a gradient through an evaluation is still right.
         let shape = (1, c, 1, 1);
-        let mean = self.running_mean.as_tensor().reshape(shape)?;
-        let var = self.running_var.as_tensor().reshape(shape)?;
+        let scale = (&self.weight / (self.running_var.as_tensor() + self.eps)?.sqrt()?)?;
+        let shift = (&self.bias - (self.running_mean.as_tensor() * &scale)?)?;
         let y = x
-            .broadcast_sub(&mean)?
-            .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let y = y
-            .broadcast_mul(&self.weight.reshape(shape)?)?
-            .broadcast_add(&self.bias.reshape(shape)?)?;
+            .broadcast_mul(&scale.reshape(shape)?)?
+            .broadcast_add(&shift.reshape(shape)?)?;
         if relu {
-            y.relu()
+            ft_kernels::activation::relu(&y)
         } else {
             Ok(y)
         }
@@ -118,5 +119,52 @@ impl BatchNorm2d {
             .set(&((self.running_mean.as_tensor() * (1.0 - m))? + (mean.to_dtype(dtype)? * m)?)?)?;
         self.running_var
             .set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Evaluation as a per-channel scale and shift gives PyTorch's formula
+    /// `(x - mean) / sqrt(var + eps) * weight + bias` (and its ReLU), and the weight still gets a
+    /// gradient through it.
+    #[test]
+    fn evaluation_is_the_running_statistics_formula() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let c = 3;
+        let var = |v: &[f64]| Var::from_slice(v, c, &dev);
+        let (w, b) = (var(&[1.5, -0.5, 2.0])?, var(&[0.1, 0.2, -0.3])?);
+        let bn = BatchNorm2d {
+            weight: w.as_tensor().clone(),
+            bias: b.as_tensor().clone(),
+            running_mean: var(&[0.3, -1.0, 2.0])?,
+            running_var: var(&[0.5, 2.0, 0.01])?,
+            eps: 1e-5,
+            momentum: 0.1,
+        };
+        let x = Tensor::randn(0f64, 2., (2, c, 4, 5), &dev)?;
+        let shape = (1, c, 1, 1);
+        let want = x
+            .broadcast_sub(&bn.running_mean.as_tensor().reshape(shape)?)?
+            .broadcast_div(
+                &(bn.running_var.as_tensor() + 1e-5)?
+                    .sqrt()?
+                    .reshape(shape)?,
+            )?
+            .broadcast_mul(&w.as_tensor().reshape(shape)?)?
+            .broadcast_add(&b.as_tensor().reshape(shape)?)?;
+        let diff = |a: &Tensor, b: &Tensor| -> anyhow::Result<f64> {
+            Ok((a - b)?.abs()?.max_all()?.to_scalar::<f64>()?)
+        };
+        assert!(diff(&bn.forward(&x, BnMode::Eval)?, &want)? < 1e-12);
+        assert!(diff(&bn.forward_relu(&x, BnMode::Eval)?, &want.relu()?)? < 1e-12);
+        let y = bn.forward(&x, BnMode::Eval)?;
+        let g = y.sum_all()?.backward()?;
+        let gw = g.get(w.as_tensor()).expect("weight gradient");
+        assert_eq!(gw.dtype(), DType::F64);
+        assert!(gw.abs()?.sum_all()?.to_scalar::<f64>()? > 0.0);
+        Ok(())
     }
 }
