@@ -103,6 +103,50 @@ fn low_precision_forwards_stay_close() -> Result<()> {
     Ok(())
 }
 
+/// The op against candle's conv2d (and broadcast add of the bias) in f64 on `x_shape` with an
+/// [8 or 12, C, k, k] weight: values to 1e-11 and the input, weight and bias gradients of a random
+/// probe to 1e-12 relative. Returns the variables, our output and our gradients for more checks.
+#[allow(clippy::type_complexity)]
+fn against_candle(
+    x_shape: &[usize],
+    o: usize,
+    (k, s, p): (usize, usize, usize),
+    bias: bool,
+    seed: u64,
+) -> Result<(
+    [candle_core::Var; 3],
+    Tensor,
+    candle_core::backprop::GradStore,
+)> {
+    let dev = Device::Cpu;
+    let x = candle_core::Var::from_tensor(&random_tensor(x_shape, seed, &dev)?)?;
+    let w = candle_core::Var::from_tensor(&random_tensor(&[o, x_shape[1], k, k], seed + 1, &dev)?)?;
+    let b = candle_core::Var::from_tensor(&random_tensor(&[o], seed + 2, &dev)?)?;
+    let probe = |y: &Tensor| -> Result<Tensor> {
+        let r = random_tensor(y.dims(), seed + 3, &dev)?;
+        (y * r)?.sum_all()
+    };
+    let ours = conv2d(&x, &w, bias.then_some(b.as_tensor()), s, p)?;
+    let mut want = x.conv2d(&w, p, s, 1, 1)?;
+    if bias {
+        want = want.broadcast_add(&b.reshape((1, o, 1, 1))?)?;
+    }
+    let what = format!("{x_shape:?} k {k} s {s} p {p} bias {bias}");
+    assert!(max_diff(&ours, &want)? < 1e-11, "{what}");
+    let (g1, g2) = (probe(&ours)?.backward()?, probe(&want)?.backward()?);
+    let mut params = vec![("input", x.as_tensor()), ("weight", w.as_tensor())];
+    if bias {
+        params.push(("bias", b.as_tensor()));
+    }
+    for (name, t) in params {
+        let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
+            panic!("no {name} gradient ({what})")
+        };
+        assert!(rel_diff(a, b)? < 1e-12, "{what} {name}");
+    }
+    Ok(([x, w, b], ours, g1))
+}
+
 /// Images large enough that the unfolding and folding run on rayon's threads (one image's
 /// columns over `PAR_ELEMS` for the 3x3 kernels; the 1x1 kernel's are under it, so its images
 /// go on the threads one each), with a bias (added inside the op): values and the three gradients
@@ -112,31 +156,11 @@ fn low_precision_forwards_stay_close() -> Result<()> {
 fn large_images_match_candle_forward_and_backward() -> Result<()> {
     let dev = Device::Cpu;
     for (k, s, p) in [(3, 1, 1), (3, 2, 1), (1, 1, 0)] {
-        let x = candle_core::Var::from_tensor(&random_tensor(&[3, 16, 24, 22], 11, &dev)?)?;
-        let w = candle_core::Var::from_tensor(&random_tensor(&[12, 16, k, k], 12, &dev)?)?;
+        let ([x, w, b], ours, g1) = against_candle(&[3, 16, 24, 22], 12, (k, s, p), true, 11)?;
         let probe = |y: &Tensor| -> Result<Tensor> {
-            let r = random_tensor(y.dims(), 13, &dev)?;
+            let r = random_tensor(y.dims(), 14, &dev)?;
             (y * r)?.sum_all()
         };
-        let b = candle_core::Var::from_tensor(&random_tensor(&[12], 14, &dev)?)?;
-        let ours = conv2d(&x, &w, Some(&b), s, p)?;
-        let want = x
-            .conv2d(&w, p, s, 1, 1)?
-            .broadcast_add(&b.reshape((1, 12, 1, 1))?)?;
-        assert!(max_diff(&ours, &want)? < 1e-11, "k {k} s {s} p {p}");
-        let (g1, g2) = (probe(&ours)?.backward()?, probe(&want)?.backward()?);
-        let params = [
-            ("input", x.as_tensor()),
-            ("weight", w.as_tensor()),
-            ("bias", b.as_tensor()),
-        ];
-        for (name, t) in params {
-            let (a, b) = (g1.get(t), g2.get(t));
-            let (Some(a), Some(b)) = (a, b) else {
-                panic!("no {name} gradient")
-            };
-            assert!(rel_diff(a, b)? < 1e-12, "k {k} s {s} p {p} {name}");
-        }
         // f32: the same products in f32, the folding summed in f64.
         let (x32, w32) = (
             candle_core::Var::from_tensor(&x.to_dtype(DType::F32)?)?,
@@ -216,34 +240,9 @@ fn small_images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
 /// without a bias: values and the three gradients against candle's conv2d in f64.
 #[test]
 fn grouped_images_match_candle_forward_and_backward() -> Result<()> {
-    let dev = Device::Cpu;
     for (k, s, p) in [(3, 1, 1), (3, 2, 1), (1, 1, 0)] {
         for bias in [false, true] {
-            let x = candle_core::Var::from_tensor(&random_tensor(&[11, 6, 9, 7], 31, &dev)?)?;
-            let w = candle_core::Var::from_tensor(&random_tensor(&[8, 6, k, k], 32, &dev)?)?;
-            let b = candle_core::Var::from_tensor(&random_tensor(&[8], 33, &dev)?)?;
-            let probe = |y: &Tensor| -> Result<Tensor> {
-                let r = random_tensor(y.dims(), 34, &dev)?;
-                (y * r)?.sum_all()
-            };
-            let ours = conv2d(&x, &w, bias.then_some(b.as_tensor()), s, p)?;
-            let mut want = x.conv2d(&w, p, s, 1, 1)?;
-            if bias {
-                want = want.broadcast_add(&b.reshape((1, 8, 1, 1))?)?;
-            }
-            let what = format!("k {k} s {s} p {p} bias {bias}");
-            assert!(max_diff(&ours, &want)? < 1e-11, "{what}");
-            let (g1, g2) = (probe(&ours)?.backward()?, probe(&want)?.backward()?);
-            let mut params = vec![("input", x.as_tensor()), ("weight", w.as_tensor())];
-            if bias {
-                params.push(("bias", b.as_tensor()));
-            }
-            for (name, t) in params {
-                let (Some(a), Some(b)) = (g1.get(t), g2.get(t)) else {
-                    panic!("no {name} gradient ({what})")
-                };
-                assert!(rel_diff(a, b)? < 1e-12, "{what} {name}");
-            }
+            against_candle(&[11, 6, 9, 7], 8, (k, s, p), bias, 31)?;
         }
     }
     Ok(())

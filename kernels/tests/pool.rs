@@ -83,12 +83,24 @@ fn gradients_match_finite_differences() -> Result<()> {
 #[test]
 fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
     let dev = Device::Cpu;
-    // One [1, 1, 2, 4] plane, two 2x2 windows: outputs and input gradients of (y * [10, 20]).
+    // One [1, 1, 2, 4] plane, two 2x2 windows: outputs and input gradients of (y * [10, 20]),
+    // through the 2x2/2 path and through the general loop (stride (1, 2) gives the same
+    // windows), which must agree.
     let run = |row0: [f64; 4], row1: [f64; 4]| -> Result<(Vec<f64>, Vec<f64>)> {
         let x = Tensor::new(&[[[row0, row1]]], &dev)?;
         let w = Tensor::new(&[[[[10f64, 20.]]]], &dev)?;
-        let (y, g) = pass(&x, &w, DType::F64, true, (2, 2), (2, 2))?;
-        Ok((y.flatten_all()?.to_vec1()?, g.flatten_all()?.to_vec1()?))
+        let mut got = Vec::new();
+        for stride in [(2, 2), (1, 2)] {
+            let (y, g) = pass(&x, &w, DType::F64, true, (2, 2), stride)?;
+            let (y, g): (Vec<f64>, Vec<f64>) =
+                (y.flatten_all()?.to_vec1()?, g.flatten_all()?.to_vec1()?);
+            got.push((y, g));
+        }
+        let (fast, general) = (&got[0], &got[1]);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.0), bits(&general.0), "outputs of the two paths");
+        assert_eq!(fast.1, general.1, "gradients of the two paths");
+        Ok(got.swap_remove(0))
     };
     // Ties: the first maximum takes the whole gradient, unscaled.
     let (_, g) = run([1., 3., 3., 0.], [2., 0., 1., 1.])?;

@@ -197,6 +197,24 @@ pub(super) fn forward_storage(
     })
 }
 
+/// A group's output gradient `dy` ([n, O, L]) as one [O, n*L] matrix, image `i`'s rows at
+/// columns `i*L..`: `dy` itself for a lone image, laid out in `buf` otherwise.
+fn side_by_side<'a, T: Copy>(dy: &'a [T], o: usize, l: usize, buf: &'a mut Vec<T>) -> &'a [T] {
+    let n = dy.len() / (o * l).max(1);
+    if n <= 1 {
+        return dy;
+    }
+    let gl = n * l;
+    buf.clear();
+    buf.resize(o * gl, dy[0]);
+    for (i, dyi) in dy.chunks(o * l).enumerate() {
+        for (oi, row) in dyi.chunks(l).enumerate() {
+            buf[oi * gl + i * l..][..l].copy_from_slice(row);
+        }
+    }
+    buf
+}
+
 /// What the image-by-image backward gives: the input (when asked for), weight and (with a bias)
 /// bias gradients.
 struct ConvGrads<T> {
@@ -227,32 +245,13 @@ fn backward_by_image<T: GemmFloat>(
     let mut dw = vec![T::zero(); o * ck];
     let mut db = vec![0f64; if with_bias { o } else { 0 }];
     let parallel = g.images_in_parallel() && with_dx;
-    // Group `gi`'s output gradient as one [O, n*L] matrix: `dy` itself for a lone image, the
-    // images' rows side by side in `buf` otherwise.
-    let group_dy = |gi: usize, n: usize, buf: &'_ mut Vec<T>| -> Option<()> {
-        if n == 1 {
-            return None;
-        }
-        let gl = n * l;
-        buf.resize(o * gl, T::zero());
-        for i in 0..n {
-            let dyi = &dy[(gi * group + i) * o * l..][..o * l];
-            for (oi, row) in dyi.chunks(l.max(1)).enumerate() {
-                buf[oi * gl + i * l..][..l].copy_from_slice(row);
-            }
-        }
-        Some(())
-    };
     let images_in = |gi: usize| group.min(g.b - gi * group);
     // dcols [CK, n L] = W^T [CK, O] x dY_group [O, n L], folded onto each image's input.
     let input_grad = |gi: usize, dxg: &mut [T], bufs: &mut (Vec<T>, Vec<T>), threads: bool| {
         let (dcols, dyg) = bufs;
         let n = images_in(gi);
         let gl = n * l;
-        let rhs = match group_dy(gi, n, dyg) {
-            Some(()) => &dyg[..o * gl],
-            None => &dy[gi * group * o * l..][..o * l],
-        };
+        let rhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
         let (lhs, rhs) = (
             Mat {
                 data: w,
@@ -294,10 +293,7 @@ fn backward_by_image<T: GemmFloat>(
             }
             g.image_columns(x, gi * group + i, &mut cols, (gl, i * l));
         }
-        let lhs = match group_dy(gi, n, &mut dyg) {
-            Some(()) => &dyg[..o * gl],
-            None => &dy[gi * group * o * l..][..o * l],
-        };
+        let lhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, &mut dyg);
         // dW += dY_group [O, n L] x cols_group^T [n L, CK], groups in order.
         let (lhs, rhs) = (
             Mat {
