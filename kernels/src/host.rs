@@ -48,6 +48,47 @@ pub fn with_slice<T: candle_core::WithDType, R>(
     }
 }
 
+/// Runs `f` on the elements of a contiguous f32 CPU tensor, writable in place: every tensor
+/// that shares its storage sees the change (as after `Var::set`). `Ok(None)` for any other
+/// tensor. Why: an update that writes its result into the tensors it read (AdamW's weight and
+/// moments) needs no fresh buffers, whose first touch costs a page fault per 4 KiB.
+pub fn with_f32_mut<R>(
+    t: &Tensor,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> candle_core::Result<Option<R>> {
+    if t.dtype() != DType::F32 || !t.device().is_cpu() || !t.is_contiguous() {
+        return Ok(None);
+    }
+    let op = InPlace {
+        f: std::cell::Cell::new(Some(f)),
+        out: std::cell::Cell::new(None),
+    };
+    t.inplace_op1(&op)?;
+    Ok(op.out.into_inner())
+}
+
+/// The op behind [`with_f32_mut`]: candle hands it the storage under its write lock.
+struct InPlace<F, R> {
+    f: std::cell::Cell<Option<F>>,
+    out: std::cell::Cell<Option<R>>,
+}
+
+impl<F: FnOnce(&mut [f32]) -> R, R> candle_core::InplaceOp1 for InPlace<F, R> {
+    fn name(&self) -> &'static str {
+        "host-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (Some((a, b)), CpuStorage::F32(v), Some(f)) =
+            (l.contiguous_offsets(), s, self.f.take())
+        else {
+            candle_core::bail!("host-in-place: not a contiguous f32 tensor")
+        };
+        self.out.set(Some(f(&mut v[a..b])));
+        Ok(())
+    }
+}
+
 /// `acc += g` in place, `acc` a contiguous f32 CPU tensor, `g` a contiguous f32/bf16/f16 CPU
 /// tensor of the same shape (widened exactly). `Ok(false)` when the tensors are not of that
 /// kind: the caller then adds with candle's ops. `acc` must own its storage (the accumulator's

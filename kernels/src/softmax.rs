@@ -12,7 +12,15 @@ struct Softmax {
     log: bool,
 }
 
-fn softmax_row(x: &[f64], y: &mut [f64]) {
+/// Softmax of one row, probabilities below `tiny` written as 0.
+///
+/// Why `tiny`: a probability under f32's smallest normal value (1.2e-38; a sharp attention
+/// row has many) would be stored as a subnormal number in f32 or bf16, and x86 multiplies
+/// subnormal operands many times slower: the products that read the probabilities (`p @ v`,
+/// and in backward `dS @ k`) slow down with them (measured on the fused cross-entropy, whose
+/// probabilities had the same problem: docs/benchmarks.md). What 0 drops is under
+/// `1.2e-38 x |v|` per term. f64 outputs keep every value (`tiny` 0).
+fn softmax_row(x: &[f64], y: &mut [f64], tiny: f64) {
     let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let mut s = 0.0;
     for (yi, xi) in y.iter_mut().zip(x) {
@@ -21,6 +29,9 @@ fn softmax_row(x: &[f64], y: &mut [f64]) {
     }
     for yi in y.iter_mut() {
         *yi /= s;
+        if *yi < tiny {
+            *yi = 0.0;
+        }
     }
 }
 
@@ -42,11 +53,14 @@ impl CustomOp1 for Softmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let f: &(dyn Fn(&[f64], &mut [f64]) + Sync) = if self.log {
-            &log_softmax_row
+        let tiny = if matches!(s, CpuStorage::F64(_)) {
+            0.0
         } else {
-            &softmax_row
+            f32::MIN_POSITIVE as f64
         };
+        let soft = move |x: &[f64], y: &mut [f64]| softmax_row(x, y, tiny);
+        let f: &(dyn Fn(&[f64], &mut [f64]) + Sync) =
+            if self.log { &log_softmax_row } else { &soft };
         Ok((cpu::rows(s, l, f)?, l.shape().clone()))
     }
 

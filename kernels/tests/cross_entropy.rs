@@ -149,3 +149,50 @@ fn bf16_inputs_match_the_plain_head_within_bf16_rounding() -> Result<()> {
     }
     Ok(())
 }
+
+/// A probability below f32's smallest normal value (a far-off token of a trained head) becomes
+/// 0 in the f32 gradient, where it would be a subnormal number that x86 multiplies many times
+/// slower; the others keep their value, and f64 keeps them all.
+#[test]
+fn tiny_probabilities_are_zero_and_the_rest_unchanged() -> Result<()> {
+    // One row, h = [1]: the logits are W's column, exp(-100) and exp(-90) subnormal in f32,
+    // exp(-10) normal.
+    let col = [0.0, -100.0, -90.0, -10.0];
+    let p = {
+        let e: Vec<f64> = col.iter().map(|x: &f64| x.exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.iter().map(|x| x / s).collect::<Vec<f64>>()
+    };
+    let labels = Tensor::new(&[0i64], &Device::Cpu)?;
+    for dt in [DType::F32, DType::F64] {
+        let h = Var::from_tensor(&Tensor::new(&[[1.0f64]], &Device::Cpu)?.to_dtype(dt)?)?;
+        let w = Var::from_tensor(
+            &Tensor::new(&col, &Device::Cpu)?
+                .reshape((4, 1))?
+                .to_dtype(dt)?,
+        )?;
+        let loss = linear_cross_entropy(h.as_tensor(), w.as_tensor(), &labels)?;
+        let gw: Vec<f64> = loss
+            .backward()?
+            .get(&w)
+            .expect("grad")
+            .flatten_all()?
+            .to_dtype(DType::F64)?
+            .to_vec1()?;
+        let want = [p[0] - 1.0, p[1], p[2], p[3]];
+        for (j, (&g, &x)) in gw.iter().zip(&want).enumerate() {
+            if dt == DType::F32 && (x as f32).abs() < f32::MIN_POSITIVE {
+                assert_eq!(g, 0.0, "f32 element {j}: {g:e} should be 0");
+            } else {
+                // The label's element is p - 1: its rounding is relative to 1, not to it.
+                let scale = if j == 0 { 1.0 } else { x.abs() };
+                let tol = if dt == DType::F32 { 1e-6 } else { 1e-14 };
+                assert!(
+                    (g - x).abs() <= tol * scale,
+                    "{dt:?} element {j}: {g:e} vs {x:e}"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -13,6 +13,8 @@
 //! (f64 for f64 inputs, which is how the finite-difference test runs); the products run in the
 //! inputs' dtype, and `W`'s gradient is summed over chunks in f32.
 
+mod rows;
+
 use std::sync::Mutex;
 
 #[cfg(feature = "cuda")]
@@ -107,6 +109,47 @@ fn out_dtype(input: DType) -> DType {
     }
 }
 
+/// One chunk's summed loss and, when `grads`, `softmax - onehot` in the logits' dtype: the row
+/// pass of [`rows`] for CPU tensors, candle's ops elsewhere (a GPU keeps subnormals at full
+/// speed).
+fn chunk_loss(logits: Tensor, lbl: &[u32], grads: bool) -> Result<(f64, Option<Tensor>)> {
+    fn on_host<T: rows::RowFloat>(
+        logits: &Tensor,
+        lbl: &[u32],
+        grads: bool,
+    ) -> Option<Result<(f64, Option<Tensor>)>> {
+        let (n, vocab) = logits.dims2().ok()?;
+        let (loss, dl) = crate::host::with_slice::<T, _>(logits, |s| {
+            rows::loss_and_dlogits(s, vocab, lbl, grads)
+        })?;
+        let dl = dl.map(|d| Tensor::from_vec(d, (n, vocab), logits.device()));
+        Some(dl.transpose().map(|dl| (loss, dl)))
+    }
+    if let Some(r) =
+        on_host::<f32>(&logits, lbl, grads).or_else(|| on_host::<f64>(&logits, lbl, grads))
+    {
+        return r;
+    }
+    let (n, dev, acc) = (logits.dim(0)?, logits.device().clone(), logits.dtype());
+    let lbl = Tensor::new(lbl, &dev)?.unsqueeze(1)?;
+    let m = logits.max_keepdim(1)?;
+    let z = logits.broadcast_sub(&m)?;
+    drop(logits);
+    let lse = z.exp()?.sum_keepdim(1)?.log()?;
+    let picked = z.gather(&lbl, 1)?;
+    let loss = (&lse - &picked)?
+        .sum_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    if !grads {
+        return Ok((loss, None));
+    }
+    let p = z.broadcast_sub(&lse)?.exp()?;
+    drop(z);
+    let minus_one = Tensor::full(-1f64, (n, 1), &dev)?.to_dtype(acc)?;
+    Ok((loss, Some(p.scatter_add(&lbl, &minus_one, 1)?)))
+}
+
 /// `sum -log softmax(h W^T)[label]` over rows with a label >= 0, as an f32 scalar (f64 for f64
 /// inputs). `h` is [..., D], `w` [V, D], `labels` any integer tensor with `h`'s leading shape.
 pub fn linear_cross_entropy(h: &Tensor, w: &Tensor, labels: &Tensor) -> Result<Tensor> {
@@ -157,24 +200,12 @@ pub fn linear_cross_entropy_chunked(
     for chunk in valid.chunks(rows_per_chunk.max(1)) {
         let idx = Tensor::new(chunk, dev)?;
         let lbl: Vec<u32> = chunk.iter().map(|&i| labels[i as usize] as u32).collect();
-        let lbl = Tensor::new(lbl.as_slice(), dev)?.unsqueeze(1)?;
         let hc = hd.index_select(&idx, 0)?;
         let logits = hc.matmul(&wd.t()?)?.to_dtype(acc)?;
-        let m = logits.max_keepdim(1)?;
-        let z = logits.broadcast_sub(&m)?;
-        drop(logits);
-        let lse = z.exp()?.sum_keepdim(1)?.log()?;
-        let picked = z.gather(&lbl, 1)?;
-        loss += (&lse - &picked)?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
-        if want_grads {
-            let p = z.broadcast_sub(&lse)?.exp()?;
-            drop(z);
-            let minus_one = Tensor::full(-1f64, (chunk.len(), 1), dev)?.to_dtype(acc)?;
-            let dl = p.scatter_add(&lbl, &minus_one, 1)?.to_dtype(h.dtype())?;
-            drop(p);
+        let (part, dl) = chunk_loss(logits, &lbl, want_grads)?;
+        loss += part;
+        if let Some(dl) = dl {
+            let dl = dl.to_dtype(h.dtype())?;
             gh_rows.push(dl.matmul(&wd)?);
             let part = dl.t()?.matmul(&hc)?.to_dtype(acc)?;
             gw = Some(match gw {

@@ -1,0 +1,107 @@
+//! One chunk's logits to its summed loss and `softmax - onehot`, a row at a time on rayon's
+//! threads (CPU tensors of f32 or f64).
+//!
+//! Why a pass of its own rather than candle's ops: the chain (max, subtract, exp, sum, log,
+//! gather, subtract, exp, scatter-add) made a [rows, vocab] tensor at most of its steps; and it
+//! kept probabilities below the smallest normal float as subnormal numbers. A head that tells its
+//! tokens apart has many of those (exp(-90) is one in f32), and x86 multiplies subnormal
+//! operands many times slower than normal ones: on the t5-small-sized bench the two products of
+//! `softmax - onehot` took about 4 s of a 6.4 s step (docs/benchmarks.md). Here a probability
+//! below the dtype's smallest normal is written as 0. What that drops from a gradient element is
+//! under `1.2e-38 x |W|` per row in f32, below the rounding of any element that is not itself
+//! subnormal; the test `tiny_probabilities_are_zero_and_the_rest_unchanged` pins both sides.
+
+use rayon::prelude::*;
+
+/// The float types the pass runs in (the chunk's logits are f32, or f64 for f64 inputs).
+pub(super) trait RowFloat: candle_core::WithDType + Send + Sync {
+    /// The smallest positive normal value: probabilities below it are written as 0.
+    const TINY: f64;
+    fn exp_minus(self, m: Self) -> Self;
+    fn max_of(self, other: Self) -> Self;
+}
+
+impl RowFloat for f32 {
+    const TINY: f64 = f32::MIN_POSITIVE as f64;
+    fn exp_minus(self, m: f32) -> f32 {
+        (self - m).exp()
+    }
+    fn max_of(self, other: f32) -> f32 {
+        // NaN wins, so a NaN logit makes a NaN loss rather than vanishing from the maximum.
+        if self.is_nan() || self > other {
+            self
+        } else {
+            other
+        }
+    }
+}
+
+impl RowFloat for f64 {
+    const TINY: f64 = f64::MIN_POSITIVE;
+    fn exp_minus(self, m: f64) -> f64 {
+        (self - m).exp()
+    }
+    fn max_of(self, other: f64) -> f64 {
+        if self.is_nan() || self > other {
+            self
+        } else {
+            other
+        }
+    }
+}
+
+/// For `logits` [rows, vocab] (row-major) and one label per row: the summed
+/// `log sum exp(row) - row[label]` in f64, and, when `grads`, `softmax(row) - onehot(label)`
+/// (exponentials in `T`, each row's sum and the division in f64, rounded once into `T`).
+pub(super) fn loss_and_dlogits<T: RowFloat>(
+    logits: &[T],
+    vocab: usize,
+    labels: &[u32],
+    grads: bool,
+) -> (f64, Option<Vec<T>>) {
+    let vocab = vocab.max(1);
+    let row_max = |row: &[T]| {
+        row.iter()
+            .fold(T::from_f64(f64::NEG_INFINITY), |m, &x| x.max_of(m))
+    };
+    // Per-row losses are summed in row order after the parallel part: the same bits on any
+    // number of threads.
+    let (losses, out) = if grads {
+        let mut out = vec![T::zero(); logits.len()];
+        let losses: Vec<f64> = out
+            .par_chunks_mut(vocab)
+            .zip(logits.par_chunks(vocab))
+            .zip(labels.par_iter())
+            .map(|((o, row), &label)| {
+                let m = row_max(row);
+                let mut sum = 0f64;
+                for (oi, &x) in o.iter_mut().zip(row) {
+                    let e = x.exp_minus(m);
+                    *oi = e;
+                    sum += e.to_f64();
+                }
+                let inv = 1.0 / sum;
+                for oi in o.iter_mut() {
+                    let p = oi.to_f64() * inv;
+                    *oi = T::from_f64(if p < T::TINY { 0.0 } else { p });
+                }
+                let l = label as usize;
+                o[l] = T::from_f64(o[l].to_f64() - 1.0);
+                sum.ln() - (row[l].to_f64() - m.to_f64())
+            })
+            .collect();
+        (losses, Some(out))
+    } else {
+        let losses: Vec<f64> = logits
+            .par_chunks(vocab)
+            .zip(labels.par_iter())
+            .map(|(row, &label)| {
+                let m = row_max(row);
+                let sum: f64 = row.iter().map(|&x| x.exp_minus(m).to_f64()).sum();
+                sum.ln() - (row[label as usize].to_f64() - m.to_f64())
+            })
+            .collect();
+        (losses, None)
+    };
+    (losses.iter().sum(), out)
+}
