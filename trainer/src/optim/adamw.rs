@@ -14,8 +14,9 @@ pub const SPEC: OptimSpec = OptimSpec {
     names: &["adamw", "adamw_torch"],
     state_label: "AdamW moments (fp32)",
     state_bytes: |dims| 8 * dims.iter().product::<usize>() as u64,
-    // The one-pass host update makes the new weights and both new moments before it sets them.
-    step_bytes: |dims| 12 * dims.iter().product::<usize>() as u64,
+    // The one-pass host update writes the weight and both moments in place (its first step
+    // makes the moments, which the state row counts already).
+    step_bytes: |_| 0,
     in_place_on_gpu: true,
     build: |n, s| {
         Box::new(AdamW::new(
@@ -148,12 +149,20 @@ impl Optimizer for AdamW {
                 ..host
             };
             if self.host_fused {
-                let (m, v) = (self.m[i].as_ref(), self.v[i].as_ref());
-                if let Some((np, nm, nv)) = super::host_adamw::update(p, &g, m, v, &host) {
-                    let shape = p.shape();
-                    p.set(&Tensor::from_vec(np, shape, p.device())?)?;
-                    self.m[i] = Some(Tensor::from_vec(nm, shape, p.device())?);
-                    self.v[i] = Some(Tensor::from_vec(nv, shape, p.device())?);
+                use super::host_adamw::{first_update, update_in_place};
+                let done = match (&self.m[i], &self.v[i]) {
+                    (Some(m), Some(v)) => update_in_place(p, &g, m, v, &host)?,
+                    (None, None) => match first_update(p, &g, &host)? {
+                        Some((nm, nv)) => {
+                            self.m[i] = Some(Tensor::from_vec(nm, p.shape(), p.device())?);
+                            self.v[i] = Some(Tensor::from_vec(nv, p.shape(), p.device())?);
+                            true
+                        }
+                        None => false,
+                    },
+                    _ => false,
+                };
+                if done {
                     continue;
                 }
             }

@@ -176,6 +176,7 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
     let (mut np, mut mq, mut vq) = (vec![0f32; n], vec![0u8; n], vec![0u8; n]);
     let (mut mmax, mut vmax) = (vec![0f32; blocks], vec![0f32; blocks]);
     let (smap, umap) = maps();
+    let c = s.consts();
     // Tasks of whole blocks: CHUNK elements, CHUNK / BLOCK maxima each.
     let (e, per_task) = (CHUNK, CHUNK / BLOCK);
     let work = |b0: usize,
@@ -198,7 +199,7 @@ fn step_q8(p: &[f32], g: &[f32], prev: Option<Q8In<'_>>, s: &HostStep) -> Q8Out 
                     ),
                     None => (None, None),
                 };
-                let (w, m, v) = element(p[i], g[i], m, v, s);
+                let (w, m, v) = element(p[i], g[i], m, v, &c);
                 np[local + k] = w;
                 (mb[k], vb[k]) = (m, v);
             }
@@ -444,13 +445,14 @@ fn update(
         let (m, v) = (restored(&slot.m)?, restored(&slot.v)?);
         let mut w = vec![0f32; n];
         let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
+        let c = s.consts();
         for k in 0..n {
             (w[k], nm[k], nv[k]) = element(
                 pv[k],
                 gv[k],
                 m.as_ref().map(|m| m[k]),
                 v.as_ref().map(|v| v[k]),
-                s,
+                &c,
             );
         }
         slot.m = Some(Tensor::from_vec(nm, shape, &dev)?);
