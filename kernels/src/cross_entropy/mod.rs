@@ -208,7 +208,10 @@ pub fn linear_cross_entropy_chunked(
             let dl = dl.to_dtype(h.dtype())?;
             gh_rows.push(dl.matmul(&wd)?);
             let part = dl.t()?.matmul(&hc)?.to_dtype(acc)?;
+            // Summed in place where it can be (an f32 sum on the CPU): a new [vocab, d] sum per
+            // chunk is 64 MiB of fresh pages at FLAN-T5's head.
             gw = Some(match gw {
+                Some(sum) if crate::host::add_into(&sum, &part)? => sum,
                 Some(sum) => (sum + part)?,
                 None => part,
             });

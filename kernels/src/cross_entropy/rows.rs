@@ -23,8 +23,20 @@ pub(super) trait RowFloat: candle_core::WithDType + Send + Sync {
 
 impl RowFloat for f32 {
     const TINY: f64 = f32::MIN_POSITIVE as f64;
+    /// 0 where the result would be below f32's smallest normal: computing those subnormal
+    /// values is itself slow on x86 (and every later use of them), and each is dropped from
+    /// the probabilities anyway (a row's sum is at least 1, its maximum's term). Cephes' exp
+    /// ([`crate::fastmath::exp`]): no libm call, so the row's loop vectorises. NaN stays NaN.
     fn exp_minus(self, m: f32) -> f32 {
-        (self - m).exp()
+        /// ln(f32::MIN_POSITIVE).
+        const LN_TINY: f32 = -87.336_54;
+        let d = self - m;
+        let e = crate::fastmath::exp(if d < LN_TINY { LN_TINY } else { d });
+        if d < LN_TINY {
+            0.0
+        } else {
+            e
+        }
     }
     fn max_of(self, other: f32) -> f32 {
         // NaN wins, so a NaN logit makes a NaN loss rather than vanishing from the maximum.
@@ -52,7 +64,8 @@ impl RowFloat for f64 {
 
 /// For `logits` [rows, vocab] (row-major) and one label per row: the summed
 /// `log sum exp(row) - row[label]` in f64, and, when `grads`, `softmax(row) - onehot(label)`
-/// (exponentials in `T`, each row's sum and the division in f64, rounded once into `T`).
+/// (exponentials in `T`, f32's by [`crate::fastmath::exp`], each row's sum and the division in
+/// f64, rounded once into `T`).
 pub(super) fn loss_and_dlogits<T: RowFloat>(
     logits: &[T],
     vocab: usize,
@@ -74,12 +87,11 @@ pub(super) fn loss_and_dlogits<T: RowFloat>(
             .zip(labels.par_iter())
             .map(|((o, row), &label)| {
                 let m = row_max(row);
-                let mut sum = 0f64;
+                // Two loops, so that the exponentials' loop has no f64 sum in it to serialise.
                 for (oi, &x) in o.iter_mut().zip(row) {
-                    let e = x.exp_minus(m);
-                    *oi = e;
-                    sum += e.to_f64();
+                    *oi = x.exp_minus(m);
                 }
+                let sum: f64 = o.iter().map(|e| e.to_f64()).sum();
                 let inv = 1.0 / sum;
                 for oi in o.iter_mut() {
                     let p = oi.to_f64() * inv;
@@ -95,9 +107,11 @@ pub(super) fn loss_and_dlogits<T: RowFloat>(
         let losses: Vec<f64> = logits
             .par_chunks(vocab)
             .zip(labels.par_iter())
-            .map(|(row, &label)| {
+            .map_init(Vec::new, |e, (row, &label)| {
                 let m = row_max(row);
-                let sum: f64 = row.iter().map(|&x| x.exp_minus(m).to_f64()).sum();
+                e.clear();
+                e.extend(row.iter().map(|&x| x.exp_minus(m)));
+                let sum: f64 = e.iter().map(|e| e.to_f64()).sum();
                 sum.ln() - (row[label as usize].to_f64() - m.to_f64())
             })
             .collect();
