@@ -29,9 +29,14 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--checkpointing", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
+    # 1: torch.set_flush_denormal(True), subnormal floats read and written as zero (x86's FTZ and
+    # DAZ). The head's tiny probabilities are subnormal, and slow to multiply without it.
+    p.add_argument("--flush-denormal", type=int, default=0)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.flush_denormal and not torch.set_flush_denormal(True):
+        sys.exit("this CPU cannot flush denormals")
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=a.vocab, d_model=a.d_model, d_kv=a.d_model // a.heads, d_ff=a.d_ff,
                    num_layers=a.layers, num_heads=a.heads, feed_forward_proj="gated-gelu",

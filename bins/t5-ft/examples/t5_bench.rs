@@ -79,7 +79,9 @@ fn ours(strategy: Strategy) -> anyhow::Result<Row> {
         let mib = |b: usize| b >> 20;
         ck.begin_forward();
         let b0 = alloc::live_bytes();
+        let t0 = Instant::now();
         let loss = (model.summed_loss(&batch, &DropoutCtx::eval(), &ck)? / (BATCH * TGT) as f64)?;
+        let t_forward = t0.elapsed().as_secs_f64();
         let end_forward = alloc::live_bytes().saturating_sub(b0);
         alloc::reset_peak();
         // At each segment's end: (peak since the previous one, live now), in MiB.
@@ -93,17 +95,22 @@ fn ours(strategy: Strategy) -> anyhow::Result<Row> {
             alloc::reset_peak();
             Ok(g) // takes nothing: a probe
         });
+        let t1 = Instant::now();
         let (grads, _) = ck.gradients_with(&loss, &params, Some(hook))?;
+        let t_backward = t1.elapsed().as_secs_f64();
         let tail = alloc::peak_bytes().saturating_sub(b0);
         drop(loss);
         alloc::reset_peak();
+        let t2 = Instant::now();
         opt.step(grads, 1e-4)?;
+        let t_step = t2.elapsed().as_secs_f64();
         let step_peak = alloc::peak_bytes().saturating_sub(b0);
         let probes = probes.lock().map(|p| p.clone()).unwrap_or_default();
         eprintln!(
             "--checkpointing {strategy}, heap above the step's start (MiB): end of forward {}; \
              at each segment's end in backward (peak since the last, live): {probes:?}; \
-             backward peak after the last segment {}; optimizer step peak {}",
+             backward peak after the last segment {}; optimizer step peak {}; time: forward \
+             {t_forward:.3} s, backward {t_backward:.3} s, optimizer step {t_step:.3} s",
             mib(end_forward),
             mib(tail),
             mib(step_peak)
@@ -120,7 +127,8 @@ fn ours(strategy: Strategy) -> anyhow::Result<Row> {
     })
 }
 
-fn torch(checkpointing: bool) -> Option<Row> {
+/// PyTorch's row; `flush` runs it with `torch.set_flush_denormal(True)` (subnormals as zero).
+fn torch(checkpointing: bool, flush: bool) -> Option<Row> {
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../scripts/t5_bench_torch.py"
@@ -132,6 +140,8 @@ fn torch(checkpointing: bool) -> Option<Row> {
             STEPS.to_string(),
             "--checkpointing".into(),
             if checkpointing { "1" } else { "0" }.into(),
+            "--flush-denormal".into(),
+            if flush { "1" } else { "0" }.into(),
         ],
     )?;
     Some(Row {
@@ -139,7 +149,11 @@ fn torch(checkpointing: bool) -> Option<Row> {
             "PyTorch {} + transformers{}",
             v["torch"].as_str().unwrap_or("?"),
             if checkpointing { ", checkpointing" } else { "" }
-        ),
+        ) + if flush {
+            ", set_flush_denormal(True)"
+        } else {
+            ""
+        },
         step_s: v["step_time_s"].as_f64()?,
         alloc_peak: None,
         rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
@@ -202,7 +216,11 @@ fn bench() -> anyhow::Result<()> {
     let mut measured = Vec::new();
     // Ratios to PyTorch's plain step, and for `full` to its torch.utils.checkpoint step; each
     // PyTorch row printed after the first strategy compared with it.
-    let (t_plain, t_ckpt) = (torch(false), torch(true));
+    let (t_plain, t_ckpt) = (torch(false, false), torch(true, false));
+    // PyTorch once more with subnormals flushed: the head's tiny probabilities are subnormal
+    // floats at this initialisation, which x86 multiplies slowly unless told to flush them;
+    // this side flushes only those (in its cross-entropy and softmax), PyTorch can flush all.
+    let t_flush = torch(false, true);
     let strategies = [
         Strategy::None,
         Strategy::Blocks,
@@ -243,6 +261,15 @@ fn bench() -> anyhow::Result<()> {
         if first {
             measured.push(r);
         }
+    }
+    if let Some(t) = &t_flush {
+        println!(
+            "| {} | {:.3} s | ({:.2}x for ours, --checkpointing none) | {} | - | - | - | - |",
+            t.name,
+            t.step_s,
+            measured.first().map_or(f64::NAN, |r| r.step_s / t.step_s),
+            fmt(t.rss_peak)
+        );
     }
 
     // FLAN-T5-XL from its real config: exact model states, activations scaled from t5-small.
