@@ -48,10 +48,20 @@ pub fn with_slice<T: candle_core::WithDType, R>(
     }
 }
 
+/// Where `t`'s storage lives: equal for tensors that share it (views, clones, `to_dtype` to the
+/// same dtype), whatever their offsets.
+pub fn storage_key(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    &*storage as *const Storage as usize
+}
+
 /// Runs `f` on the elements of a contiguous f32 CPU tensor, writable in place: every tensor
 /// that shares its storage sees the change (as after `Var::set`). `Ok(None)` for any other
 /// tensor. Why: an update that writes its result into the tensors it read (AdamW's weight and
 /// moments) needs no fresh buffers, whose first touch costs a page fault per 4 KiB.
+///
+/// The storage stays write-locked while `f` runs: inside `f`, reading or writing another
+/// tensor that shares it ([`storage_key`]) would wait forever. Callers check first.
 pub fn with_f32_mut<R>(
     t: &Tensor,
     f: impl FnOnce(&mut [f32]) -> R,

@@ -196,3 +196,24 @@ fn tiny_probabilities_are_zero_and_the_rest_unchanged() -> Result<()> {
     }
     Ok(())
 }
+
+/// A NaN logit makes a NaN loss (it is not lost in the row's maximum or its exponentials).
+#[test]
+fn a_nan_logit_makes_a_nan_loss() -> Result<()> {
+    for dt in [DType::F32, DType::F64] {
+        let h = Var::from_tensor(&Tensor::new(&[[1.0f64]], &Device::Cpu)?.to_dtype(dt)?)?;
+        let col = [0.0, f64::NAN, -1.0];
+        let w = Var::from_tensor(
+            &Tensor::new(&col, &Device::Cpu)?
+                .reshape((3, 1))?
+                .to_dtype(dt)?,
+        )?;
+        for label in [0i64, 2] {
+            let labels = Tensor::new(&[label], &Device::Cpu)?;
+            let loss = linear_cross_entropy(h.as_tensor(), w.as_tensor(), &labels)?;
+            let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            assert!(v.is_nan(), "{dt:?} label {label}: loss {v}");
+        }
+    }
+    Ok(())
+}

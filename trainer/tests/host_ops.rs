@@ -73,10 +73,17 @@ fn scaled_narrowed_and_sum_squares_match_candle() -> candle_core::Result<()> {
 
 /// The one-pass threaded host update gives the op-by-op reference's bits: weights and both
 /// moments, over steps (first step without moments), with and without weight decay, for a
-/// tensor split over threads and one too small to split.
+/// tensor split over threads and one too small to split, with f32 gradients and with bf16 and
+/// f16 ones (which the pass widens per element, the reference with a cast first).
 #[test]
 fn host_adamw_matches_the_op_by_op_update_bit_for_bit() -> anyhow::Result<()> {
-    for (n, wd) in [(300_001, 0.01), (1000, 0.0), (70_000, 0.3)] {
+    for (n, wd, gdt) in [
+        (300_001, 0.01, DType::F32),
+        (1000, 0.0, DType::F32),
+        (70_000, 0.3, DType::F32),
+        (70_000, 0.01, DType::BF16),
+        (1000, 0.01, DType::F16),
+    ] {
         let cfg = AdamWConfig {
             weight_decay: wd,
             ..Default::default()
@@ -87,10 +94,14 @@ fn host_adamw_matches_the_op_by_op_update_bit_for_bit() -> anyhow::Result<()> {
         let mut fused = AdamW::new(1, cfg);
         let mut reference = AdamW::new(1, cfg).op_by_op();
         for step in 0..4u64 {
-            let g = (values(n, 10 + step) * 1e-2)?;
+            let g = (values(n, 10 + step) * 1e-2)?.to_dtype(gdt)?;
             fused.step(std::slice::from_ref(&fused_p), &[Some(g.clone())], 1e-3)?;
             reference.step(std::slice::from_ref(&ref_p), &[Some(g)], 1e-3)?;
-            assert_eq!(bits(&fused_p)?, bits(&ref_p)?, "n {n} step {step}: weights");
+            assert_eq!(
+                bits(&fused_p)?,
+                bits(&ref_p)?,
+                "n {n} {gdt:?} step {step}: weights"
+            );
         }
         let (_, a) = fused.state();
         let (_, b) = reference.state();
@@ -98,6 +109,30 @@ fn host_adamw_matches_the_op_by_op_update_bit_for_bit() -> anyhow::Result<()> {
         for ((name, x), (_, y)) in a.iter().zip(&b) {
             assert_eq!(bits(x)?, bits(y)?, "n {n}: {name}");
         }
+    }
+    Ok(())
+}
+
+/// A gradient that shares the weight's storage (a caller passing the weight's own values, say)
+/// cannot be read while the weight is written in place under candle's lock: the update takes
+/// the op-by-op path instead, with its bits, rather than waiting forever.
+#[test]
+fn host_adamw_with_a_gradient_sharing_the_weights_storage_takes_the_op_by_op_path(
+) -> anyhow::Result<()> {
+    let p0 = values(5000, 3);
+    let (fused_p, ref_p) = (Var::from_tensor(&p0)?, Var::from_tensor(&p0)?);
+    let mut fused = AdamW::new(1, AdamWConfig::default());
+    let mut reference = AdamW::new(1, AdamWConfig::default()).op_by_op();
+    for step in 0..3 {
+        let own = fused_p.as_tensor().detach();
+        assert_eq!(
+            ft_kernels::host::storage_key(&own),
+            ft_kernels::host::storage_key(fused_p.as_tensor())
+        );
+        let copy = ref_p.as_tensor().copy()?;
+        fused.step(std::slice::from_ref(&fused_p), &[Some(own)], 1e-3)?;
+        reference.step(std::slice::from_ref(&ref_p), &[Some(copy)], 1e-3)?;
+        assert_eq!(bits(&fused_p)?, bits(&ref_p)?, "step {step}");
     }
     Ok(())
 }

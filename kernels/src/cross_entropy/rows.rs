@@ -64,6 +64,7 @@ impl RowFloat for f64 {
 
 /// For `logits` [rows, vocab] (row-major) and one label per row: the summed
 /// `log sum exp(row) - row[label]` in f64, and, when `grads`, `softmax(row) - onehot(label)`
+/// (probabilities below `T`'s smallest normal as 0)
 /// (exponentials in `T`, f32's by [`crate::fastmath::exp`], each row's sum and the division in
 /// f64, rounded once into `T`).
 pub(super) fn loss_and_dlogits<T: RowFloat>(
@@ -93,12 +94,14 @@ pub(super) fn loss_and_dlogits<T: RowFloat>(
                 }
                 let sum: f64 = o.iter().map(|e| e.to_f64()).sum();
                 let inv = 1.0 / sum;
-                for oi in o.iter_mut() {
-                    let p = oi.to_f64() * inv;
-                    *oi = T::from_f64(if p < T::TINY { 0.0 } else { p });
-                }
+                let flushed = |p: f64| if p < T::TINY { 0.0 } else { p };
                 let l = label as usize;
-                o[l] = T::from_f64(o[l].to_f64() - 1.0);
+                let at_label = o[l].to_f64();
+                for oi in o.iter_mut() {
+                    *oi = T::from_f64(flushed(oi.to_f64() * inv));
+                }
+                // The label's `p - 1` in f64 too, rounded once.
+                o[l] = T::from_f64(flushed(at_label * inv) - 1.0);
                 sum.ln() - (row[l].to_f64() - m.to_f64())
             })
             .collect();

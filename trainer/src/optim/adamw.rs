@@ -14,8 +14,8 @@ pub const SPEC: OptimSpec = OptimSpec {
     names: &["adamw", "adamw_torch"],
     state_label: "AdamW moments (fp32)",
     state_bytes: |dims| 8 * dims.iter().product::<usize>() as u64,
-    // The one-pass host update writes the weight and both moments in place (its first step
-    // makes the moments, which the state row counts already).
+    // The one-pass host update writes the weight and both moments in place, reading a bf16/f16
+    // gradient as it is (its first step makes the moments, which the state row counts).
     step_bytes: |_| 0,
     in_place_on_gpu: true,
     build: |n, s| {
@@ -139,9 +139,6 @@ impl Optimizer for AdamW {
         };
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
-            // Detached throughout: optimizer state must not record (and keep alive) the graph
-            // of the gradients it was computed from.
-            let g = grad_for(p, g)?;
             self.place_moments(i, p.device())?;
             let wd = self.rules.wd(i, c.weight_decay);
             let host = super::host_adamw::HostStep {
@@ -150,6 +147,9 @@ impl Optimizer for AdamW {
             };
             if self.host_fused {
                 use super::host_adamw::{first_update, update_in_place};
+                // The gradient in its own dtype (the pass widens bf16/f16 per element: no f32
+                // copy), detached: optimizer state must not keep the graph it came from.
+                let g = g.to_device(p.device())?.detach();
                 let done = match (&self.m[i], &self.v[i]) {
                     (Some(m), Some(v)) => update_in_place(p, &g, m, v, &host)?,
                     (None, None) => match first_update(p, &g, &host)? {
@@ -166,6 +166,8 @@ impl Optimizer for AdamW {
                     continue;
                 }
             }
+            // Detached throughout, as above.
+            let g = grad_for(p, g)?;
             let g = if grad_mul != 1.0 { (g * grad_mul)? } else { g };
             let m = match &self.m[i] {
                 Some(m) => ((m * c.beta1)? + (&g * (1.0 - c.beta1))?)?,

@@ -13,9 +13,10 @@
 
 use candle_core::{Result, Tensor};
 
-use ft_kernels::host::{with_f32, with_f32_mut, CHUNK};
+use ft_kernels::host::{storage_key, with_f32_mut, with_slice, CHUNK};
 
-/// The per-step constants of the update, as the op-by-op path turns them into f32.
+/// The per-step constants of the update, in f64 as the optimizer computes them;
+/// [`HostStep::consts`] turns them into f32 as the op-by-op path does.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HostStep {
     pub beta1: f64,
@@ -30,25 +31,69 @@ pub(crate) struct HostStep {
     pub grad_mul: f64,
 }
 
-/// The first AdamW update of `p` with gradient `g` (no moments yet), all contiguous f32 CPU
-/// tensors of one length: `p` is written in place (as `Var::set` writes it) and the new moments
-/// are returned. `Ok(None)` when a tensor is not of that kind (the caller then takes the op-by-op
-/// path).
+/// A gradient element as the update reads it: f32, or bf16/f16 widened to f32 (exact, as the
+/// op-by-op path's cast), so a low-precision gradient needs no f32 copy.
+trait Widen: candle_core::WithDType + Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widen for half::f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `$body` with `$g` bound to the gradient's elements in their own dtype (f32, bf16 or f16,
+/// contiguous on the CPU); `None` for any other tensor.
+macro_rules! with_grad {
+    ($t:expr, |$g:ident| $body:expr) => {
+        match $t.dtype() {
+            candle_core::DType::F32 => with_slice::<f32, _>($t, |$g| $body),
+            candle_core::DType::BF16 => with_slice::<half::bf16, _>($t, |$g| $body),
+            candle_core::DType::F16 => with_slice::<half::f16, _>($t, |$g| $body),
+            _ => None,
+        }
+    };
+}
+
+/// Whether no two of `ts` share a storage: [`with_f32_mut`] write-locks one while the others
+/// are locked, which would wait forever on a shared one.
+fn distinct(ts: &[&Tensor]) -> bool {
+    let keys: Vec<usize> = ts.iter().map(|t| storage_key(t)).collect();
+    keys.iter().enumerate().all(|(i, k)| !keys[..i].contains(k))
+}
+
+/// The first AdamW update of `p` (contiguous f32 on the CPU) with gradient `g` (f32, bf16 or
+/// f16, contiguous on the CPU, `p`'s length), no moments yet: `p` is written in place (as
+/// `Var::set` writes it) and the new moments are returned. `Ok(None)` when a tensor is not of
+/// that kind (the caller then takes the op-by-op path).
 pub(crate) fn first_update(
     p: &Tensor,
     g: &Tensor,
     s: &HostStep,
 ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
-    if g.elem_count() != p.elem_count() {
+    if g.dims() != p.dims() || !distinct(&[p, g]) {
         return Ok(None);
     }
-    let done = with_f32(g, |g| {
+    let c = s.consts();
+    let done = with_grad!(g, |g| {
         with_f32_mut(p, |p| {
             let (mut m, mut v) = (vec![0f32; p.len()], vec![0f32; p.len()]);
-            let c = s.consts();
             par_zip(p, g, &mut m, &mut v, |p, g, m, v| {
-                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
-                    (*p, *m, *v) = element(*p, g, None, None, &c);
+                for (((p, g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+                    (*p, *m, *v) = element(*p, g.widen(), None, None, &c);
                 }
             });
             (m, v)
@@ -57,10 +102,10 @@ pub(crate) fn first_update(
     Ok(done.transpose()?.flatten())
 }
 
-/// A later AdamW update: `p`, `m` and `v` (contiguous f32 CPU tensors of `g`'s length) are
-/// read and written in place, `g` read. `Ok(false)` when a tensor is not of that kind. Nothing
-/// is allocated: fresh buffers for the three results (1 GiB a step at 90M parameters) cost
-/// more in page faults than the arithmetic.
+/// A later AdamW update: `p`, `m` and `v` (contiguous f32 CPU tensors of `g`'s shape, no two
+/// sharing a storage) are read and written in place, `g` (f32, bf16 or f16) read. `Ok(false)`
+/// when a tensor is not of that kind. Nothing is allocated: fresh buffers for the three
+/// results (1 GiB a step at 90M parameters) cost more in page faults than the arithmetic.
 pub(crate) fn update_in_place(
     p: &Tensor,
     g: &Tensor,
@@ -68,8 +113,7 @@ pub(crate) fn update_in_place(
     v: &Tensor,
     s: &HostStep,
 ) -> Result<bool> {
-    let n = p.elem_count();
-    if [g, m, v].iter().any(|t| t.elem_count() != n) {
+    if [g, m, v].iter().any(|t| t.dims() != p.dims()) || !distinct(&[p, g, m, v]) {
         return Ok(false);
     }
     // Each level: Ok(Some(..)) when its tensor was f32, contiguous and on the CPU.
@@ -77,13 +121,13 @@ pub(crate) fn update_in_place(
         Ok(r?.transpose()?.flatten())
     }
     let c = s.consts();
-    let done = with_f32(g, |g| {
+    let done = with_grad!(g, |g| {
         level(with_f32_mut(m, |m| {
             level(with_f32_mut(v, |v| {
                 with_f32_mut(p, |p| {
                     par_zip(p, g, m, v, |p, g, m, v| {
-                        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
-                            (*p, *m, *v) = element(*p, g, Some(*m), Some(*v), &c);
+                        for (((p, g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+                            (*p, *m, *v) = element(*p, g.widen(), Some(*m), Some(*v), &c);
                         }
                     })
                 })
@@ -94,12 +138,12 @@ pub(crate) fn update_in_place(
 }
 
 /// `f` over matching chunks of the four slices (of one length) on rayon's threads.
-fn par_zip(
+fn par_zip<G: Sync>(
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     m: &mut [f32],
     v: &mut [f32],
-    f: impl Fn(&mut [f32], &[f32], &mut [f32], &mut [f32]) + Sync,
+    f: impl Fn(&mut [f32], &[G], &mut [f32], &mut [f32]) + Sync,
 ) {
     use rayon::prelude::*;
     p.par_chunks_mut(CHUNK)

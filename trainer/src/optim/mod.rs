@@ -81,7 +81,8 @@ pub trait Optimizer: Send {
 
     /// State tensors with stable names, for checkpoints (`exp_avg.3`, ...) and the step count.
     /// They share storage with the live state (no copy of gigabytes of moments to save them),
-    /// which the fused CUDA step updates in place: write them out before the next step.
+    /// which the fused CUDA step and AdamW's host pass update in place: write them out before
+    /// the next step.
     fn state(&self) -> (u64, Vec<(String, Tensor)>);
     /// Restores what [`Optimizer::state`] returned.
     fn load_state(&mut self, step: u64, tensors: &[(String, Tensor)]) -> Result<()>;

@@ -80,8 +80,9 @@ pub(crate) fn load_slot(
                     "optimizer state `{name}` holds 8-bit moments: resume with --optim adamw8bit"
                 )));
             }
-            // A copy of its own: the fused CUDA step updates moments in place, which must not
-            // reach the caller's tensor (`to_dtype` to the same dtype shares its storage).
+            // A copy of its own: the fused CUDA step and AdamW's host pass update moments in
+            // place, which must not reach the caller's tensor (`to_dtype` to the same dtype
+            // shares its storage).
             *slot = Some(t.to_dtype(DType::F32)?.copy()?);
         }
     }
