@@ -20,6 +20,30 @@ use rayon::prelude::*;
 /// multiple of the 8-bit optimizer's 256-value blocks, so its tasks hold whole blocks.
 pub const CHUNK: usize = 1 << 16;
 
+/// A float the host passes read as f32: f32 itself, or bf16/f16 widened exactly (as candle's
+/// cast), so a low-precision gradient is read in place rather than copied to f32 first.
+pub trait Widen: candle_core::WithDType + Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widen for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
 /// Runs `f(offset, chunk)` over `out` in chunks of [`CHUNK`] on rayon's threads.
 pub fn par_chunks<A: Send>(out: &mut [A], f: impl Fn(usize, &mut [A]) + Sync) {
     out.par_chunks_mut(CHUNK)
@@ -144,19 +168,19 @@ impl InplaceOp2 for AddInto {
             candle_core::bail!("host-add-into: {} vs {} elements", acc.len(), d - c);
         }
         match s2 {
-            CpuStorage::F32(g) => add_widened(acc, &g[c..d], |x| x),
-            CpuStorage::BF16(g) => add_widened(acc, &g[c..d], bf16::to_f32),
-            CpuStorage::F16(g) => add_widened(acc, &g[c..d], f16::to_f32),
+            CpuStorage::F32(g) => add_widened(acc, &g[c..d]),
+            CpuStorage::BF16(g) => add_widened(acc, &g[c..d]),
+            CpuStorage::F16(g) => add_widened(acc, &g[c..d]),
             _ => candle_core::bail!("host-add-into: no {dtype:?} gradients"),
         }
         Ok(())
     }
 }
 
-fn add_widened<T: Copy + Sync>(acc: &mut [f32], g: &[T], widen: impl Fn(T) -> f32 + Sync) {
+fn add_widened<T: Widen>(acc: &mut [f32], g: &[T]) {
     par_chunks(acc, |at, out| {
         for (x, y) in out.iter_mut().zip(&g[at..]) {
-            *x += widen(*y);
+            *x += y.widen();
         }
     });
 }
@@ -167,10 +191,7 @@ pub fn widened(g: &Tensor) -> Option<candle_core::Result<Tensor>> {
     if !g.device().is_cpu() || !g.is_contiguous() {
         return None;
     }
-    fn widen<T: Copy + Sync + candle_core::WithDType>(
-        g: &Tensor,
-        to_f32: impl Fn(T) -> f32 + Sync,
-    ) -> candle_core::Result<Tensor> {
+    fn widen<T: Widen>(g: &Tensor) -> candle_core::Result<Tensor> {
         let (storage, layout) = g.storage_and_layout();
         let Some((a, b)) = layout.contiguous_offsets() else {
             candle_core::bail!("widen: not contiguous")
@@ -182,15 +203,15 @@ pub fn widened(g: &Tensor) -> Option<candle_core::Result<Tensor>> {
         let mut out = vec![0f32; x.len()];
         par_chunks(&mut out, |at, o| {
             for (o, v) in o.iter_mut().zip(&x[at..]) {
-                *o = to_f32(*v);
+                *o = v.widen();
             }
         });
         Tensor::from_vec(out, g.shape(), g.device())
     }
     match g.dtype() {
-        DType::F32 => Some(widen::<f32>(g, |x| x)),
-        DType::BF16 => Some(widen::<bf16>(g, bf16::to_f32)),
-        DType::F16 => Some(widen::<f16>(g, f16::to_f32)),
+        DType::F32 => Some(widen::<f32>(g)),
+        DType::BF16 => Some(widen::<bf16>(g)),
+        DType::F16 => Some(widen::<f16>(g)),
         _ => None,
     }
 }

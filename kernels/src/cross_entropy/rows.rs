@@ -5,8 +5,9 @@
 //! gather, subtract, exp, scatter-add) made a [rows, vocab] tensor at most of its steps; and it
 //! kept probabilities below the smallest normal float as subnormal numbers. A head that tells its
 //! tokens apart has many of those (exp(-90) is one in f32), and x86 multiplies subnormal
-//! operands many times slower than normal ones: on the t5-small-sized bench the two products of
-//! `softmax - onehot` took about 4 s of a 6.4 s step (docs/benchmarks.md). Here a probability
+//! operands many times slower than normal ones: on the t5-small-sized bench the step's forward
+//! took 3.8-4.9 s, mostly in the two products of `softmax - onehot`, and the head alone 4.0 s
+//! with spread logits against 0.4 s (docs/benchmarks.md). Here a probability
 //! below the dtype's smallest normal is written as 0. What that drops from a gradient element is
 //! under `1.2e-38 x |W|` per row in f32, below the rounding of any element that is not itself
 //! subnormal; the test `tiny_probabilities_are_zero_and_the_rest_unchanged` pins both sides.
@@ -18,7 +19,17 @@ pub(super) trait RowFloat: candle_core::WithDType + Send + Sync {
     /// The smallest positive normal value: probabilities below it are written as 0.
     const TINY: f64;
     fn exp_minus(self, m: Self) -> Self;
-    fn max_of(self, other: Self) -> Self;
+    /// The larger of the two; NaN wins, so a NaN logit makes a NaN loss rather than vanishing
+    /// from the row's maximum.
+    fn max_of(self, other: Self) -> Self {
+        #[allow(clippy::eq_op)]
+        let nan = self != self;
+        if nan || self > other {
+            self
+        } else {
+            other
+        }
+    }
 }
 
 impl RowFloat for f32 {
@@ -38,14 +49,6 @@ impl RowFloat for f32 {
             e
         }
     }
-    fn max_of(self, other: f32) -> f32 {
-        // NaN wins, so a NaN logit makes a NaN loss rather than vanishing from the maximum.
-        if self.is_nan() || self > other {
-            self
-        } else {
-            other
-        }
-    }
 }
 
 impl RowFloat for f64 {
@@ -53,20 +56,12 @@ impl RowFloat for f64 {
     fn exp_minus(self, m: f64) -> f64 {
         (self - m).exp()
     }
-    fn max_of(self, other: f64) -> f64 {
-        if self.is_nan() || self > other {
-            self
-        } else {
-            other
-        }
-    }
 }
 
 /// For `logits` [rows, vocab] (row-major) and one label per row: the summed
-/// `log sum exp(row) - row[label]` in f64, and, when `grads`, `softmax(row) - onehot(label)`
-/// (probabilities below `T`'s smallest normal as 0)
-/// (exponentials in `T`, f32's by [`crate::fastmath::exp`], each row's sum and the division in
-/// f64, rounded once into `T`).
+/// `log sum exp(row) - row[label]` in f64, and, when `grads`, `softmax(row) - onehot(label)`:
+/// exponentials in `T` (f32's by [`crate::fastmath::exp`]), each row's sum and the division in
+/// f64, rounded once into `T`, probabilities below `T`'s smallest normal as 0.
 pub(super) fn loss_and_dlogits<T: RowFloat>(
     logits: &[T],
     vocab: usize,

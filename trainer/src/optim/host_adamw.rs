@@ -13,7 +13,8 @@
 
 use candle_core::{Result, Tensor};
 
-use ft_kernels::host::{storage_key, with_f32_mut, with_slice, CHUNK};
+// `Widen`: a bf16/f16 gradient is read as it is and widened per element (no f32 copy).
+use ft_kernels::host::{storage_key, with_f32_mut, with_slice, Widen, CHUNK};
 
 /// The per-step constants of the update, in f64 as the optimizer computes them;
 /// [`HostStep::consts`] turns them into f32 as the op-by-op path does.
@@ -29,30 +30,6 @@ pub(crate) struct HostStep {
     /// Factor on every gradient (a clipping coefficient; 1 for none), applied as candle's
     /// `affine` applies it, so that the result equals clipping a copy first.
     pub grad_mul: f64,
-}
-
-/// A gradient element as the update reads it: f32, or bf16/f16 widened to f32 (exact, as the
-/// op-by-op path's cast), so a low-precision gradient needs no f32 copy.
-trait Widen: candle_core::WithDType + Copy + Send + Sync {
-    fn widen(self) -> f32;
-}
-
-impl Widen for f32 {
-    fn widen(self) -> f32 {
-        self
-    }
-}
-
-impl Widen for half::bf16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-}
-
-impl Widen for half::f16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
 }
 
 /// `$body` with `$g` bound to the gradient's elements in their own dtype (f32, bf16 or f16,
