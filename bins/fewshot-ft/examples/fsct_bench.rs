@@ -4,6 +4,7 @@
 //! (`scripts/fsct_bench_torch.py`, the model of `scripts/fsct_parity.py`; set `BENCH_PYTHON` to a
 //! python with torch). Step time is the mean of `STEPS` episodes after a warm-up; peaks are the
 //! resident set's above the level after the warm-up (both sides) and the exact heap's (ours).
+//! `FSCT_BENCH_BACKBONE=resnet10` (or `conv4`) runs one backbone's rows, for a profiler.
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
@@ -45,13 +46,32 @@ fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
     };
     let ck = Checkpointer::new(false);
     let queries = (N_WAY * N_QUERY) as f64;
-    measure_steps(STEPS, || -> anyhow::Result<()> {
+    let m = measure_steps(STEPS, || -> anyhow::Result<()> {
         ck.begin_forward();
         let (loss, _) = model.summed_loss(&episode, true, &ck)?;
         let grads = ck.gradients(&(loss / queries)?, &params)?;
         opt.step(grads, 1e-3)?;
         Ok(())
-    })
+    })?;
+    // One more episode, timed by phase.
+    ck.begin_forward();
+    let t0 = std::time::Instant::now();
+    let (loss, _) = model.summed_loss(&episode, true, &ck)?;
+    let loss = (loss / queries)?;
+    let t1 = std::time::Instant::now();
+    let grads = ck.gradients(&loss, &params)?;
+    drop(loss);
+    let t2 = std::time::Instant::now();
+    opt.step(grads, 1e-3)?;
+    let t3 = std::time::Instant::now();
+    eprintln!(
+        "{kind:?} {k_shot}-shot, one more episode: forward {:.3} s, backward {:.3} s, optimizer \
+         step {:.3} s",
+        (t1 - t0).as_secs_f64(),
+        (t2 - t1).as_secs_f64(),
+        (t3 - t2).as_secs_f64()
+    );
+    Ok(m)
 }
 
 /// PyTorch's episode of the same shape, when a python with torch runs.
@@ -107,6 +127,9 @@ fn bench() -> anyhow::Result<()> {
         (BackboneKind::Conv4, "conv4"),
         (BackboneKind::ResNet10, "resnet10"),
     ] {
+        if std::env::var("FSCT_BENCH_BACKBONE").is_ok_and(|only| only != name) {
+            continue;
+        }
         for k_shot in [1, 5] {
             let m = ours(kind, k_shot)?;
             let t = torch(name, k_shot);
