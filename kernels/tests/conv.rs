@@ -183,19 +183,21 @@ fn large_images_match_candle_forward_and_backward() -> Result<()> {
     Ok(())
 }
 
-/// Small images are multiplied in groups (63 output positions: five images a product, so
-/// batch 11 makes groups of 5, 5 and 1), and the groups go on rayon's threads, one each; each
-/// group's values are computed as on one thread and the weight and bias gradients sum the groups
-/// in order, so the forward and the three gradients are the same bits on one thread as on three
-/// (f32 and f64, with and without a bias).
+/// The forward and the three gradients are the same bits on one thread as on three (f32 and
+/// f64, with and without a bias), on every path: small images multiplied in groups (63 output
+/// positions: five images a product, so batch 11 makes groups of 5, 5 and 1) and larger ones
+/// (528 positions, one a product, unfolded on threads when alone) go on rayon's threads a
+/// group each when there are threads and groups (each group's values as on one thread); a lone
+/// image is multiplied on gemm's threads; the weight gradient is summed in parts fixed by the
+/// shape, groups in order.
 #[test]
-fn small_images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
+fn images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
     let dev = Device::Cpu;
-    let run = |dt: DType, bias: bool| -> Result<Vec<Vec<f64>>> {
-        let x =
-            candle_core::Var::from_tensor(&random_tensor(&[11, 6, 9, 7], 21, &dev)?.to_dtype(dt)?)?;
-        let w =
-            candle_core::Var::from_tensor(&random_tensor(&[8, 6, 3, 3], 22, &dev)?.to_dtype(dt)?)?;
+    let run = |shape: [usize; 4], dt: DType, bias: bool| -> Result<Vec<Vec<f64>>> {
+        let x = candle_core::Var::from_tensor(&random_tensor(&shape, 21, &dev)?.to_dtype(dt)?)?;
+        let w = candle_core::Var::from_tensor(
+            &random_tensor(&[8, shape[1], 3, 3], 22, &dev)?.to_dtype(dt)?,
+        )?;
         let b = candle_core::Var::from_tensor(&random_tensor(&[8], 23, &dev)?.to_dtype(dt)?)?;
         let y = conv2d(&x, &w, bias.then_some(b.as_tensor()), 1, 1)?;
         let r = random_tensor(y.dims(), 24, &dev)?.to_dtype(dt)?;
@@ -219,16 +221,18 @@ fn small_images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
             .map_err(|e| candle_core::Error::Msg(e.to_string()))
     };
     let (one, three) = (pool(1)?, pool(3)?);
-    for dt in [DType::F32, DType::F64] {
-        for bias in [false, true] {
-            let a = one.install(|| run(dt, bias))?;
-            let b = three.install(|| run(dt, bias))?;
-            for (i, (u, v)) in a.iter().zip(&b).enumerate() {
-                let same = u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
-                assert!(
-                    same,
-                    "{dt:?} bias {bias}: output {i} differs between 1 and 3 threads"
-                );
+    for shape in [[11, 6, 9, 7], [3, 16, 24, 22], [1, 16, 24, 22]] {
+        for dt in [DType::F32, DType::F64] {
+            for bias in [false, true] {
+                let a = one.install(|| run(shape, dt, bias))?;
+                let b = three.install(|| run(shape, dt, bias))?;
+                for (i, (u, v)) in a.iter().zip(&b).enumerate() {
+                    let same = u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(
+                        same,
+                        "{shape:?} {dt:?} bias {bias}: output {i} differs between 1 and 3 threads"
+                    );
+                }
             }
         }
     }

@@ -5,7 +5,7 @@
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
 
-use super::geometry::Geometry;
+use super::geometry::{ColsAt, Geometry};
 use crate::cpu;
 
 /// A float the image-by-image path multiplies with gemm: f32 and f64.
@@ -101,7 +101,12 @@ fn forward_by_image<T: GemmFloat>(
         let n = y.len() / (o * l).max(1);
         let gl = n * l;
         for i in 0..n {
-            g.image_columns(x, gi * group + i, cols, (gl, i * l));
+            let at = ColsAt {
+                stride: gl,
+                offset: i * l,
+                threads,
+            };
+            g.image_columns(x, gi * group + i, 0..ck, cols, at);
         }
         let (lhs, rhs) = (
             Mat {
@@ -140,7 +145,7 @@ fn forward_by_image<T: GemmFloat>(
         (vec![T::zero(); ck * group * l], vec![T::zero(); scratch])
     };
     let chunk = (group * o * l).max(1);
-    if g.images_in_parallel() {
+    if g.images_in_parallel(o) {
         use rayon::prelude::*;
         out.par_chunks_mut(chunk)
             .enumerate()
@@ -224,10 +229,11 @@ struct ConvGrads<T> {
 }
 
 /// The image-by-image backward of `x` [B, C, H, W], `w` [O, C*k*k] and the output gradient `dy`
-/// [B, O, Ho*Wo], a group of images ([`Geometry::group`]) at a time, groups in order; the bias
-/// gradient (per channel, summed in f64, images in order) when `with_bias`; the input gradient
-/// only `with_dx` (a network's first layer reads images, which need none: its two products per
-/// image and the folding were a third of that layer's backward).
+/// [B, O, Ho*Wo]: the bias gradient (per channel, summed in f64, images in order) when
+/// `with_bias`; the input gradient only `with_dx` (a network's first layer reads images, which
+/// need none: its two products per image and the folding were a third of that layer's
+/// backward), a group of images ([`Geometry::group`]) at a time, the groups on rayon's threads
+/// when [`Geometry::images_in_parallel`]; the weight gradient by [`weight_grad`].
 #[allow(clippy::too_many_arguments)]
 fn backward_by_image<T: GemmFloat>(
     x: &[T],
@@ -242,15 +248,21 @@ fn backward_by_image<T: GemmFloat>(
     let group = g.group();
     let chw = g.c * g.h * g.w;
     let mut dx = vec![T::zero(); if with_dx { g.b * chw } else { 0 }];
-    let mut dw = vec![T::zero(); o * ck];
     let mut db = vec![0f64; if with_bias { o } else { 0 }];
-    let parallel = g.images_in_parallel() && with_dx;
+    if with_bias {
+        for dyb in dy.chunks((o * l).max(1)).take(g.b) {
+            for (sum, row) in db.iter_mut().zip(dyb.chunks(l.max(1))) {
+                *sum += row.iter().map(|v| v.to_f64()).sum::<f64>();
+            }
+        }
+    }
     let images_in = |gi: usize| group.min(g.b - gi * group);
     // dcols [CK, n L] = W^T [CK, O] x dY_group [O, n L], folded onto each image's input.
     let input_grad = |gi: usize, dxg: &mut [T], bufs: &mut (Vec<T>, Vec<T>), threads: bool| {
         let (dcols, dyg) = bufs;
         let n = images_in(gi);
         let gl = n * l;
+        dcols.resize(ck * gl, T::zero());
         let rhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
         let (lhs, rhs) = (
             Mat {
@@ -264,58 +276,92 @@ fn backward_by_image<T: GemmFloat>(
         );
         gemm_into(dcols, lhs, rhs, ck, gl, o, false, threads)?;
         for (i, dxb) in dxg.chunks_mut(chw.max(1)).enumerate() {
-            g.fold_image(dcols, dxb, (gl, i * l));
+            let at = ColsAt {
+                stride: gl,
+                offset: i * l,
+                threads,
+            };
+            g.fold_image(dcols, dxb, at);
         }
         Ok::<_, candle_core::Error>(())
     };
-    let bufs = || (vec![T::zero(); ck * group * l], Vec::new());
     let chunk = (group * chw).max(1);
-    if parallel {
+    if with_dx && g.images_in_parallel(o) {
         use rayon::prelude::*;
         dx.par_chunks_mut(chunk)
             .enumerate()
-            .try_for_each_init(bufs, |b, (gi, dxg)| input_grad(gi, dxg, b, false))?;
-    }
-    let mut cols = vec![T::zero(); ck * group * l];
-    let mut dyg = Vec::new();
-    let mut own = if parallel || !with_dx {
-        (Vec::new(), Vec::new())
-    } else {
-        bufs()
-    };
-    for gi in 0..g.groups() {
-        let n = images_in(gi);
-        let gl = n * l;
-        for i in 0..n {
-            let dyb = &dy[(gi * group + i) * o * l..][..o * l];
-            for (sum, row) in db.iter_mut().zip(dyb.chunks(l.max(1))) {
-                *sum += row.iter().map(|v| v.to_f64()).sum::<f64>();
-            }
-            g.image_columns(x, gi * group + i, &mut cols, (gl, i * l));
-        }
-        let lhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, &mut dyg);
-        // dW += dY_group [O, n L] x cols_group^T [n L, CK], groups in order.
-        let (lhs, rhs) = (
-            Mat {
-                data: lhs,
-                transposed: false,
-            },
-            Mat {
-                data: &cols[..ck * gl],
-                transposed: true,
-            },
-        );
-        gemm_into(&mut dw, lhs, rhs, o, ck, gl, gi > 0, true)?;
-        if with_dx && !parallel {
-            let dxg = &mut dx[gi * group * chw..][..n * chw];
-            input_grad(gi, dxg, &mut own, true)?;
+            .try_for_each_init(Default::default, |b, (gi, dxg)| {
+                input_grad(gi, dxg, b, false)
+            })?;
+    } else if with_dx {
+        let mut bufs = Default::default();
+        for (gi, dxg) in dx.chunks_mut(chunk).enumerate() {
+            input_grad(gi, dxg, &mut bufs, true)?;
         }
     }
+    let dw = weight_grad(x, dy, g, o)?;
     Ok(ConvGrads {
         dx: with_dx.then_some(dx),
         dw,
         db: with_bias.then(|| db.into_iter().map(T::from_f64).collect()),
     })
+}
+
+/// The weight gradient dW [O, C*k*k] = sum over the groups of images, in order, of
+/// dY_group [O, n L] x cols_group^T [n L, C*k*k], its columns (the columns' rows: a channel and
+/// kernel tap each) in parts of [`Geometry::part_rows`], each part on one of rayon's threads
+/// unfolding only its own rows of each image: one unfolding in all, and products on one
+/// thread each (gemm's own threads were slower on these shapes: [`super::geometry::TASK_MACS`]).
+/// The parts come from the shape alone, so the sums do not depend on the threads.
+fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Result<Vec<T>> {
+    use rayon::prelude::*;
+    let (l, ck) = g.cols();
+    let group = g.group();
+    let rows = g.part_rows();
+    let part = |p: usize, (cols, dyg): &mut (Vec<T>, Vec<T>)| -> Result<Vec<T>> {
+        let first = p * rows;
+        let r = rows.min(ck - first);
+        let mut dw = vec![T::zero(); o * r];
+        for gi in 0..g.groups() {
+            let n = group.min(g.b - gi * group);
+            let gl = n * l;
+            cols.resize(r * gl, T::zero());
+            for i in 0..n {
+                let at = ColsAt {
+                    stride: gl,
+                    offset: i * l,
+                    threads: false,
+                };
+                g.image_columns(x, gi * group + i, first..first + r, cols, at);
+            }
+            let lhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
+            // dW[:, part] (+)= dY_group [O, n L] x cols_part^T [n L, r].
+            let (lhs, rhs) = (
+                Mat {
+                    data: lhs,
+                    transposed: false,
+                },
+                Mat {
+                    data: &cols[..r * gl],
+                    transposed: true,
+                },
+            );
+            gemm_into(&mut dw, lhs, rhs, o, r, gl, gi > 0, false)?;
+        }
+        Ok(dw)
+    };
+    let parts: Vec<Vec<T>> = (0..ck.div_ceil(rows))
+        .into_par_iter()
+        .map_init(Default::default, |bufs, p| part(p, bufs))
+        .collect::<Result<_>>()?;
+    let mut dw = vec![T::zero(); o * ck];
+    for (p, values) in parts.iter().enumerate() {
+        let r = values.len() / o.max(1);
+        for (row, src) in dw.chunks_mut(ck.max(1)).zip(values.chunks(r.max(1))) {
+            row[p * rows..][..r].copy_from_slice(src);
+        }
+    }
+    Ok(dw)
 }
 
 /// [`backward_by_image`] on tensors (f32 or f64, on the CPU), read in place: (dx, dw, db), dx

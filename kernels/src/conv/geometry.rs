@@ -51,13 +51,23 @@ impl Geometry {
     }
 
     /// Whether the groups of images ([`Self::group`]) go on rayon's threads, one each (each with
-    /// its own column buffer and gemm on one thread): when an image's columns are too few for its
-    /// unfolding, folding and product to be worth splitting ([`PAR_ELEMS`]) and there are groups
-    /// and threads to share. Each group's values are computed as on one thread, so the result
-    /// does not change.
-    pub(super) fn images_in_parallel(&self) -> bool {
+    /// its own column buffer and product on one thread): when there are groups and threads to
+    /// share and either an image's columns are too few for its unfolding and folding to be worth
+    /// splitting ([`PAR_ELEMS`]) or a group's product is small enough ([`TASK_MACS`]) that
+    /// gemm's own threads would slow it down. Each group's values are computed as on one
+    /// thread, so the result does not change.
+    pub(super) fn images_in_parallel(&self, o: usize) -> bool {
         let (l, ck) = self.cols();
-        ck * l < PAR_ELEMS && self.groups() > 1 && rayon::current_num_threads() > 1
+        let small = ck * l < PAR_ELEMS || o * ck * self.group() * l <= TASK_MACS;
+        small && self.groups() > 1 && rayon::current_num_threads() > 1
+    }
+
+    /// Rows of the columns (channel and kernel tap pairs) in one part of the weight gradient
+    /// ([`PARTS`] parts, each a multiple of 16 rows, at least 32): from the shape alone, so the
+    /// sums do not depend on the threads.
+    pub(super) fn part_rows(&self) -> usize {
+        let ck = self.cols().1.max(1);
+        ck.div_ceil(PARTS).next_multiple_of(16).max(32)
     }
 
     /// Images multiplied together: enough that a product has [`GROUP_COLS`] columns. A deep
@@ -114,16 +124,18 @@ impl Geometry {
         out
     }
 
-    /// Image `bi` of `x` (contiguous [B, C, H, W]) as columns [C*k*k, Ho*Wo] in `cols`, zeros where
-    /// the kernel hangs over the edge: each row (a channel and kernel tap) on its own, on rayon's
-    /// threads when the image is large. Row `j` starts at `j * stride + offset`: a group of
-    /// images side by side has `stride` = the group's columns and `offset` = this image's first.
+    /// Rows `rows` of image `bi` of `x` (contiguous [B, C, H, W]) as columns (of all rows:
+    /// [C*k*k, Ho*Wo]) in `cols`, zeros where the kernel hangs over the edge: each row (a channel
+    /// and kernel tap) on its own, on rayon's threads when the rows are many and `at.threads`.
+    /// Row `rows.start + i` starts at `i * at.stride + at.offset`: a group of images side by side
+    /// has `stride` = the group's columns and `offset` = this image's first.
     pub(super) fn image_columns<T: WithDType>(
         &self,
         x: &[T],
         bi: usize,
+        rows: std::ops::Range<usize>,
         cols: &mut [T],
-        (stride, offset): (usize, usize),
+        at: ColsAt,
     ) {
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
@@ -143,27 +155,22 @@ impl Geometry {
                 let src = &plane[y as usize * self.w..][..self.w];
                 out[..lo].fill(T::zero());
                 out[hi..].fill(T::zero());
-                if s == 1 {
-                    out[lo..hi].copy_from_slice(&src[base..][..hi - lo]);
-                } else {
-                    for (i, o) in out[lo..hi].iter_mut().enumerate() {
-                        *o = src[base + i * s];
-                    }
-                }
+                gather(&mut out[lo..hi], &src[base..], s);
             }
         };
-        let stride = stride.max(1);
-        let rows = &mut cols[..self.c * k * k * stride];
-        let fill = |j: usize, row: &mut [T]| fill(j, &mut row[offset..][..l]);
-        if self.c * k * k * l >= PAR_ELEMS {
+        let (stride, offset) = (at.stride.max(1), at.offset);
+        let first = rows.start;
+        let out = &mut cols[..rows.len() * stride];
+        let fill = |i: usize, row: &mut [T]| fill(first + i, &mut row[offset..][..l]);
+        if at.threads && rows.len() * l >= PAR_ELEMS {
             use rayon::prelude::*;
-            rows.par_chunks_mut(stride)
+            out.par_chunks_mut(stride)
                 .enumerate()
-                .for_each(|(j, row)| fill(j, row));
+                .for_each(|(i, row)| fill(i, row));
         } else {
-            rows.chunks_mut(stride)
+            out.chunks_mut(stride)
                 .enumerate()
-                .for_each(|(j, row)| fill(j, row));
+                .for_each(|(i, row)| fill(i, row));
         }
     }
 
@@ -193,14 +200,10 @@ impl Geometry {
 
     /// The adjoint of [`Self::image_columns`]: the column gradient `dcols` [C*k*k, Ho*Wo] of image
     /// `bi` summed back onto its input positions in `dx` ([C, H, W] of that image), in f64, each
-    /// channel on its own (on rayon's threads when the image is large). Rows are laid out as
-    /// [`Self::image_columns`] writes them (`stride`, `offset`).
-    pub(super) fn fold_image<T: WithDType>(
-        &self,
-        dcols: &[T],
-        dx: &mut [T],
-        (stride, offset): (usize, usize),
-    ) {
+    /// channel on its own (on rayon's threads when the image is large and `at.threads`). Rows
+    /// are laid out as [`Self::image_columns`] writes all of them (`at`).
+    pub(super) fn fold_image<T: WithDType>(&self, dcols: &[T], dx: &mut [T], at: ColsAt) {
+        let (stride, offset) = (at.stride, at.offset);
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
@@ -233,7 +236,7 @@ impl Geometry {
                 *o = T::from_f64(a);
             }
         };
-        if self.c * k * k * l >= PAR_ELEMS {
+        if at.threads && self.c * k * k * l >= PAR_ELEMS {
             use rayon::prelude::*;
             dx.par_chunks_mut(hw.max(1))
                 .enumerate()
@@ -260,6 +263,51 @@ impl Geometry {
 /// Elements of one image's columns from which its unfolding and folding run on rayon's threads.
 pub(super) const PAR_ELEMS: usize = 1 << 16;
 
+/// Multiply-adds of a group's product up to which its images go on rayon's threads a group each,
+/// each product on one thread ([`Geometry::images_in_parallel`]): on two cores gemm's own
+/// threads made ResNet10's first-stage product (64 x 441 x 576) slower than one thread (82
+/// against 148 GFLOP/s, `examples/time_gemm_shapes`), and its last stage's (512 x 261 x 4608,
+/// 616 million) gained less from them (244) than two products side by side do (165 each).
+pub(super) const TASK_MACS: usize = 1 << 29;
+
+/// Parts the weight gradient's columns are split into ([`Geometry::part_rows`]), each unfolded
+/// and multiplied on its own, on rayon's threads.
+pub(super) const PARTS: usize = 8;
+
+/// Where an unfolding writes its rows (and a folding reads them): row `i` at
+/// `i * stride + offset`, and whether it may split its work over rayon's threads (not when it
+/// already runs on one of them, a group or a part each).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ColsAt {
+    pub(super) stride: usize,
+    pub(super) offset: usize,
+    pub(super) threads: bool,
+}
+
 /// Columns a product should have at least before images are grouped into it ([`Geometry::group`]):
 /// images of this many output positions or more go one by one, as before groups.
 pub(super) const GROUP_COLS: usize = 256;
+
+/// `out[i] = src[i * stride]`: a copy for stride 1; for stride 2 (a ResNet stem's unfolding, 22
+/// million values an FSCT episode) in pairs, which the compiler turns into vector shuffles where
+/// the indexed loop read one value at a time behind a bounds check.
+fn gather<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
+    let Some(last) = out.len().checked_sub(1) else {
+        return;
+    };
+    match stride {
+        1 => out.copy_from_slice(&src[..out.len()]),
+        2 => {
+            let (head, tail) = out.split_at_mut(last);
+            for (o, pair) in head.iter_mut().zip(src.chunks_exact(2)) {
+                *o = pair[0];
+            }
+            tail[0] = src[last * 2];
+        }
+        _ => {
+            for (o, v) in out.iter_mut().zip(src.iter().step_by(stride)) {
+                *o = *v;
+            }
+        }
+    }
+}

@@ -8,15 +8,17 @@
 //! multiplied by the [O, C k k] weight straight into its [O, Ho Wo] output; the backward unfolds
 //! again (the columns are recomputed, not kept: they are k*k times the input), accumulates the
 //! weight gradient image by image into one [O, C k k] matrix and folds each image's column
-//! gradient back (summed in f64). The unfolding runs over the columns' rows and the folding over
-//! the channels on rayon's threads, the products on gemm's; images go in order, so the sums do
-//! not depend on the threads. Images with few output positions (a deep layer's) are multiplied
-//! a group at a time, side by side in one product of at least 256 columns (ResNet's last stage
-//! at 84 px has 9 per image), and an input outside the graph (the images a network's first
-//! layer reads) gets no input gradient. Where an image's columns are small (a UNet's 8 x 8
-//! latents), splitting one image costs more than it gains: the groups then go on rayon's
-//! threads, one each, for the forward and the input gradient, and the weight gradient still
-//! sums them in order. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
+//! gradient back (summed in f64). Images with few output positions (a deep layer's) are
+//! multiplied a group at a time, side by side in one product of at least 256 columns (ResNet's
+//! last stage at 84 px has 9 per image), and an input outside the graph (the images a network's
+//! first layer reads) gets no input gradient. Where there are several groups and their products
+//! are small or medium (up to `TASK_MACS` multiply-adds: every layer of an FSCT episode), the
+//! groups go on rayon's threads, one each with its product on one thread, for the forward and
+//! the input gradient: on two cores gemm's own threads ran such products at half the speed of
+//! one thread each. A lone large image is unfolded and folded over rayon's threads and
+//! multiplied on gemm's. The weight gradient is computed in parts of its columns fixed by the
+//! shape (each part unfolding only its rows), on rayon's threads, each summing the groups in
+//! order: no result depends on the threads. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
 //! layer: 345 MB of columns, and as many again of their gradient in f64 twice over, each a fresh
 //! allocation the kernel zeroed page by page). bf16 and f16 unfold all images ([`geometry`])
 //! and take candle's matmul. Other devices use candle's conv2d (cuDNN or its im2col kernel on
