@@ -186,25 +186,36 @@ fn large_images_match_candle_forward_and_backward() -> Result<()> {
 /// The forward and the three gradients are the same bits on one thread as on three (f32 and
 /// f64, with and without a bias), on every path: small images multiplied in groups (63 output
 /// positions: five images a product, so batch 11 makes groups of 5, 5 and 1) and larger ones
-/// (528 positions, one a product, unfolded on threads when alone) go on rayon's threads a
-/// group each when there are threads and groups (each group's values as on one thread); a lone
-/// image is multiplied on gemm's threads; the weight gradient is summed in parts fixed by the
-/// shape, groups in order.
+/// (528 positions, one a product, unfolded on threads when alone; also at stride 2, and as an
+/// input outside the graph) go on rayon's threads a group each when there are threads and
+/// groups (each group's values as on one thread); a lone image is multiplied on gemm's
+/// threads; the weight gradient is summed in parts fixed by the shape, groups in order.
 #[test]
 fn images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
     let dev = Device::Cpu;
-    let run = |shape: [usize; 4], dt: DType, bias: bool| -> Result<Vec<Vec<f64>>> {
+    // (shape, stride, whether the input is a variable: else it gets no gradient).
+    let run = |(shape, s, track): ([usize; 4], usize, bool),
+               dt: DType,
+               bias: bool|
+     -> Result<Vec<Vec<f64>>> {
         let x = candle_core::Var::from_tensor(&random_tensor(&shape, 21, &dev)?.to_dtype(dt)?)?;
         let w = candle_core::Var::from_tensor(
             &random_tensor(&[8, shape[1], 3, 3], 22, &dev)?.to_dtype(dt)?,
         )?;
         let b = candle_core::Var::from_tensor(&random_tensor(&[8], 23, &dev)?.to_dtype(dt)?)?;
-        let y = conv2d(&x, &w, bias.then_some(b.as_tensor()), 1, 1)?;
+        let input = if track {
+            x.as_tensor().clone()
+        } else {
+            x.as_tensor().detach()
+        };
+        let y = conv2d(&input, &w, bias.then_some(b.as_tensor()), s, 1)?;
         let r = random_tensor(y.dims(), 24, &dev)?.to_dtype(dt)?;
         let g = (&y * r)?.sum_all()?.backward()?;
         let mut out = vec![y.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?];
-        for t in [x.as_tensor(), w.as_tensor()]
+        for t in track
+            .then_some(x.as_tensor())
             .into_iter()
+            .chain([w.as_tensor()])
             .chain(bias.then_some(b.as_tensor()))
         {
             let Some(gt) = g.get(t) else {
@@ -221,16 +232,23 @@ fn images_on_threads_give_the_bits_of_one_thread() -> Result<()> {
             .map_err(|e| candle_core::Error::Msg(e.to_string()))
     };
     let (one, three) = (pool(1)?, pool(3)?);
-    for shape in [[11, 6, 9, 7], [3, 16, 24, 22], [1, 16, 24, 22]] {
+    let cases = [
+        ([11, 6, 9, 7], 1, true),
+        ([3, 16, 24, 22], 1, true),
+        ([3, 16, 24, 22], 2, true),
+        ([3, 16, 24, 22], 1, false),
+        ([1, 16, 24, 22], 1, true),
+    ];
+    for case in cases {
         for dt in [DType::F32, DType::F64] {
             for bias in [false, true] {
-                let a = one.install(|| run(shape, dt, bias))?;
-                let b = three.install(|| run(shape, dt, bias))?;
+                let a = one.install(|| run(case, dt, bias))?;
+                let b = three.install(|| run(case, dt, bias))?;
                 for (i, (u, v)) in a.iter().zip(&b).enumerate() {
                     let same = u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
                     assert!(
                         same,
-                        "{shape:?} {dt:?} bias {bias}: output {i} differs between 1 and 3 threads"
+                        "{case:?} {dt:?} bias {bias}: output {i} differs between 1 and 3 threads"
                     );
                 }
             }

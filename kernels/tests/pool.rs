@@ -123,6 +123,51 @@ fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
     Ok(())
 }
 
+/// Ties (small integers, as a ReLU's zeros make them) and NaNs on a 9 x 11 plane: each window's
+/// gradient goes to its first maximum in row-major order (the first NaN where there is one),
+/// against a plain loop, for the 2x2 stride-2 path and the general loop (3x3 stride 2, the ResNet
+/// stem's, and 3x2 stride 1x2).
+#[test]
+fn ties_and_nans_go_to_the_first_maximum_on_every_path() -> Result<()> {
+    let dev = Device::Cpu;
+    let (h, w) = (9usize, 11usize);
+    let mut v: Vec<f64> = (0..h * w).map(|i| ((i * 7 + i / 5) % 4) as f64).collect();
+    for at in [12, 40, 41, 77] {
+        v[at] = f64::NAN;
+    }
+    let x = Tensor::from_vec(v.clone(), (1, 1, h, w), &dev)?;
+    for (k, s) in [((2, 2), (2, 2)), ((3, 3), (2, 2)), ((3, 2), (1, 2))] {
+        let (oh, ow) = ((h - k.0) / s.0 + 1, (w - k.1) / s.1 + 1);
+        let weights: Vec<f64> = (0..oh * ow).map(|i| (i + 1) as f64).collect();
+        let wt = Tensor::from_vec(weights.clone(), (1, 1, oh, ow), &dev)?;
+        let (_, g) = pass(&x, &wt, DType::F64, true, k, s)?;
+        let mut want = vec![0f64; h * w];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let mut best: Option<usize> = None;
+                for dy in 0..k.0 {
+                    for dx in 0..k.1 {
+                        let at = (oy * s.0 + dy) * w + ox * s.1 + dx;
+                        let take = match best {
+                            None => true,
+                            Some(b) => (v[at] > v[b]) || (v[at].is_nan() && !v[b].is_nan()),
+                        };
+                        if take {
+                            best = Some(at);
+                        }
+                    }
+                }
+                if let Some(b) = best {
+                    want[b] += weights[oy * ow + ox];
+                }
+            }
+        }
+        let got: Vec<f64> = g.flatten_all()?.to_vec1()?;
+        assert_eq!(got, want, "kernel {k:?} stride {s:?}");
+    }
+    Ok(())
+}
+
 /// Forward and gradient of `(pool(x) * w).sum()` for `x` and `w` in `dtype`.
 fn pass(
     x: &Tensor,

@@ -311,13 +311,18 @@ fn backward_by_image<T: GemmFloat>(
 /// dY_group [O, n L] x cols_group^T [n L, C*k*k], its columns (the columns' rows: a channel and
 /// kernel tap each) in parts of [`Geometry::part_rows`], each part on one of rayon's threads
 /// unfolding only its own rows of each image: one unfolding in all, and products on one
-/// thread each (gemm's own threads were slower on these shapes: [`super::geometry::TASK_MACS`]).
-/// The parts come from the shape alone, so the sums do not depend on the threads.
+/// thread each (gemm's own threads ran most of these shapes at half speed:
+/// [`super::geometry::TASK_MACS`]). With fewer parts than threads (a first layer's 27 rows make
+/// one) each part's unfolding and product take the threads instead. gemm does not split a
+/// product's sums over its threads and the parts come from the shape alone, so the sums do not
+/// depend on the threads. The parts are assembled into a new matrix: two copies of dW for a
+/// moment.
 fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Result<Vec<T>> {
     use rayon::prelude::*;
     let (l, ck) = g.cols();
     let group = g.group();
     let rows = g.part_rows();
+    let threads = ck.div_ceil(rows) < rayon::current_num_threads();
     let part = |p: usize, (cols, dyg): &mut (Vec<T>, Vec<T>)| -> Result<Vec<T>> {
         let first = p * rows;
         let r = rows.min(ck - first);
@@ -330,7 +335,7 @@ fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Resul
                 let at = ColsAt {
                     stride: gl,
                     offset: i * l,
-                    threads: false,
+                    threads,
                 };
                 g.image_columns(x, gi * group + i, first..first + r, cols, at);
             }
@@ -346,7 +351,7 @@ fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Resul
                     transposed: true,
                 },
             );
-            gemm_into(&mut dw, lhs, rhs, o, r, gl, gi > 0, false)?;
+            gemm_into(&mut dw, lhs, rhs, o, r, gl, gi > 0, threads)?;
         }
         Ok(dw)
     };

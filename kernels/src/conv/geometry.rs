@@ -56,15 +56,22 @@ impl Geometry {
     /// splitting ([`PAR_ELEMS`]) or a group's product is small enough ([`TASK_MACS`]) that
     /// gemm's own threads would slow it down. Each group's values are computed as on one
     /// thread, so the result does not change.
+    /// The column buffers, one a thread, stay under [`TASK_COLS`] values in all (a UNet's
+    /// `conv_out` at 64 x 64 latents has a small product but 11.8 million column values an
+    /// image).
     pub(super) fn images_in_parallel(&self, o: usize) -> bool {
         let (l, ck) = self.cols();
-        let small = ck * l < PAR_ELEMS || o * ck * self.group() * l <= TASK_MACS;
-        small && self.groups() > 1 && rayon::current_num_threads() > 1
+        let threads = rayon::current_num_threads();
+        let small = ck * l < PAR_ELEMS
+            || (o * ck * self.group() * l < TASK_MACS
+                && ck * self.group() * l * threads <= TASK_COLS);
+        small && self.groups() > 1 && threads > 1
     }
 
-    /// Rows of the columns (channel and kernel tap pairs) in one part of the weight gradient
-    /// ([`PARTS`] parts, each a multiple of 16 rows, at least 32): from the shape alone, so the
-    /// sums do not depend on the threads.
+    /// Rows of the columns (channel and kernel tap pairs) in one part of the weight gradient:
+    /// at most [`PARTS`] parts of a multiple of 16 rows, at least 32 (the last may be shorter;
+    /// 27 rows, Conv4's first layer, make one part). From the shape alone, so the sums do not
+    /// depend on the threads.
     pub(super) fn part_rows(&self) -> usize {
         let ck = self.cols().1.max(1);
         ck.div_ceil(PARTS).next_multiple_of(16).max(32)
@@ -263,15 +270,20 @@ impl Geometry {
 /// Elements of one image's columns from which its unfolding and folding run on rayon's threads.
 pub(super) const PAR_ELEMS: usize = 1 << 16;
 
-/// Multiply-adds of a group's product up to which its images go on rayon's threads a group each,
-/// each product on one thread ([`Geometry::images_in_parallel`]): on two cores gemm's own
-/// threads made ResNet10's first-stage product (64 x 441 x 576) slower than one thread (82
-/// against 148 GFLOP/s, `examples/time_gemm_shapes`), and its last stage's (512 x 261 x 4608,
-/// 616 million) gained less from them (244) than two products side by side do (165 each).
+/// Multiply-adds of a group's product under which its images go on rayon's threads a group
+/// each, each product on one thread ([`Geometry::images_in_parallel`]). On two cores
+/// (`examples/time_gemm_shapes`) gemm's own threads ran ResNet10's first-stage product
+/// (64 x 441 x 576) at 82 GFLOP/s against 148 on one thread, and a UNet layer's (320 x 256 x
+/// 2880, 236 million) at 294 against 176 each for two side by side; from 512 x 512 x 2048
+/// (2^29) on, gemm's threads (322) are about as fast as two products at once, and keep one
+/// column buffer.
 pub(super) const TASK_MACS: usize = 1 << 29;
 
-/// Parts the weight gradient's columns are split into ([`Geometry::part_rows`]), each unfolded
-/// and multiplied on its own, on rayon's threads.
+/// Column values that the groups' buffers on rayon's threads may hold together (64 MiB in f32).
+pub(super) const TASK_COLS: usize = 1 << 24;
+
+/// Parts at most that the weight gradient's columns are split into ([`Geometry::part_rows`]),
+/// each unfolded and multiplied on its own, on rayon's threads.
 pub(super) const PARTS: usize = 8;
 
 /// Where an unfolding writes its rows (and a folding reads them): row `i` at

@@ -6,9 +6,9 @@
 //! which made it most of a UNet step on CPU. Here, in f32 and f64 ([`by_image`]), each image is
 //! unfolded into columns [C k k, Ho Wo] (a buffer of one image, reused for the next) and
 //! multiplied by the [O, C k k] weight straight into its [O, Ho Wo] output; the backward unfolds
-//! again (the columns are recomputed, not kept: they are k*k times the input), accumulates the
-//! weight gradient image by image into one [O, C k k] matrix and folds each image's column
-//! gradient back (summed in f64). Images with few output positions (a deep layer's) are
+//! again (the columns are recomputed, not kept: they are k*k times the input), sums the
+//! weight gradient over the images in order (in parts of its columns, below) and folds each
+//! image's column gradient back (summed in f64). Images with few output positions (a deep layer's) are
 //! multiplied a group at a time, side by side in one product of at least 256 columns (ResNet's
 //! last stage at 84 px has 9 per image), and an input outside the graph (the images a network's
 //! first layer reads) gets no input gradient. Where there are several groups and their products
@@ -16,9 +16,9 @@
 //! groups go on rayon's threads, one each with its product on one thread, for the forward and
 //! the input gradient: on two cores gemm's own threads ran such products at half the speed of
 //! one thread each. A lone large image is unfolded and folded over rayon's threads and
-//! multiplied on gemm's. The weight gradient is computed in parts of its columns fixed by the
-//! shape (each part unfolding only its rows), on rayon's threads, each summing the groups in
-//! order: no result depends on the threads. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
+//! multiplied on gemm's. The weight gradient is computed in up to eight parts of its columns
+//! fixed by the shape (each part unfolding only its rows), on rayon's threads, each summing the
+//! groups in order: no result depends on the threads. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
 //! layer: 345 MB of columns, and as many again of their gradient in f64 twice over, each a fresh
 //! allocation the kernel zeroed page by page). bf16 and f16 unfold all images ([`geometry`])
 //! and take candle's matmul. Other devices use candle's conv2d (cuDNN or its im2col kernel on
