@@ -235,18 +235,39 @@ pub fn scaled(g: &Tensor, coef: f64) -> Option<candle_core::Result<Tensor>> {
 }
 
 /// Sum of squares of a contiguous f32 CPU tensor; `None` for anything else. Each block of
-/// [`CHUNK`] elements is summed in f64 and the block sums are added in order, so the result
-/// does not depend on how many cores share the work (the clip factor, and so the weights, are
-/// the same on every machine).
+/// [`CHUNK`] elements is summed in f64 ([`block_sum_squares`]) and the block sums are added in
+/// order, so the result does not depend on how many cores share the work (the clip factor, and
+/// so the weights, are the same on every machine).
 pub fn sum_squares(g: &Tensor) -> Option<f64> {
     if !g.device().is_cpu() {
         return None;
     }
     with_f32(g, |x| {
-        let block = |c: &[f32]| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>();
-        let sums: Vec<f64> = x.par_chunks(CHUNK).map(block).collect();
+        let sums: Vec<f64> = x.par_chunks(CHUNK).map(block_sum_squares).collect();
         sums.iter().sum()
     })
+}
+
+/// Running sums [`block_sum_squares`] keeps side by side.
+pub const SUM_LANES: usize = 8;
+
+/// One block's sum of squares in f64: element `i` into lane `i % SUM_LANES`, the lanes added in
+/// order at the end. One running sum made each add wait for the one before (about four cycles
+/// a value: 44 ms of a 32.8M-parameter UNet step's gradient norm); eight lanes are one vector
+/// add a step.
+pub fn block_sum_squares(c: &[f32]) -> f64 {
+    let mut lanes = [0f64; SUM_LANES];
+    let chunks = c.chunks_exact(SUM_LANES);
+    let rest = chunks.remainder();
+    for v in chunks {
+        for (l, v) in lanes.iter_mut().zip(v) {
+            *l += (*v as f64) * (*v as f64);
+        }
+    }
+    for (l, v) in lanes.iter_mut().zip(rest) {
+        *l += (*v as f64) * (*v as f64);
+    }
+    lanes.iter().sum()
 }
 
 /// A contiguous f32 CPU tensor rounded to bf16 or f16 (to nearest, ties to even, as candle's

@@ -59,11 +59,18 @@ fn scaled_narrowed_and_sum_squares_match_candle() -> candle_core::Result<()> {
             .map(|v| (*v as f64).powi(2))
             .sum();
         assert!((ours - want).abs() <= 1e-12 * want, "{ours} vs {want}");
-        // Exactly the in-order sum of 65,536-element blocks, whatever the number of threads.
+        // Exactly the in-order sum of 65,536-element blocks, each the in-order sum of eight
+        // lanes (element i into lane i % 8), whatever the number of threads.
         let blocks: f64 = g
             .to_vec1::<f32>()?
             .chunks(1 << 16)
-            .map(|c| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>())
+            .map(|c| {
+                let mut lanes = [0f64; 8];
+                for (i, v) in c.iter().enumerate() {
+                    lanes[i % 8] += (*v as f64) * (*v as f64);
+                }
+                lanes.iter().sum::<f64>()
+            })
             .sum();
         assert_eq!(ours.to_bits(), blocks.to_bits(), "n {n}");
     }
