@@ -12,6 +12,7 @@ channels; average pool).
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -87,8 +88,20 @@ def main():
         loss.backward()
         opt.step()
 
+    # One episode after a warm-up, timed by phase (forward, backward, optimizer step), as the
+    # Rust side prints its own.
+    step()
+    opt.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    loss = F.cross_entropy(model(images), targets)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    t3 = time.perf_counter()
     measure_and_print(step, a.steps, backbone=a.backbone,
-                      params=sum(q.numel() for q in model.parameters()))
+                      params=sum(q.numel() for q in model.parameters()),
+                      phases_s=[t1 - t0, t2 - t1, t3 - t2])
 
 
 if __name__ == "__main__":

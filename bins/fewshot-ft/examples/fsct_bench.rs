@@ -93,6 +93,15 @@ fn torch(backbone: &str, k_shot: usize) -> Option<(f64, Option<u64>, String)> {
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect();
     let v = python_reference(script, &args)?;
+    if let Some(p) = v["phases_s"].as_array() {
+        let p: Vec<f64> = p.iter().filter_map(|t| t.as_f64()).collect();
+        if let [f, b, o] = p[..] {
+            eprintln!(
+                "PyTorch {backbone} {k_shot}-shot, one more episode: forward {f:.3} s, \
+                 backward {b:.3} s, optimizer step {o:.3} s"
+            );
+        }
+    }
     Some((
         v["step_time_s"].as_f64()?,
         v["rss_peak_above_base_bytes"].as_u64(),

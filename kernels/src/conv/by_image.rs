@@ -20,6 +20,12 @@ struct Mat<'a, T> {
     transposed: bool,
 }
 
+impl<'a, T> Mat<'a, T> {
+    fn new(data: &'a [T], transposed: bool) -> Self {
+        Mat { data, transposed }
+    }
+}
+
 /// `dst` (m x n, row-major) = `lhs` (m x k) x `rhs` (k x n), or `dst +=` it with `accumulate`;
 /// on gemm's threads when the product is large and `threads` allows it (not when the caller
 /// already runs on rayon's threads, one image each). Lengths are checked before gemm reads them.
@@ -108,16 +114,7 @@ fn forward_by_image<T: GemmFloat>(
             };
             g.image_columns(x, gi * group + i, 0..ck, cols, at);
         }
-        let (lhs, rhs) = (
-            Mat {
-                data: w,
-                transposed: false,
-            },
-            Mat {
-                data: &cols[..ck * gl],
-                transposed: false,
-            },
-        );
+        let (lhs, rhs) = (Mat::new(w, false), Mat::new(&cols[..ck * gl], false));
         if n == 1 {
             if let Some(b) = bias {
                 for (row, v) in y.chunks_mut(l.max(1)).zip(b) {
@@ -264,16 +261,7 @@ fn backward_by_image<T: GemmFloat>(
         let gl = n * l;
         dcols.resize(ck * gl, T::zero());
         let rhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
-        let (lhs, rhs) = (
-            Mat {
-                data: w,
-                transposed: true,
-            },
-            Mat {
-                data: rhs,
-                transposed: false,
-            },
-        );
+        let (lhs, rhs) = (Mat::new(w, true), Mat::new(rhs, false));
         gemm_into(dcols, lhs, rhs, ck, gl, o, false, threads)?;
         for (i, dxb) in dxg.chunks_mut(chw.max(1)).enumerate() {
             let at = ColsAt {
@@ -341,16 +329,7 @@ fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Resul
             }
             let lhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
             // dW[:, part] (+)= dY_group [O, n L] x cols_part^T [n L, r].
-            let (lhs, rhs) = (
-                Mat {
-                    data: lhs,
-                    transposed: false,
-                },
-                Mat {
-                    data: &cols[..r * gl],
-                    transposed: true,
-                },
-            );
+            let (lhs, rhs) = (Mat::new(lhs, false), Mat::new(&cols[..r * gl], true));
             gemm_into(&mut dw, lhs, rhs, o, r, gl, gi > 0, threads)?;
         }
         Ok(dw)
