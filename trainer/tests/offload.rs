@@ -400,27 +400,20 @@ fn plan_per_rank_counts_the_largest_share() {
             .collect::<Vec<_>>()
     };
     let whole = plan(4, StatePlacement::WithModel);
-    assert_eq!(whole.clone().per_rank(2, 0, &shapes, adamw, false), whole);
-    assert_eq!(whole.clone().per_rank(1, 2, &shapes, adamw, false), whole);
-    let z1 = whole.clone().per_rank(2, 1, &shapes, adamw, true);
+    assert_eq!(whole.clone().per_rank(2, 0, &shapes, adamw), whole);
+    assert_eq!(whole.clone().per_rank(1, 2, &shapes, adamw), whole);
+    let z1 = whole.clone().per_rank(2, 1, &shapes, adamw);
     assert_eq!(row(&z1, "AdamW moments"), [(8 * 14, false)]);
     assert_eq!(row(&z1, "gradient sums"), [(4 * 28, false)]);
-    // Masters kept whole (an EMA reads them), else each rank's share.
-    assert_eq!(row(&z1, "master weights"), [(4 * 28, false)]);
-    assert_eq!(
-        row(
-            &whole.clone().per_rank(2, 1, &shapes, adamw, false),
-            "master weights"
-        ),
-        [(4 * 14, false)]
-    );
-    let z2 = whole.clone().per_rank(3, 2, &shapes, adamw, false);
+    // Each rank keeps its share of the masters.
+    assert_eq!(row(&z1, "master weights"), [(4 * 14, false)]);
+    let z2 = whole.clone().per_rank(3, 2, &shapes, adamw);
     assert_eq!(row(&z2, "AdamW moments"), [(8 * 10, false)]);
     assert_eq!(row(&z2, "gradient sums"), [(4 * 10, false)]);
     assert_eq!(row(&z2, "master weights"), [(4 * 10, false)]);
     // One micro-batch a step, offloaded: its bf16 gradients, then this rank's fp32 sums on
     // the host beside its state.
-    let off = plan(1, StatePlacement::Host).per_rank(2, 2, &shapes, adamw, false);
+    let off = plan(1, StatePlacement::Host).per_rank(2, 2, &shapes, adamw);
     assert_eq!(row(&off, "gradient sums"), [(4 * 14, true)]);
     assert_eq!(row(&off, "AdamW moments"), [(8 * 14, true)]);
     assert_eq!(row(&off, "master weights"), [(4 * 14, true)]);

@@ -31,9 +31,6 @@ pub type Setup = ft_trainer::train::Session<SdxlTask>;
 fn resolved(args: &Args) -> Result<Args> {
     let mut args = args.clone();
     args.validate()?;
-    // Rank 0's EMA averages every fp32 master: under --zero rank 0 keeps them all (its
-    // optimizer state and gradient sums are still its share).
-    args.common.masters_on_main = args.ema;
     let out = args.common.create_output_dir()?;
     if args.common.demo {
         // Rank 0 writes the demo; the other ranks of a data-parallel run read it.
@@ -92,12 +89,22 @@ fn unet_plan(
     profile.outer += 4 * n * (2 + (dtype != DType::F32) as u64);
     let what = format!("UNet and loss, batch {} at {} px", shape.batch, args.res);
     let plan = args.common.with_activations(plan, &what, &profile)?;
-    let (n, _) = store.count(true);
-    Ok(if args.ema {
-        plan.with("EMA (fp32)", 4 * n as u64, args.ema_device == "cpu")
-    } else {
-        plan
-    })
+    if !args.ema {
+        return Ok(plan);
+    }
+    // Over several ranks each keeps its share of the average (ZeRO's partition).
+    let world = args.common.planned_world()?;
+    let sizes: Vec<usize> = store
+        .shapes(true)
+        .iter()
+        .map(|s| s.iter().product())
+        .collect();
+    let share = ft_trainer::update::zero::largest_share(&sizes, world) as u64;
+    let label = match world {
+        1 => "EMA (fp32)".to_string(),
+        w => format!("EMA (fp32): this rank's share ({w} ranks)"),
+    };
+    Ok(plan.with(&label, 4 * share, args.ema_device == "cpu"))
 }
 
 /// Resolves model and data, builds the cache, loads the UNet. With `--demo`, first writes the
@@ -338,10 +345,10 @@ fn cache_settings(
 }
 
 /// With `--ema`, the average of the optimizer's weights (its fp32 masters where it has them) on
-/// the host or the device, restored from the checkpoint being resumed.
+/// the host or the device, restored from the checkpoint being resumed: this rank's share of it
+/// in a data-parallel run (rank 0 takes the others' to evaluate and save).
 fn ema(args: &Args, optimizer: &MixedOptimizer, device: &Device) -> Result<Option<Ema>> {
-    // Rank 0 alone evaluates with the average and saves it: the other ranks keep none.
-    if !args.ema || !ranks::is_main()? {
+    if !args.ema {
         return Ok(None);
     }
     let ema_device = if args.ema_device == "cpu" {
@@ -349,12 +356,15 @@ fn ema(args: &Args, optimizer: &MixedOptimizer, device: &Device) -> Result<Optio
     } else {
         device.clone()
     };
-    let mut ema = Ema::new(
+    let sizes: Vec<usize> = optimizer.params().iter().map(|p| p.elem_count()).collect();
+    let mut ema = Ema::sharded(
         optimizer.names(),
         optimizer.weights(),
+        &sizes,
         args.ema_decay,
         args.ema_every,
         &ema_device,
+        ranks::world()?,
     )?;
     if let Some(dir) = &args.common.resume {
         let saved =

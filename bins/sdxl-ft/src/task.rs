@@ -332,6 +332,10 @@ impl Task for SdxlTask {
         // No sample prompts (`--num-samples 0`) and no MMD: the validation loss alone.
         let write_samples = !self.cache.manifest.prompts.is_empty();
         if !write_samples && self.mmd.is_none() {
+            // The other ranks wait to hear whether their shares of the EMA are wanted.
+            if let Some(ema) = &self.ema {
+                ema.decline()?;
+            }
             return Ok(metrics);
         }
         let params = self.trainable()?;
@@ -359,11 +363,24 @@ impl Task for SdxlTask {
         let weights = self.store.all();
         save_unet(&dir.join("unet"), &self.pipeline.unet_json, &weights)?;
         if let Some(ema) = &self.ema {
-            save_unet(
-                &dir.join("unet_ema"),
-                &self.pipeline.unet_json,
-                &ema.tensors(),
-            )?;
+            // The other ranks' shares arrive one tensor at a time as the file is written.
+            write_unet(&dir.join("unet_ema"), &self.pipeline.unet_json, |file| {
+                Ok(ema.write(file)?)
+            })?;
+        }
+        Ok(())
+    }
+
+    fn serve_evaluation(&mut self) -> TaskResult<()> {
+        if let Some(ema) = &self.ema {
+            ema.serve_evaluation()?;
+        }
+        Ok(())
+    }
+
+    fn serve_save(&self) -> TaskResult<()> {
+        if let Some(ema) = &self.ema {
+            ema.send()?;
         }
         Ok(())
     }
@@ -393,8 +410,19 @@ pub fn save_unet(
     config: &serde_json::Value,
     tensors: &[(String, Tensor)],
 ) -> Result<()> {
+    write_unet(dir, config, |file| {
+        Ok(ft_params::fs::save_safetensors(tensors, file)?)
+    })
+}
+
+/// [`save_unet`] with the weights file written by `weights` (given its path).
+fn write_unet(
+    dir: &Path,
+    config: &serde_json::Value,
+    weights: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
-    ft_params::fs::save_safetensors(tensors, &dir.join("diffusion_pytorch_model.safetensors"))?;
+    weights(&dir.join("diffusion_pytorch_model.safetensors"))?;
     let text = serde_json::to_string_pretty(config)?;
     ft_params::fs::write_atomic(&dir.join("config.json"), |f| {
         std::io::Write::write_all(f, text.as_bytes())

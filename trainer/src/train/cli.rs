@@ -136,16 +136,11 @@ pub struct CommonArgs {
     /// ZeRO over the ranks of a data-parallel run (DeepSpeed's zero_optimization.stage): 0
     /// off; 1 partitions the optimizer state (each rank keeps and updates its share of the
     /// parameters, then sends the updated weights to the others); 2 also the summed gradients
-    /// (each parameter's reaches only the rank that updates it). The fp32 master weights stay
-    /// whole on every rank. Checkpoints hold the whole state and resume at any number of
-    /// ranks. Same updates as without.
+    /// (each parameter's reaches only the rank that updates it). The fp32 master weights are
+    /// partitioned with the state. Checkpoints hold the whole state and resume at any number
+    /// of ranks. Same updates as without.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
-    /// Under --zero, rank 0 keeps every fp32 master weight, not only its share: set by a
-    /// binary whose task reads them all after each step there (sdxl-ft's EMA), not a flag.
-    #[arg(skip)]
-    #[serde(skip)]
-    pub masters_on_main: bool,
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -453,9 +448,17 @@ impl CommonArgs {
             opt.optimizer_mut().set_stochastic_rounding(Some(seed));
         }
         if self.zero > 0 {
-            opt.shard(self.zero, super::ranks::world()?, self.masters_on_main)?;
+            opt.shard(self.zero, super::ranks::world()?)?;
         }
         Ok(opt)
+    }
+
+    /// The ranks a plan is for: `--plan-ranks`, else the ranks this process was launched with.
+    pub fn planned_world(&self) -> Result<usize> {
+        Ok(match self.plan_ranks {
+            Some(n) => n,
+            None => super::ranks::world()?.world(),
+        })
     }
 
     /// The memory plan of training the trainable tensors of `store` (a loaded model, or one
@@ -469,10 +472,7 @@ impl CommonArgs {
         precision: Precision,
     ) -> Result<StatePlan> {
         let shapes = store.shapes(true);
-        let world = match self.plan_ranks {
-            Some(n) => n,
-            None => super::ranks::world()?.world(),
-        };
+        let world = self.planned_world()?;
         let plan = state_plan(
             &shapes,
             &precision,
@@ -481,13 +481,7 @@ impl CommonArgs {
             self.accum,
             self.device != "cpu",
         )
-        .per_rank(
-            world,
-            self.zero,
-            &shapes,
-            self.optim_spec()?,
-            self.masters_on_main,
-        );
+        .per_rank(world, self.zero, &shapes, self.optim_spec()?);
         let segments = store.segments(segments);
         Ok(if self.fused_backward {
             plan.under_fused_backward(segments, self.optim_spec()?)

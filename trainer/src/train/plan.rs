@@ -223,8 +223,7 @@ impl StatePlan {
     /// The plan of one rank of `world` under ZeRO `stage` (0: none, the plan unchanged), for
     /// the trainable tensors of `shapes` trained with `optim`: the optimizer state and fp32
     /// masters of the rank that owns the most (parameters assigned as
-    /// [`crate::update::zero::partition`] assigns them; every master with `masters_on_main`,
-    /// rank 0 keeping them all), and under stage 2 the fp32 gradient sums of its parameters
+    /// [`crate::update::zero::partition`] assigns them), and under stage 2 the fp32 gradient sums of its parameters
     /// alone (with one micro-batch a step they come on top of that micro-batch's gradients,
     /// which the reduce turns into them).
     pub fn per_rank(
@@ -233,7 +232,6 @@ impl StatePlan {
         stage: u8,
         shapes: &[Vec<usize>],
         optim: &OptimSpec,
-        masters_on_main: bool,
     ) -> Self {
         if stage == 0 || world < 2 {
             return self;
@@ -261,16 +259,8 @@ impl StatePlan {
         let fp32_share = most(&|i| 4 * sizes[i] as u64);
         if let Some(i) = self.masters_row {
             let r = &mut self.rows[i];
-            if masters_on_main {
-                r.component = format!(
-                    "{}: all of them on rank 0, which reads them (the other ranks: {} each)",
-                    r.component,
-                    fmt(fp32_share)
-                );
-            } else {
-                r.bytes = fp32_share;
-                r.component = format!("{}: this rank's share ({world} ranks)", r.component);
-            }
+            r.bytes = fp32_share;
+            r.component = format!("{}: this rank's share ({world} ranks)", r.component);
         }
         if stage == 2 {
             let sums = fp32_share;

@@ -210,6 +210,9 @@ pub fn run<T: Task>(
                     stop[0] = 1;
                 }
             }
+            if !main {
+                l.task.serve_evaluation().map_err(Error::Task)?;
+            }
             comm.broadcast(&mut stop, 0)?;
             if stop[1] == 1 {
                 l.save_as(&best, "best")?;

@@ -8,7 +8,7 @@ use std::path::Path;
 use super::eval::BestState;
 use super::task::Task;
 use crate::error::{Error, Result};
-use crate::update::{MixedOptimizer, OptimizerState};
+use crate::update::MixedOptimizer;
 
 /// Where a run is: what a checkpoint records besides the model and the optimizer.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,21 +40,13 @@ pub(super) struct TrainerState {
 /// as a whole: everything goes to `dir.tmp` first, which is renamed over `dir` at the end. A
 /// failure (a full disk) names the checkpoint and removes the partial `dir.tmp`; what was saved
 /// before stays as it was.
+///
+/// In a data-parallel run rank 0 calls it while every other rank sends what it holds of the
+/// model ([`Task::serve_save`]) and then of the optimizer state
+/// ([`MixedOptimizer::send_state`]), in that order, as rank 0 writes them.
 pub fn save_checkpoint<T: Task>(
     task: &T,
     opt: &MixedOptimizer,
-    at: &Progress,
-    dir: &Path,
-) -> Result<()> {
-    save_with_state(task, opt, opt.state(), at, dir)
-}
-
-/// [`save_checkpoint`] with the optimizer's `state` given (gathered from the ranks under ZeRO:
-/// [`MixedOptimizer::gathered_state`]).
-pub(super) fn save_with_state<T: Task>(
-    task: &T,
-    opt: &MixedOptimizer,
-    state: OptimizerState,
     at: &Progress,
     dir: &Path,
 ) -> Result<()> {
@@ -66,7 +58,7 @@ pub(super) fn save_with_state<T: Task>(
         )));
     }
     let tmp = dir.with_extension("tmp");
-    let written = write_into(task, state, at, &tmp).and_then(|_| replace(&tmp, dir));
+    let written = write_into(task, opt, at, &tmp).and_then(|_| replace(&tmp, dir));
     written.map_err(|e| {
         let _ = std::fs::remove_dir_all(&tmp);
         Error::Invalid(format!(
@@ -79,15 +71,13 @@ pub(super) fn save_with_state<T: Task>(
 }
 
 /// Everything of a checkpoint, into the folder `tmp`.
-fn write_into<T: Task>(task: &T, state: OptimizerState, at: &Progress, tmp: &Path) -> Result<()> {
+fn write_into<T: Task>(task: &T, opt: &MixedOptimizer, at: &Progress, tmp: &Path) -> Result<()> {
     if tmp.exists() {
         std::fs::remove_dir_all(tmp).map_err(|e| Error::io(tmp, e))?;
     }
     std::fs::create_dir_all(tmp).map_err(|e| Error::io(tmp, e))?;
     task.save_model(tmp).map_err(Error::Task)?;
-    let (opt_step, loss_scale, tensors) = state;
-    ft_params::fs::save_safetensors(&tensors, &tmp.join("optimizer.safetensors"))?;
-    let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+    let (opt_step, loss_scale, names) = opt.write_state(&tmp.join("optimizer.safetensors"))?;
     let state = serde_json::json!({
         "global_step": at.step,
         "epoch": at.epoch,

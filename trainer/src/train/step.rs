@@ -13,7 +13,7 @@ use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::Checkpointer;
 
 use super::eval::Best;
-use super::saved::{save_with_state, Progress, Split};
+use super::saved::{save_checkpoint, Progress, Split};
 use super::settings::LoopConfig;
 use super::task::{StepCtx, Task, Units};
 use crate::error::{Error, Result};
@@ -531,15 +531,20 @@ impl<T: Task> Loop<'_, T> {
         self.save_as(best, &name)
     }
 
-    /// Saves the checkpoint folder `name` in the output folder: every rank calls it (under ZeRO
-    /// each sends its share of the optimizer state), rank 0 writes it and the others wait until
-    /// it is written.
+    /// Saves the checkpoint folder `name` in the output folder: every rank calls it, rank 0
+    /// writes it while the others send what they alone hold (a share of the EMA, of the
+    /// optimizer state under ZeRO), and they wait until it is written.
     pub(super) fn save_as(&mut self, best: &Best, name: &str) -> Result<std::path::PathBuf> {
         let dir = self.cfg.output_dir.join(name);
-        if let Some(state) = self.opt.gathered_state(self.comm.rank())? {
-            save_with_state(self.task, self.opt, state, &self.progress(best), &dir)?;
+        if self.comm.is_main() {
+            save_checkpoint(self.task, self.opt, &self.progress(best), &dir)?;
+        } else {
+            self.task.serve_save().map_err(Error::Task)?;
+            self.opt.send_state()?;
         }
         self.comm.barrier();
+        // The save's own peak (rank 0 writes the other ranks' shares as they arrive).
+        self.ledger.mark("save", self.step)?;
         Ok(dir)
     }
 }

@@ -67,8 +67,19 @@ pub trait Task {
     }
     /// Evaluation metrics at `step` (the ledger gets `eval/...` points from the loop around it).
     fn evaluate(&mut self, step: u64, ledger: &mut Ledger) -> TaskResult<Vec<(String, f64)>>;
-    /// Writes the model in its Hugging Face layout into `dir`.
+    /// Writes the model in its Hugging Face layout into `dir` (rank 0 of a data-parallel run).
     fn save_model(&self, dir: &Path) -> TaskResult<()>;
+    /// On every rank but 0 of a data-parallel run while rank 0 runs [`Task::evaluate`]: sends
+    /// what that evaluation needs from this rank (sdxl-ft: its share of the EMA). By default
+    /// rank 0 needs nothing.
+    fn serve_evaluation(&mut self) -> TaskResult<()> {
+        Ok(())
+    }
+    /// On every rank but 0 while rank 0 runs [`Task::save_model`]: sends what rank 0 writes
+    /// from this rank (sdxl-ft: its share of the EMA). By default nothing.
+    fn serve_save(&self) -> TaskResult<()> {
+        Ok(())
+    }
     /// Position in the data (epoch, order, cursor) for resume.
     fn data_state(&self) -> serde_json::Value;
     fn restore_data_state(&mut self, state: &serde_json::Value) -> TaskResult<()>;

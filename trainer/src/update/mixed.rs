@@ -137,15 +137,14 @@ impl MixedOptimizer {
     }
 
     /// Partitions the optimizer state and the fp32 masters over the ranks of `comm` (ZeRO
-    /// `stage` 1, or 2 with the summed gradients too; see [`super::zero`]), rank 0 keeping
-    /// every master with `masters_on_main` (for a task of its own that reads them all after
-    /// each step). Before any step or restored state: each rank then keeps and updates only
-    /// its parameters' state, and frees the masters it does not keep.
-    pub fn shard(&mut self, stage: u8, comm: Rc<Comm>, masters_on_main: bool) -> Result<()> {
+    /// `stage` 1, or 2 with the summed gradients too; see [`super::zero`]). Before any step or
+    /// restored state: each rank then keeps and updates only its parameters' state, and frees
+    /// the masters of the others.
+    pub fn shard(&mut self, stage: u8, comm: Rc<Comm>) -> Result<()> {
         let sizes: Vec<usize> = self.model.iter().map(|v| v.elem_count()).collect();
-        let zero = Zero::new(stage, comm, &sizes, masters_on_main)?;
+        let zero = Zero::new(stage, comm, &sizes)?;
         for (i, m) in self.masters.iter_mut().enumerate() {
-            if !zero.keeps_master(i) {
+            if !zero.owns(i) {
                 // An empty stand-in keeps the lists aligned: no update, state or write ever
                 // reads it (this rank never holds the parameter's summed gradient).
                 *m = Var::from_tensor(&Tensor::zeros(0, DType::F32, m.device())?)?;
@@ -313,22 +312,38 @@ impl MixedOptimizer {
         (t, self.loss_scale(), tensors)
     }
 
-    /// [`MixedOptimizer::state`] whole on rank 0 for its checkpoint, `None` on the others:
-    /// under ZeRO every rank must call it (each sends its share of the optimizer state); else
-    /// only rank 0 needs to.
-    pub fn gathered_state(&self, rank: usize) -> Result<Option<OptimizerState>> {
-        let Some(z) = &self.zero else {
-            return Ok((rank == 0).then(|| self.state()));
-        };
+    /// Writes [`MixedOptimizer::state`]'s tensors into one safetensors file at `path` (on rank
+    /// 0; under ZeRO the other ranks send their shares in [`MixedOptimizer::send_state`] as it
+    /// is written, one tensor at a time) and returns the step count, the loss scale and the
+    /// tensors' names: what the checkpoint's `trainer_state.json` lists.
+    pub fn write_state(&self, path: &std::path::Path) -> Result<(u64, f64, Vec<String>)> {
+        let solo = ft_dist::Comm::solo();
+        let (t, local) = self.local_state();
+        let comm = self.zero.as_ref().map_or(&solo, |z| z.comm());
+        let gathered = super::gather::gather(comm, local)?.ok_or_else(|| {
+            crate::Error::Invalid("the optimizer state is written by rank 0 alone".into())
+        })?;
+        Ok((t, self.loss_scale(), gathered.write(path)?))
+    }
+
+    /// Under ZeRO, on every rank but 0 while rank 0 runs [`MixedOptimizer::write_state`]: sends
+    /// this rank's share of the state. Without ZeRO rank 0 holds it all: nothing to send.
+    pub fn send_state(&self) -> Result<()> {
+        if let Some(z) = &self.zero {
+            super::gather::gather(z.comm(), self.local_state().1)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer's step count and the state this rank holds: all of it, or under ZeRO its
+    /// parameters' state and masters.
+    fn local_state(&self) -> (u64, Vec<(String, Tensor)>) {
         let (t, mut local) = self.optimizer.state();
-        let masters = self.masters.iter().enumerate();
-        // Rank 0 has every master when it keeps them, else each owner sends its own.
-        let send = |i: usize| !z.masters_on_main() && z.owns(i) || z.masters_on_main() && rank == 0;
-        for (i, m) in masters.filter(|(i, _)| send(*i)) {
+        let owns = |i: usize| self.zero.as_ref().is_none_or(|z| z.owns(i));
+        for (i, m) in self.masters.iter().enumerate().filter(|(i, _)| owns(*i)) {
             local.push((format!("master.{i}"), m.as_tensor().clone()));
         }
-        let tensors = z.gather_state(local)?;
-        Ok((rank == 0).then(|| (t, self.loss_scale(), tensors)))
+        (t, local)
     }
 
     /// Restores what [`MixedOptimizer::state`] returned (the model weights are loaded separately).

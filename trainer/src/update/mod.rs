@@ -13,6 +13,7 @@
 
 mod accumulate;
 mod fused_backward;
+pub(crate) mod gather;
 mod mixed;
 mod mode;
 mod norm;

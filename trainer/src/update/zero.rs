@@ -13,22 +13,24 @@
 //! The fp32 master weights are partitioned like the state (as DeepSpeed's are): a rank keeps the
 //! masters of its own parameters. After the update each owner sends the weights it updated
 //! (the masters where there are some, else the model's own) to the others, which write them
-//! into their model as the owner did: every rank then holds the weights one process would. A
-//! run whose task reads every fp32 weight after each step (sdxl-ft's EMA, which rank 0 alone
-//! keeps) has rank 0 keep every master, stored as they arrive. Parameters are assigned
+//! into their model as the owner did: every rank then holds the weights one process would. (A
+//! task that reads the fp32 weights after each step reads its share: sdxl-ft's EMA is kept by
+//! the same owners.) Parameters are assigned
 //! greedily by size, largest first, each to the rank with the fewest values so far (PyTorch's
 //! ZeroRedundancyOptimizer), the same on every rank.
 //!
 //! The clipping norm is exact: each rank's per-tensor sums of squares of the gradients it owns
 //! travel in one all-reduce (every entry summed with zeros), then are added in parameter order
-//! as one process adds them. A checkpoint gathers the ranks' state to rank 0, which saves it
-//! whole: it resumes at any number of ranks, with or without ZeRO.
+//! as one process adds them. A checkpoint's state goes to rank 0 one tensor at a time
+//! ([`super::gather`]), which saves it whole: it resumes at any number of ranks, with or
+//! without ZeRO.
 
 use std::rc::Rc;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use ft_dist::Comm;
 
+use super::gather::{from_wire, to_wire};
 use super::norm::sum_of_squares_each;
 use super::reduce::{all_reduce_gradients, reduce_gradients_to_owners, BUCKET};
 use crate::error::{Error, Result};
@@ -36,8 +38,6 @@ use crate::error::{Error, Result};
 /// The ZeRO stage of a run and each parameter's owner.
 pub struct Zero {
     stage: u8,
-    /// Rank 0 keeps every fp32 master (the others keep their own parameters' alone).
-    masters_on_main: bool,
     /// Each parameter's number of values.
     sizes: Vec<usize>,
     comm: Rc<Comm>,
@@ -48,6 +48,21 @@ pub struct Zero {
     /// Stage 2: the parameters that had a gradient on some rank in this step's micro-batches
     /// reduced so far (`None` until the first): the sums are then on their owners already.
     reduced: Option<Vec<bool>>,
+}
+
+/// The most values [`partition`] gives one rank: what the rank holding the most keeps of a
+/// state of one value a parameter value.
+pub fn largest_share(sizes: &[usize], world: usize) -> usize {
+    let owner = partition(sizes, world);
+    (0..world.max(1))
+        .map(|r| {
+            (0..sizes.len())
+                .filter(|&i| owner[i] == r)
+                .map(|i| sizes[i])
+                .sum()
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Each of the parameters of `sizes` values assigned to one of `world` ranks: largest first, to
@@ -71,9 +86,8 @@ pub fn partition(sizes: &[usize], world: usize) -> Vec<usize> {
 }
 
 impl Zero {
-    /// ZeRO `stage` (1 or 2) over the ranks of `comm`, for parameters of `sizes` values, rank
-    /// 0 keeping every fp32 master with `masters_on_main`.
-    pub fn new(stage: u8, comm: Rc<Comm>, sizes: &[usize], masters_on_main: bool) -> Result<Self> {
+    /// ZeRO `stage` (1 or 2) over the ranks of `comm`, for parameters of `sizes` values.
+    pub fn new(stage: u8, comm: Rc<Comm>, sizes: &[usize]) -> Result<Self> {
         if !(1..=2).contains(&stage) {
             return Err(Error::Invalid(format!(
                 "--zero {stage}: stages 1 (optimizer state) and 2 (and gradients) are \
@@ -83,7 +97,6 @@ impl Zero {
         let owner = partition(sizes, comm.world());
         Ok(Zero {
             stage,
-            masters_on_main,
             sizes: sizes.to_vec(),
             comm,
             present: vec![false; owner.len()],
@@ -96,15 +109,9 @@ impl Zero {
         self.stage
     }
 
-    /// Whether rank 0 keeps every fp32 master (see [`Zero::keeps_master`]).
-    pub fn masters_on_main(&self) -> bool {
-        self.masters_on_main
-    }
-
-    /// Whether this rank keeps parameter `i`'s fp32 master: its own parameters', and every
-    /// one on rank 0 when the task reads them all.
-    pub fn keeps_master(&self, i: usize) -> bool {
-        self.owns(i) || (self.masters_on_main && self.comm.rank() == 0)
+    /// The ranks' communicator.
+    pub fn comm(&self) -> &Comm {
+        &self.comm
     }
 
     /// Whether this rank owns parameter `i`.
@@ -200,8 +207,8 @@ impl Zero {
 
     /// After the owners' update: each owner sends the weights it updated (`weights`: the fp32
     /// masters, shadowing `model`, or the model's own without masters), and the other ranks
-    /// write them into their model as the owner's update did, keeping a master only where
-    /// [`Zero::keeps_master`] says so.
+    /// write them into their model as the owner's update did (each rank keeps the masters of
+    /// its own parameters alone).
     pub fn share_updates(&self, weights: &[Var], model: Option<&[Var]>) -> Result<()> {
         let me = self.comm.rank();
         let size = |i: usize| self.sizes[i];
@@ -233,14 +240,8 @@ impl Zero {
                         continue;
                     };
                     let m = &model[i];
-                    if self.keeps_master(i) {
-                        let w = &weights[i];
-                        w.set(&from_wire(values, DType::F32, m.dims(), w.device())?)?;
-                        crate::optim::write_master(w, m)?;
-                    } else {
-                        let master = Tensor::from_slice(values, m.dims(), &Device::Cpu)?;
-                        crate::optim::write_master(&master, m)?;
-                    }
+                    let master = Tensor::from_slice(values, m.dims(), &Device::Cpu)?;
+                    crate::optim::write_master(&master, m)?;
                 }
             }
         }
@@ -248,8 +249,7 @@ impl Zero {
     }
 
     /// What this rank restores of a whole checkpoint's state: the per-parameter state
-    /// (`{kind}.{i}`) of the parameters it owns, the masters it keeps, and what belongs to
-    /// no parameter.
+    /// (`{kind}.{i}`, masters too) of the parameters it owns, and what belongs to no parameter.
     pub fn own_state(&self, tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
         tensors
             .iter()
@@ -259,67 +259,11 @@ impl Zero {
                     .and_then(|(_, i)| i.parse::<usize>().ok());
                 match index {
                     None => true,
-                    Some(i) if name.starts_with("master.") => self.keeps_master(i),
                     Some(i) => self.owns(i),
                 }
             })
             .cloned()
             .collect()
-    }
-
-    /// Every rank's optimizer state (`local` on each) on rank 0, sorted by name and parameter;
-    /// empty on the other ranks. Every rank must call it. Each rank sends its shards to rank 0
-    /// alone, one tensor at a time, so the other ranks neither receive nor hold them.
-    pub fn gather_state(&self, local: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
-        let me = self.comm.rank();
-        if me != 0 {
-            // What this rank holds: names, dtypes and shapes, as one line of JSON; then each
-            // tensor's values.
-            let list: Vec<serde_json::Value> = local
-                .iter()
-                .map(|(n, t)| serde_json::json!([n, t.dtype().as_str(), t.dims()]))
-                .collect();
-            let header = serde_json::Value::from(list).to_string().into_bytes();
-            // Every tensor made ready before the first send: an error after it would leave
-            // rank 0 waiting for a message that never comes.
-            let wires = local
-                .iter()
-                .map(|(_, t)| to_wire(t))
-                .collect::<Result<Vec<_>>>()?;
-            self.comm.send(&[header.len() as u64], 0)?;
-            self.comm.send(&header, 0)?;
-            for wire in &wires {
-                self.comm.send(wire, 0)?;
-            }
-            return Ok(Vec::new());
-        }
-        let mut all = local;
-        for from in 1..self.comm.world() {
-            let mut len = [0u64];
-            self.comm.recv(&mut len, from)?;
-            let mut header = vec![0u8; len[0] as usize];
-            self.comm.recv(&mut header, from)?;
-            let list: Vec<(String, String, Vec<usize>)> = serde_json::from_slice(&header)
-                .map_err(|e| Error::Invalid(format!("rank {from}'s optimizer state list: {e}")))?;
-            for (name, dtype, dims) in list {
-                let mut buf = vec![0f32; dims.iter().product()];
-                self.comm.recv(&mut buf, from)?;
-                let dtype: DType = dtype.parse().map_err(|_| {
-                    Error::Invalid(format!("rank {from}'s state `{name}`: dtype {dtype}"))
-                })?;
-                all.push((name, from_wire(&buf, dtype, &dims, &Device::Cpu)?));
-            }
-        }
-        all.sort_by(|(a, _), (b, _)| state_key(a).cmp(&state_key(b)));
-        Ok(all)
-    }
-}
-
-/// `exp_avg.12` as (`exp_avg`, 12), so parameter 12 sorts after parameter 2.
-fn state_key(name: &str) -> (&str, usize) {
-    match name.rsplit_once('.') {
-        Some((kind, i)) => (kind, i.parse().unwrap_or(usize::MAX)),
-        None => (name, 0),
     }
 }
 
@@ -338,24 +282,6 @@ fn buckets(members: &[usize], size: impl Fn(usize) -> usize) -> Vec<Vec<usize>> 
         filled += size(i);
     }
     out
-}
-
-/// A tensor's values as fp32 for a message: exact for the dtypes of weights and optimizer
-/// state (fp32, bf16, f16, 8-bit codes).
-fn to_wire(t: &Tensor) -> Result<Vec<f32>> {
-    match t.dtype() {
-        DType::F32 | DType::BF16 | DType::F16 | DType::U8 => {
-            Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-        }
-        other => Err(Error::Invalid(format!(
-            "a {other:?} tensor cannot travel between ranks as fp32 exactly"
-        ))),
-    }
-}
-
-/// What [`to_wire`] sent, back as a tensor of `dtype` and `dims` on `device`.
-fn from_wire(values: &[f32], dtype: DType, dims: &[usize], device: &Device) -> Result<Tensor> {
-    Ok(Tensor::from_slice(values, dims, device)?.to_dtype(dtype)?)
 }
 
 #[cfg(test)]
@@ -381,30 +307,23 @@ mod tests {
 
     #[test]
     fn one_rank_owns_everything_and_keeps_its_state() -> Result<()> {
-        let z = Zero::new(2, Rc::new(Comm::solo()), &[2, 3], false)?;
+        let z = Zero::new(2, Rc::new(Comm::solo()), &[2, 3])?;
         assert!(z.owns(0) && z.owns(1) && !z.owns(2));
         let t = Tensor::new(&[1f32], &Device::Cpu)?;
         let state = vec![
             ("exp_avg.1".to_string(), t.clone()),
             ("master.0".to_string(), t.clone()),
+            ("master.2".to_string(), t.clone()),
         ];
         assert_eq!(z.own_state(&state).len(), 2);
-        let gathered = z.gather_state(state)?;
-        assert_eq!(gathered[0].0, "exp_avg.1");
-        assert!(Zero::new(3, Rc::new(Comm::solo()), &[1], false).is_err());
+        assert!(Zero::new(3, Rc::new(Comm::solo()), &[1]).is_err());
         Ok(())
     }
 
     #[test]
-    fn the_wire_is_exact_for_weights_and_codes() -> Result<()> {
-        let t = Tensor::new(&[1.5f32, -3.25e-5, 7e30], &Device::Cpu)?;
-        for dt in [DType::F32, DType::BF16, DType::F16, DType::U8] {
-            let x = t.abs()?.clamp(0f32, 255f32)?.to_dtype(dt)?;
-            let back = from_wire(&to_wire(&x)?, dt, x.dims(), &Device::Cpu)?;
-            let (a, b) = (x.to_dtype(DType::F64)?, back.to_dtype(DType::F64)?);
-            assert_eq!(a.to_vec1::<f64>()?, b.to_vec1::<f64>()?);
-        }
-        assert!(to_wire(&t.to_dtype(DType::F64)?).is_err());
-        Ok(())
+    fn the_largest_share_is_the_most_loaded_rank() {
+        // Loads 11, 10, 10 (the partition test above).
+        assert_eq!(largest_share(&[4, 10, 1, 8, 6, 2], 3), 11);
+        assert_eq!(largest_share(&[4, 10, 1], 1), 15);
     }
 }

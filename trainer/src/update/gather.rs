@@ -1,0 +1,198 @@
+//! Named tensors that a data-parallel run's ranks hold between them, taken by rank 0 one at a
+//! time: a checkpoint's optimizer state under ZeRO, the shares of an EMA. Rank 0 writes the
+//! whole into one file (or into its model) while never holding more than one tensor from the
+//! other ranks; gathering it all first would put a second copy of every rank's share on rank 0
+//! (a fifth of the model's moments from each of four ranks: gigabytes on a large model).
+//!
+//! Each rank but 0 sends a list of what it holds (names, dtypes, shapes: one line of JSON),
+//! then each tensor's values in fp32 ([`to_wire`]: exact for the dtypes of weights and
+//! optimizer state), in name order ([`name_key`]). Rank 0 reads every list first, so it knows
+//! the whole before the first tensor (what a file's header needs), then takes the tensors in
+//! name order across the ranks, its own where it holds them: each rank's tensors arrive in
+//! the order that rank sent them, so any number of ranks writes the file one process writes.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use ft_dist::Comm;
+use ft_params::fs::TensorEntry;
+
+use crate::error::{Error, Result};
+
+/// Rank 0's side of a gather: the whole list, then the tensors in its order.
+pub struct Gathered<'a> {
+    comm: &'a Comm,
+    /// Every rank's tensors in name order, with the rank holding each.
+    entries: Vec<(TensorEntry, usize)>,
+    /// Rank 0's own tensors, by name.
+    own: HashMap<String, Tensor>,
+    next: usize,
+}
+
+/// Every rank's `local` tensors, for rank 0 to take one at a time: `Some` on rank 0 (its own
+/// list given to the others' lists), `None` on the other ranks once they have sent theirs.
+/// Every rank must call it, and rank 0 must then take every tensor ([`Gathered::next`]).
+pub fn gather(comm: &Comm, mut local: Vec<(String, Tensor)>) -> Result<Option<Gathered<'_>>> {
+    local.sort_by(|(a, _), (b, _)| name_key(a).cmp(&name_key(b)));
+    let me = comm.rank();
+    if me != 0 {
+        // Every dtype checked before the first send: an error after it would leave rank 0
+        // waiting for a message that never comes. Each tensor is converted as it goes, so the
+        // sender holds one fp32 copy at a time.
+        for (name, t) in &local {
+            wire_dtype(name, t.dtype())?;
+        }
+        let list: Vec<serde_json::Value> = local
+            .iter()
+            .map(|(n, t)| serde_json::json!([n, t.dtype().as_str(), t.dims()]))
+            .collect();
+        let header = serde_json::Value::from(list).to_string().into_bytes();
+        comm.send(&[header.len() as u64], 0)?;
+        comm.send(&header, 0)?;
+        for (_, t) in &local {
+            comm.send(&to_wire(t)?, 0)?;
+        }
+        return Ok(None);
+    }
+    let mut entries: Vec<(TensorEntry, usize)> = local
+        .iter()
+        .map(|(n, t)| (TensorEntry::of(n, t), 0))
+        .collect();
+    for from in 1..comm.world() {
+        let mut len = [0u64];
+        comm.recv(&mut len, from)?;
+        let mut header = vec![0u8; len[0] as usize];
+        comm.recv(&mut header, from)?;
+        let list: Vec<(String, String, Vec<usize>)> = serde_json::from_slice(&header)
+            .map_err(|e| Error::Invalid(format!("rank {from}'s list of tensors: {e}")))?;
+        for (name, dtype, shape) in list {
+            let dtype: DType = dtype.parse().map_err(|_| {
+                Error::Invalid(format!("rank {from}'s tensor `{name}`: dtype {dtype}"))
+            })?;
+            entries.push((TensorEntry { name, dtype, shape }, from));
+        }
+    }
+    // Stable: each rank's own order (already by name) is kept.
+    entries.sort_by(|(a, _), (b, _)| name_key(&a.name).cmp(&name_key(&b.name)));
+    Ok(Some(Gathered {
+        comm,
+        entries,
+        own: local.into_iter().collect(),
+        next: 0,
+    }))
+}
+
+impl Gathered<'_> {
+    /// What every rank holds, in the order [`Gathered::next`] hands it out.
+    pub fn entries(&self) -> Vec<TensorEntry> {
+        self.entries.iter().map(|(e, _)| e.clone()).collect()
+    }
+
+    /// The next tensor with its name: rank 0's own as it holds it, another rank's on the host.
+    pub fn next(&mut self) -> Result<Option<(String, Tensor)>> {
+        let Some((entry, from)) = self.entries.get(self.next) else {
+            return Ok(None);
+        };
+        self.next += 1;
+        let t = if *from == 0 {
+            self.own
+                .remove(&entry.name)
+                .ok_or_else(|| Error::Invalid(format!("tensor `{}` is listed twice", entry.name)))?
+        } else {
+            let mut buf = vec![0f32; entry.shape.iter().product()];
+            self.comm.recv(&mut buf, *from)?;
+            from_wire(&buf, entry.dtype, &entry.shape, &Device::Cpu)?
+        };
+        Ok(Some((entry.name.clone(), t)))
+    }
+
+    /// Writes every tensor into one safetensors file at `path` as it arrives; returns the
+    /// names written, in order.
+    pub fn write(mut self, path: &std::path::Path) -> Result<Vec<String>> {
+        let entries = self.entries();
+        ft_params::fs::save_safetensors_streamed(path, &entries, |i| match self.next()? {
+            Some((_, t)) => Ok(t),
+            None => Err(Error::Invalid(format!("tensor {i} of a gather never came"))),
+        })?;
+        Ok(entries.into_iter().map(|e| e.name).collect())
+    }
+}
+
+/// `exp_avg.12` as (`exp_avg`, 12, the name), so parameter 12 comes after parameter 2; a name
+/// without a numeric last part sorts by itself after those with one of the same prefix.
+pub(crate) fn name_key(name: &str) -> (&str, usize, &str) {
+    match name.rsplit_once('.') {
+        Some((kind, i)) => (kind, i.parse().unwrap_or(usize::MAX), name),
+        None => (name, 0, name),
+    }
+}
+
+/// Whether a tensor of `dtype` travels as fp32 exactly (fp32, bf16, f16, 8-bit codes).
+fn wire_dtype(name: &str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 | DType::U8 => Ok(()),
+        other => Err(Error::Invalid(format!(
+            "`{name}`: a {other:?} tensor cannot travel between ranks as fp32 exactly"
+        ))),
+    }
+}
+
+/// A tensor's values as fp32 for a message: exact for the dtypes of weights and optimizer
+/// state (fp32, bf16, f16, 8-bit codes).
+pub(crate) fn to_wire(t: &Tensor) -> Result<Vec<f32>> {
+    wire_dtype("a tensor", t.dtype())?;
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// What [`to_wire`] sent, back as a tensor of `dtype` and `dims` on `device`.
+pub(crate) fn from_wire(
+    values: &[f32],
+    dtype: DType,
+    dims: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    Ok(Tensor::from_slice(values, dims, device)?.to_dtype(dtype)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wire_is_exact_for_weights_and_codes() -> Result<()> {
+        let t = Tensor::new(&[1.5f32, -3.25e-5, 7e30], &Device::Cpu)?;
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::U8] {
+            let x = t.abs()?.clamp(0f32, 255f32)?.to_dtype(dt)?;
+            let back = from_wire(&to_wire(&x)?, dt, x.dims(), &Device::Cpu)?;
+            let (a, b) = (x.to_dtype(DType::F64)?, back.to_dtype(DType::F64)?);
+            assert_eq!(a.to_vec1::<f64>()?, b.to_vec1::<f64>()?);
+        }
+        assert!(to_wire(&t.to_dtype(DType::F64)?).is_err());
+        Ok(())
+    }
+
+    /// One process: its own tensors in name order (parameter 12 after parameter 2), written
+    /// whole.
+    #[test]
+    fn one_rank_takes_its_own_in_name_order() -> Result<()> {
+        let comm = Comm::solo();
+        let t = |v: f32| Tensor::new(&[v], &Device::Cpu);
+        let local = vec![
+            ("exp_avg.12".to_string(), t(12.)?),
+            ("master.0".to_string(), t(0.)?),
+            ("exp_avg.2".to_string(), t(2.)?),
+            ("unet.bias".to_string(), t(5.)?),
+            ("unet".to_string(), t(6.)?),
+        ];
+        let mut g = gather(&comm, local)?.expect("rank 0 takes them");
+        let mut names = Vec::new();
+        while let Some((name, _)) = g.next()? {
+            names.push(name);
+        }
+        assert_eq!(
+            names,
+            ["exp_avg.2", "exp_avg.12", "master.0", "unet", "unet.bias"]
+        );
+        Ok(())
+    }
+}
