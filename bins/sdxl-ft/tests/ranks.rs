@@ -44,11 +44,11 @@ fn train(
 #[test]
 fn ranks_train_the_unet_one_process_trains_on_the_combined_batch() -> Result<()> {
     let dir = common::tmp("ranks");
-    // Then 2 ranks under ZeRO-2: each rank updates half of the UNet's tensors and rank 0's
-    // EMA averages the weights the ranks sent; in bf16, each rank keeps the fp32 masters of
-    // its half, rank 0 all of them for its EMA. Then the fused backward (each block's
+    // Then 2 ranks under ZeRO-2: each rank updates half of the UNet's tensors and keeps the
+    // EMA of that half; in bf16, each rank keeps the fp32 masters of its half. Then the fused backward (each block's
     // gradients summed over the ranks as its backward ends, clipped per tensor) against one
-    // process's fused backward.
+    // process's fused backward, without ZeRO and under ZeRO-2 (each block's sums reaching
+    // their owners, which update them and send the weights after the backward).
     const FUSED: &[&str] = &["--fused-backward", "--checkpointing", "blocks"];
     let mut one_process = std::collections::HashMap::new();
     for (np, whole, zero, precision, mode) in [
@@ -57,6 +57,7 @@ fn ranks_train_the_unet_one_process_trains_on_the_combined_batch() -> Result<()>
         (2, "2", "2", "f32", &[]),
         (2, "2", "2", "bf16", &[]),
         (2, "2", "0", "bf16", FUSED),
+        (2, "2", "2", "bf16", FUSED),
     ] {
         let fused = if mode.is_empty() { "" } else { "-fused" };
         let (one, many) = (
@@ -106,8 +107,7 @@ fn last_eval(dir: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
     let line = text
         .lines()
-        .filter(|l| l.contains("\"eval_"))
-        .last()
+        .rfind(|l| l.contains("\"eval_"))
         .ok_or_else(|| anyhow::anyhow!("{}: no evaluation", dir.display()))?;
     let v: serde_json::Value = serde_json::from_str(line)?;
     Ok(v.as_object().cloned().unwrap_or_default())

@@ -279,14 +279,18 @@ fn ranks_on_gpus_sum_over_nccl_what_one_gpu_trains() -> Result<()> {
 /// epoch's short last step leaving rank 1 without one, so that it only answers the rounds) and
 /// 3 ranks x 1 train what one process's fused backward trains on the combined batch, with
 /// per-tensor clipping (a gradient clipped on one rank's share would differ) and bf16 weights
-/// over fp32 masters.
+/// over fp32 masters; also under ZeRO-2 (2 ranks, the earlier micro-batch's sums each rank's
+/// own) and ZeRO-1 (3 ranks): each round's sums reach the owners, which update and then send
+/// the weights.
 #[test]
 fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> {
     let dir = common::tmp("ranks-fused");
     let (model, data) = model_and_data(&dir)?;
     let (m, d) = (model.display().to_string(), data.display().to_string());
-    let args = |accum: &'static str| {
+    let args = |accum: &'static str, zero: &'static str| {
         let fused = [
+            "--zero",
+            zero,
             "--fused-backward",
             "--checkpointing",
             "blocks",
@@ -297,29 +301,58 @@ fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> 
         ];
         [&three_steps(&m, &d, accum)[..], &fused].concat()
     };
-    for (np, per_rank, whole) in [(2, "2", "4"), (3, "1", "3")] {
+    for (np, per_rank, whole, zero) in [
+        (2, "2", "4", "0"),
+        (3, "1", "3", "0"),
+        (2, "2", "4", "2"),
+        (3, "1", "3", "1"),
+    ] {
         let one = dir.join(format!("one-{whole}"));
-        let Some(expected) = train(1, &one, &args(whole))? else {
-            unreachable!("one process needs no mpirun")
-        };
-        let many = dir.join(format!("ranks-{np}"));
-        let Some(got) = train(np, &many, &args(per_rank))? else {
+        if !one.exists() {
+            let Some(_) = train(1, &one, &args(whole, "0"))? else {
+                unreachable!("one process needs no mpirun")
+            };
+        }
+        let expected: Vec<f64> =
+            ft_trainer::train::metrics::logged(&one.join("metrics.jsonl"), "loss")?
+                .iter()
+                .filter_map(|v| v.as_f64())
+                .collect();
+        let many = dir.join(format!("ranks-{np}-zero-{zero}"));
+        let Some(got) = train(np, &many, &args(per_rank, zero))? else {
             return Ok(());
         };
         assert_eq!(got.len(), 3);
         for (a, b) in got.iter().zip(&expected) {
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs(),
-                "{np} ranks: {got:?} vs {expected:?}"
+                "{np} ranks, ZeRO-{zero}: {got:?} vs {expected:?}"
             );
         }
         let (diff, name) = weights(&many.join("checkpoint-3"))?
             .max_difference(&weights(&one.join("checkpoint-3"))?, |_| true)?;
-        assert!(diff <= 1e-5, "{np} ranks: `{name}` differs by {diff}");
+        assert!(
+            diff <= 1e-5,
+            "{np} ranks, ZeRO-{zero}: `{name}` differs by {diff}"
+        );
         let state =
             |d: &Path| SafetensorsFiles::open(&[d.join("checkpoint-3/optimizer.safetensors")]);
         let (diff, name) = state(&many)?.max_difference(&state(&one)?, |_| true)?;
-        assert!(diff <= 1e-5, "{np} ranks: state `{name}` differs by {diff}");
+        assert!(
+            diff <= 1e-5,
+            "{np} ranks, ZeRO-{zero}: state `{name}` differs by {diff}"
+        );
+        if zero != "0" {
+            // The state was partitioned: rank 0 held its share, less than one process's.
+            let (share, whole) = (
+                held_most(&many, "optimizer_state")?,
+                held_most(&one, "optimizer_state")?,
+            );
+            assert!(
+                share > 0 && share < whole,
+                "ZeRO-{zero}: rank 0's optimizer state {share} B, one process's {whole} B"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

@@ -210,13 +210,6 @@ impl CommonArgs {
         if self.plan_ranks == Some(0) {
             return bad("--plan-ranks must be at least 1");
         }
-        if self.zero > 0 && self.fused_backward {
-            return bad(
-                "--zero with --fused-backward: the fused backward updates each segment on every \
-                 rank from its sums over the ranks, while ZeRO updates each tensor on its owner \
-                 alone (not wired together); use one of the two",
-            );
-        }
         self.schedule.parse::<ScheduleKind>()?;
         self.checkpoint_strategy()?;
         self.fit_target()?;
@@ -453,6 +446,16 @@ impl CommonArgs {
         Ok(opt)
     }
 
+    /// The ZeRO stage the plan counts: stage 2's partitioned gradient sums are those of the
+    /// steps without the fused backward, whose sums of earlier micro-batches stay whole.
+    fn sharded_stage(&self) -> u8 {
+        if self.fused_backward {
+            self.zero.min(1)
+        } else {
+            self.zero
+        }
+    }
+
     /// The ranks a plan is for: `--plan-ranks`, else the ranks this process was launched with.
     pub fn planned_world(&self) -> Result<usize> {
         Ok(match self.plan_ranks {
@@ -481,7 +484,9 @@ impl CommonArgs {
             self.accum,
             self.device != "cpu",
         )
-        .per_rank(world, self.zero, &shapes, self.optim_spec()?);
+        // Under the fused backward each rank's sums of a step's earlier micro-batches are its
+        // own whole ones (its rounds partition the rest, as stage 1's do).
+        .per_rank(world, self.sharded_stage(), &shapes, self.optim_spec()?);
         let segments = store.segments(segments);
         Ok(if self.fused_backward {
             plan.under_fused_backward(segments, self.optim_spec()?)

@@ -377,12 +377,13 @@ impl<T: Task> Loop<'_, T> {
         norm: LossNorm,
         lr: f64,
     ) -> Result<Local> {
-        if self.opt.reduces_each_micro_batch() {
-            return self.forward_backward_sharded(pieces, norm);
-        }
+        // The fused backward first: under ZeRO its rounds reach the owners themselves.
         let fused = self.cfg.mode.fused_backward();
         if fused && self.comm.world() > 1 {
             return self.forward_backward_fused_across(pieces, norm, lr);
+        }
+        if self.opt.reduces_each_micro_batch() {
+            return self.forward_backward_sharded(pieces, norm);
         }
         let step = self.step;
         let mut out = Local::default();

@@ -57,6 +57,13 @@ impl MixedOptimizer {
     /// nothing, until every rank's backward has ended. Every rank calls this at the same point
     /// of the step, once the ranks have agreed that every forward succeeded (a failed round
     /// cannot be taken back: any error here ends the run).
+    ///
+    /// Under ZeRO (1 or 2) each round's sums reach the owners alone, each owner updates its
+    /// tensors (from its masters and optimizer state), and after the backward the owners send
+    /// the updated weights to the other ranks ([`super::zero::Zero::share_updates`]). The
+    /// step's earlier micro-batches' sums are each rank's own whole ones, as under stage 1
+    /// (each rank adds its own into what it offers): stage 2's partitioned sums apply to the
+    /// steps without the fused backward.
     pub fn backward_and_step_across(
         &mut self,
         checkpointer: &Checkpointer,
@@ -81,13 +88,6 @@ impl MixedOptimizer {
             loss.is_some() || ranks.is_some(),
             "no backward and no ranks"
         );
-        if ranks.is_some() && self.zero_stage() > 0 {
-            return Err(Error::Invalid(
-                "the fused backward across ranks under ZeRO: each tensor would be updated on \
-                 every rank, not on its owner alone; run it without --zero"
-                    .into(),
-            ));
-        }
         // The optimizer is lent to the early-step hook for the backward (it runs inside
         // candle's backprop), then taken back.
         let t0 = self.optimizer.state().0;
@@ -111,6 +111,7 @@ impl MixedOptimizer {
             rounds: ranks.map(|ranks| Rounds {
                 ranks,
                 params: self.model.clone(),
+                owner: self.zero.as_ref().map(|z| z.owners().to_vec()),
                 stepped: Mutex::new(vec![false; n]),
             }),
         };
@@ -144,15 +145,36 @@ impl MixedOptimizer {
             }
             Ok(taken)
         });
-        let non_finite = stepper.non_finite.load(Ordering::Relaxed);
+        let mut non_finite = stepper.non_finite.load(Ordering::Relaxed);
         // Whatever happened, the sums are spent (a failed step's are not reused).
         locked(&stepper.sums).take();
+        let summed = stepper
+            .rounds
+            .as_ref()
+            .map(|r| (locked(&r.stepped).clone(), r.ranks.comm));
         // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
         drop(stepper);
         let mut slot = locked(&lent);
         self.optimizer = std::mem::replace(&mut *slot, Box::new(Lent::default()));
+        drop(slot);
+        let updated_in_backward = rest?;
+        if let (Some(z), Some((summed, comm))) = (self.zero.as_mut(), summed) {
+            // The owners' updates to every rank; the skipped tensors counted over the owners,
+            // so that every rank reports (and guards against) what one process would.
+            z.set_present(summed);
+            let model = (!self.masters.is_empty()).then_some(&self.model[..]);
+            let weights = if self.masters.is_empty() {
+                &self.model
+            } else {
+                &self.masters
+            };
+            z.share_updates(weights, model)?;
+            let mut count = [non_finite as u64];
+            comm()?.all_reduce_sum(&mut count)?;
+            non_finite = count[0] as usize;
+        }
         Ok(FusedOutcome {
-            updated_in_backward: rest?,
+            updated_in_backward,
             non_finite,
         })
     }
@@ -180,7 +202,9 @@ struct Rounds {
     ranks: FusedRanks,
     /// The model's parameters (their shapes, for the sums).
     params: Vec<Var>,
-    /// Parameters updated in this step's rounds so far.
+    /// Under ZeRO, each parameter's owner: the rank its sums reach, which updates it.
+    owner: Option<Vec<usize>>,
+    /// Parameters summed in this step's rounds so far.
     stepped: Mutex<Vec<bool>>,
 }
 
@@ -196,21 +220,28 @@ impl Rounds {
     ) -> Result<(Vec<(usize, Tensor)>, bool)> {
         let comm = (self.ranks.comm)()?;
         crate::fault::at("fused-round", comm.rank(), self.ranks.step)?;
-        let (sums, all_finished) =
-            sum_round(&comm, offered, finished, &self.params, &self.ranks.device)?;
+        let round = sum_round(
+            &comm,
+            offered,
+            finished,
+            &self.params,
+            &self.ranks.device,
+            self.owner.as_deref(),
+        )?;
         let mut stepped = locked(&self.stepped);
-        for (i, _) in &sums {
-            if std::mem::replace(&mut stepped[*i], true) {
+        let summed = round.summed.iter().enumerate().filter(|(_, s)| **s);
+        for (i, _) in summed {
+            if std::mem::replace(&mut stepped[i], true) {
                 return Err(Error::Invalid(format!(
                     "rank {}: parameter {i} of shape {:?} was summed in two rounds of a fused \
                      backward: the ranks finished its gradient at different points of their \
                      backward (do they hold the same model and checkpointing?)",
                     comm.rank(),
-                    self.params[*i].dims()
+                    self.params[i].dims()
                 )));
             }
         }
-        Ok((sums, all_finished))
+        Ok((round.sums, round.all_finished))
     }
 }
 

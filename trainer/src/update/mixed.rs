@@ -60,7 +60,7 @@ pub struct MixedOptimizer {
     pub(super) scaler: Option<LossScaler>,
     pub(super) max_grad_norm: Option<f64>,
     /// ZeRO's partition of the state over a data-parallel run's ranks, when sharded.
-    zero: Option<Zero>,
+    pub(super) zero: Option<Zero>,
 }
 
 /// What a checkpoint keeps of the optimizer ([`MixedOptimizer::state`]): its step count, the

@@ -36,16 +36,19 @@ pub fn all_reduce_gradients(
 /// One round of a fused backward pass over several ranks ([`super::MixedOptimizer::backward_and_step_across`]):
 /// the gradients this rank offers now (a segment's, as its backward ends; after the backward,
 /// the rest), summed over the ranks with every rank's offer of this round, as `(index, fp32
-/// sum on device)` for each parameter some rank offered. `finished` says this rank's backward
-/// has ended; the second value, that every rank's has, so that a rank whose backward ended
-/// (or that had no micro-batch) keeps answering rounds, offering nothing, until the last one.
+/// sum on device)` for each parameter some rank offered (under ZeRO, `owner` given: for each
+/// this rank owns, the others' sums reaching their owners alone). Also which parameters some
+/// rank offered (summed in this round), and whether every rank's backward has ended:
+/// `finished` says this rank's has, so that a rank whose backward ended (or that had no
+/// micro-batch) keeps answering rounds, offering nothing, until the last one.
 pub(super) fn sum_round(
     comm: &Comm,
     offered: Vec<(usize, Tensor)>,
     finished: bool,
     params: &[Var],
     device: &Device,
-) -> Result<(Vec<(usize, Tensor)>, bool)> {
+    owner: Option<&[usize]>,
+) -> Result<Round> {
     let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
     for (i, g) in offered {
         let slot = grads.get_mut(i).ok_or_else(|| {
@@ -57,13 +60,27 @@ pub(super) fn sum_round(
         *slot = Some(g);
     }
     let mut done = [finished as u64];
-    let (sums, _) = sum_gradients(comm, grads, params, device, None, &mut done)?;
+    let (sums, summed) = sum_gradients(comm, grads, params, device, owner, &mut done)?;
     let sums = sums
         .into_iter()
         .enumerate()
         .filter_map(|(i, g)| Some((i, g?)))
         .collect();
-    Ok((sums, done[0] == comm.world() as u64))
+    Ok(Round {
+        sums,
+        summed,
+        all_finished: done[0] == comm.world() as u64,
+    })
+}
+
+/// What one round of a fused backward over several ranks gives this rank ([`sum_round`]).
+pub(super) struct Round {
+    /// The sums this rank updates from.
+    pub sums: Vec<(usize, Tensor)>,
+    /// Which parameters some rank offered in the round.
+    pub summed: Vec<bool>,
+    /// Whether every rank's backward has ended.
+    pub all_finished: bool,
 }
 
 /// As [`all_reduce_gradients`], but each parameter's sum reaches only the rank `owner[i]` (the

@@ -114,6 +114,17 @@ impl Zero {
         &self.comm
     }
 
+    /// Each parameter's owner rank.
+    pub fn owners(&self) -> &[usize] {
+        &self.owner
+    }
+
+    /// Which parameters had a gradient on some rank this step, as a fused backward's rounds
+    /// summed them: what the owners updated and [`Zero::share_updates`] then sends.
+    pub fn set_present(&mut self, present: Vec<bool>) {
+        self.present = present;
+    }
+
     /// Whether this rank owns parameter `i`.
     pub fn owns(&self, i: usize) -> bool {
         self.owner.get(i) == Some(&self.comm.rank())
