@@ -420,3 +420,42 @@ fn plan_per_rank_counts_the_largest_share() {
     assert_eq!(row(&off, "one micro-batch's gradients"), [(2 * 28, false)]);
     assert!(off.table().contains("ZeRO-2, 2 ranks"));
 }
+
+/// A data-parallel rank's plan counts what the sums over the ranks hold after backward: their
+/// fp32 bucket (all 28 values here), the fp32 copy of the largest tensor (10 values) being
+/// added when the gradients are bf16, and with one micro-batch a step the fp32 sums' excess
+/// over the bf16 gradients (2 bytes a value): in host memory for a GPU run summing through
+/// it, else with the step's temporaries on the device. Nothing for one process, under the
+/// fused backward, or for fp32 sums of several micro-batches beyond the bucket.
+#[test]
+fn plan_counts_the_sums_over_the_ranks() {
+    use ft_params::checkpoint::{ActivationProfile, Strategy};
+    use ft_trainer::train::plan::state_plan;
+    let precision = Precision::for_dtype(DType::BF16);
+    let shapes = [vec![4usize], vec![8], vec![2, 5], vec![6]];
+    let adamw = &ft_trainer::optim::adamw::SPEC;
+    let plan =
+        |accum, gpu| state_plan(&shapes, &precision, StatePlacement::Host, adamw, accum, gpu);
+    let host_row = |p: &ft_trainer::train::plan::StatePlan| {
+        p.rows
+            .iter()
+            .find(|r| r.component.contains("sums over 2 ranks in flight"))
+            .map(|r| (r.bytes, r.on_host))
+    };
+    let through = plan(1, true).with_sums_in_flight(2, 0, 1, &shapes, false, true);
+    assert_eq!(host_row(&through), Some((4 * 28 + 4 * 10 + 2 * 28, true)));
+    // Several micro-batches: the fp32 sums are read as they are.
+    let summed = plan(2, true).with_sums_in_flight(2, 0, 2, &shapes, false, true);
+    assert_eq!(host_row(&summed), Some((4 * 28, true)));
+    assert_eq!(
+        host_row(&plan(1, true).with_sums_in_flight(1, 0, 1, &shapes, false, true)),
+        None
+    );
+    // On the CPU the moment after backward holds them: the plan's total grows by them.
+    let with = |p: ft_trainer::train::plan::StatePlan| {
+        p.with_activations("nothing", &ActivationProfile::default(), Strategy::None)
+            .device_bytes()
+    };
+    let cpu = |world| plan(1, false).with_sums_in_flight(world, 0, 1, &shapes, false, false);
+    assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 28 + 4 * 10 + 2 * 28);
+}

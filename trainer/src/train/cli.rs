@@ -487,11 +487,22 @@ impl CommonArgs {
         // Under the fused backward each rank's sums of a step's earlier micro-batches are its
         // own whole ones (its rounds partition the rest, as stage 1's do).
         .per_rank(world, self.sharded_stage(), &shapes, self.optim_spec()?);
+        // The ranks' sums run on the GPUs over NCCL, else (and with the optimizer on the host)
+        // through host memory.
+        let gpu = self.device != "cpu";
+        let on_gpus = gpu && cfg!(feature = "nccl") && !self.offload_optimizer;
         let segments = store.segments(segments);
         Ok(if self.fused_backward {
             plan.under_fused_backward(segments, self.optim_spec()?)
         } else {
-            plan.formed_by_segment(&segments)
+            plan.formed_by_segment(&segments).with_sums_in_flight(
+                world,
+                self.zero,
+                self.accum,
+                &shapes,
+                on_gpus,
+                gpu && !on_gpus,
+            )
         })
     }
 

@@ -75,6 +75,11 @@ pub struct StatePlan {
     formed: Option<GradBytes>,
     /// Planned under the fused backward ([`StatePlan::under_fused_backward`]).
     fused: bool,
+    /// What the sums over a data-parallel run's ranks hold after backward on the training
+    /// device ([`StatePlan::with_sums_in_flight`]): their buffers while they run, and what the
+    /// sums hold beyond the gradients they replace until the step has read them.
+    in_flight: u64,
+    excess: u64,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -165,6 +170,8 @@ pub fn state_plan(
         step_on_device,
         formed: None,
         fused: false,
+        in_flight: 0,
+        excess: 0,
     }
 }
 
@@ -286,6 +293,59 @@ impl StatePlan {
         self
     }
 
+    /// The plan of one of `world` ranks with what the sum of the gradients over the ranks holds
+    /// after backward (`update/reduce.rs`), for trainable tensors of `shapes`: its fp32 bucket
+    /// (16 MiB, or the largest tensor where that is larger, never more than all of them), the
+    /// fp32 copy of the tensor being added to it when what is summed is not fp32 (summed
+    /// through host memory) or of the whole bucket (summed on the GPUs, `on_gpus`), and with
+    /// one micro-batch a step and gradients narrower than fp32 outside ZeRO-2, the fp32 sums'
+    /// excess over the gradients they replace. On the training device unless `through_host`
+    /// (a GPU run whose sums go through host memory: a host row). Not under the fused
+    /// backward, whose rounds sum a segment's gradients at a time (not counted yet).
+    pub fn with_sums_in_flight(
+        mut self,
+        world: usize,
+        stage: u8,
+        accum: usize,
+        shapes: &[Vec<usize>],
+        on_gpus: bool,
+        through_host: bool,
+    ) -> Self {
+        if world < 2 || self.fused {
+            return self;
+        }
+        let sizes = shapes.iter().map(|s| s.iter().product::<usize>());
+        let values = crate::update::bucket_values(sizes.clone()) as u64;
+        let largest = sizes.max().unwrap_or(0) as u64;
+        // What the sums read: a micro-batch's gradients in the model's dtype (one micro-batch a
+        // step, or ZeRO-2, which sums each micro-batch), else the fp32 sums of the step's.
+        let narrow = self.grad_size < 4 && (accum == 1 || stage == 2);
+        let copies = match (narrow, on_gpus) {
+            (false, _) => 0,
+            (true, true) => 4 * values,
+            (true, false) => 4 * largest,
+        };
+        let excess = if accum == 1 && stage < 2 && narrow {
+            (4 - self.grad_size) * self.params
+        } else {
+            0
+        };
+        let bytes = 4 * values + copies;
+        if through_host {
+            return self.with(
+                &format!(
+                    "the gradients' sums over {world} ranks in flight (fp32 buckets, after \
+                     backward)"
+                ),
+                bytes + excess,
+                true,
+            );
+        }
+        self.in_flight = bytes;
+        self.excess = excess;
+        self
+    }
+
     /// Adds a component (an EMA, say) to the plan.
     pub fn with(mut self, component: &str, bytes: u64, on_host: bool) -> Self {
         self.rows.push(PlanRow {
@@ -308,7 +368,14 @@ impl StatePlan {
         profile: &ActivationProfile,
         strategy: Strategy,
     ) -> Self {
-        let held = profile.held_with(strategy, &self.step, self.formed.as_ref());
+        // The sums over the ranks run after backward, before the step: the moment holds the
+        // larger of their buffers and the step's temporaries (and the fp32 sums' excess, which
+        // the step then reads).
+        let mut step = self.step.clone();
+        if self.in_flight > 0 {
+            step.after = step.after.max(self.in_flight) + self.excess;
+        }
+        let held = profile.held_with(strategy, &step, self.formed.as_ref());
         let mut rows = Vec::new();
         let mut row = |component: String, bytes: u64, on_host: bool| {
             rows.push(PlanRow {
@@ -356,10 +423,24 @@ impl StatePlan {
             } else {
                 (Some(self.step.after), "after backward has freed the graph")
             };
+            let sums = match (self.in_flight > self.step.after, self.excess) {
+                (false, 0) => String::new(),
+                (true, 0) => format!(
+                    " or the gradients' sums over the ranks in flight ({})",
+                    fmt(self.in_flight)
+                ),
+                (false, x) => format!(", with the fp32 sums over the ranks ({} more)", fmt(x)),
+                (true, x) => format!(
+                    " or the gradients' sums over the ranks in flight ({}), with their fp32 \
+                     sums ({} more)",
+                    fmt(self.in_flight),
+                    fmt(x)
+                ),
+            };
             row(
                 format!(
                     "the optimizer step's temporaries ({} for the largest tensor it updates, \
-                     {when}): above backward's peak by",
+                     {when}){sums}: above backward's peak by",
                     fmt(largest.unwrap_or(0))
                 ),
                 held.step,

@@ -36,4 +36,5 @@ pub use norm::{
 pub use placement::StatePlacement;
 pub use precision::Precision;
 pub use reduce::all_reduce_gradients;
+pub(crate) use reduce::bucket_values;
 pub use scaler::LossScaler;

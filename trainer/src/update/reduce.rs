@@ -17,6 +17,14 @@ use crate::error::{Error, Result};
 /// Values a message carries at most (16 MiB of fp32) unless one tensor is larger.
 pub(super) const BUCKET: usize = 4 << 20;
 
+/// The most values one bucket holds at once for parameters of `sizes` values: a bucket's worth,
+/// or the largest parameter where it is larger, and never more than all of them.
+pub(crate) fn bucket_values(sizes: impl Iterator<Item = usize> + Clone) -> usize {
+    let largest = sizes.clone().max().unwrap_or(0);
+    let total: usize = sizes.sum();
+    total.min(BUCKET.max(largest))
+}
+
 /// `grads` (one entry per parameter of `params`, `None` for a parameter without a gradient)
 /// summed over the ranks of `comm`, as fp32 tensors on `device`. A parameter keeps `None` only
 /// when no rank has a gradient for it (as one process skips it); a rank without one adds zeros.
@@ -132,6 +140,10 @@ fn sum_gradients(
     };
     let mut out: Vec<Option<Tensor>> = vec![None; grads.len()];
     let mut bucket = Bucket::new(comm, device);
+    let sizes = (0..grads.len())
+        .filter(|&i| present[i])
+        .map(|i| params[i].elem_count());
+    bucket.reserve(bucket_values(sizes));
     for root in roots {
         for i in 0..grads.len() {
             if !present[i] || root.is_some_and(|r| owner.is_some_and(|o| o[i] != r)) {
@@ -189,6 +201,14 @@ impl<'a> Bucket<'a> {
         }
     }
 
+    /// Room for `values` values in host memory at once (none on the GPU), made once: the
+    /// bucket then never grows by doubling past what it holds.
+    fn reserve(&mut self, values: usize) {
+        if !self.on_gpu {
+            self.values.reserve_exact(values);
+        }
+    }
+
     /// Adds parameter `i`'s gradient `g` of `n` values (zeros where this rank has none).
     fn push(&mut self, i: usize, g: Option<Tensor>, n: usize) -> Result<()> {
         if self.on_gpu {
@@ -199,8 +219,13 @@ impl<'a> Bucket<'a> {
         } else {
             match g {
                 Some(g) => {
-                    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                    self.values.extend(g);
+                    let g = g.to_dtype(DType::F32)?.flatten_all()?;
+                    // An fp32 host gradient is read in place, not copied out first.
+                    let values = &mut self.values;
+                    let read = ft_kernels::host::with_f32(&g, |s| values.extend_from_slice(s));
+                    if read.is_none() {
+                        self.values.extend(g.to_vec1::<f32>()?);
+                    }
                 }
                 None => self.values.resize(self.values.len() + n, 0.0),
             }
