@@ -343,19 +343,22 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     assert!((gib(plan.state_device_bytes()) - 9.56).abs() < 0.01);
     assert!((gib(plan.host_bytes()) - 47.82).abs() < 0.01);
     // Seed 001's five GPUs (`--plan --plan-ranks 5`), the README's table: each rank keeps its
-    // share of the EMA (`ema`); the optimizer on the host or beside the model (`offload`).
-    let five = |zero: u8, ema: bool, offload: bool| {
+    // share of the EMA (`ema`); the optimizer on the host or beside the model (`offload`); the
+    // fused backward or not (`fused`).
+    let five_with = |zero: u8, ema: bool, offload: bool, fused: bool| {
         let mut r = a.clone();
         r.common.plan_ranks = Some(5);
         r.common.zero = zero;
         r.ema = ema;
         r.common.offload_optimizer = offload;
+        r.common.fused_backward = fused;
         let p = sdxl_ft::run::plan(&r);
         if let Ok(p) = &p {
             eprintln!("{}", p.table());
         }
         p
     };
+    let five = |zero, ema, offload| five_with(zero, ema, offload, false);
     // Without ZeRO each rank holds what one process holds but the EMA: 38.26 GiB of host
     // memory, and a fifth of the EMA (1.91 GiB) beside it.
     assert!((gib(five(0, false, true)?.host_bytes()) - 38.37).abs() < 0.01);
@@ -392,12 +395,7 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
     assert!((gib(five(2, false, true)?.host_bytes()) - 7.87).abs() < 0.01);
     // ZeRO-2 with the fused backward: a GPU holds the weights and one block's gradients; each
     // rank's fp32 sums of the step's 15 earlier micro-batches stay whole on its host.
-    let mut fused = a.clone();
-    fused.common.plan_ranks = Some(5);
-    fused.common.zero = 2;
-    fused.common.fused_backward = true;
-    let fused = sdxl_ft::run::plan(&fused)?;
-    eprintln!("{}", fused.table());
+    let fused = five_with(2, true, true, true)?;
     assert!(
         (gib(fused.state_device_bytes()) - 4.97).abs() < 0.01,
         "{}",
