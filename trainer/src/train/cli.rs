@@ -136,7 +136,8 @@ pub struct CommonArgs {
     /// ZeRO over the ranks of a data-parallel run (DeepSpeed's zero_optimization.stage): 0
     /// off; 1 partitions the optimizer state (each rank keeps and updates its share of the
     /// parameters, then sends the updated weights to the others); 2 also the summed gradients
-    /// (each parameter's reaches only the rank that updates it). The fp32 master weights are
+    /// (each parameter's reaches only the rank that updates it; under --fused-backward, not the
+    /// sums of a step's earlier micro-batches). The fp32 master weights are
     /// partitioned with the state. Checkpoints hold the whole state and resume at any number
     /// of ranks. Same updates as without.
     #[arg(long, default_value_t = 0)]

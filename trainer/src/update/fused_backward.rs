@@ -146,6 +146,7 @@ impl MixedOptimizer {
             Ok(taken)
         });
         let mut non_finite = stepper.non_finite.load(Ordering::Relaxed);
+        let stepped = stepper.stepped.load(Ordering::Relaxed);
         // Whatever happened, the sums are spent (a failed step's are not reused).
         locked(&stepper.sums).take();
         let summed = stepper
@@ -169,9 +170,15 @@ impl MixedOptimizer {
                 &self.masters
             };
             z.share_updates(weights, model)?;
-            let mut count = [non_finite as u64];
+            let mut count = [non_finite as u64, stepped as u64];
             comm()?.all_reduce_sum(&mut count)?;
             non_finite = count[0] as usize;
+            // The step count one process would have: advanced when some owner updated a tensor
+            // or no tensor had a gradient, else (every update skipped) not. A rank whose own
+            // tensors were all skipped must not stay behind the others.
+            let (skipped, offered) = (count[0], count[1]);
+            let advanced = offered == 0 || offered > skipped;
+            self.optimizer.load_state(t0 + advanced as u64, &[])?;
         }
         Ok(FusedOutcome {
             updated_in_backward,

@@ -251,9 +251,9 @@ impl MixedOptimizer {
     }
 
     /// The weights the optimizer updates: the fp32 masters where there are some, else the
-    /// model's own (what an EMA averages). Under ZeRO the masters this rank does not keep are
-    /// empty here: a task that reads them all has rank 0 keep them ([`MixedOptimizer::shard`])
-    /// and reads them there.
+    /// model's own (what an EMA averages). Under ZeRO the masters of other ranks' parameters
+    /// are empty here ([`MixedOptimizer::shard`]): a task reads its own rank's share (sdxl-ft's
+    /// EMA is sharded the same way).
     pub fn weights(&self) -> &[Var] {
         if self.masters.is_empty() {
             &self.model

@@ -6,7 +6,9 @@
 //! - Stage 2: each parameter's summed gradient reaches its owner only (a reduce to the owner,
 //!   bucket by bucket), and with several ranks this happens as each micro-batch's backward
 //!   ends ([`Zero::reduce_micro_batch`]): a rank's gradient accumulator holds the fp32 sums of
-//!   its own parameters alone, a world-th of the model's. (The ranks reduce in rounds, one
+//!   its own parameters alone, a world-th of the model's. (Under the fused backward each
+//!   segment's sums reach their owners in its rounds, while the step's earlier micro-batches'
+//!   sums stay each rank's whole ones, as under stage 1.) (The ranks reduce in rounds, one
 //!   micro-batch each; a rank with fewer micro-batches in the step sends zeros, so every rank
 //!   joins every reduce.)
 //!
