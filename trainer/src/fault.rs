@@ -5,7 +5,9 @@
 //! goes through. Unset, [`fires`] is one load of a cached `None`.
 //!
 //! Points: `fused-round` (each round of the fused backward across ranks, where the others are
-//! waiting in the same collective); `fit-budget-forward` and `fit-budget-backward` (the check
+//! waiting in the same collective); `reduce-round` (before each segment's round of the plain
+//! backward across ranks: the rank takes itself to have run out of memory there);
+//! `fit-budget-forward` and `fit-budget-backward` (the check
 //! of that phase's peak against the CPU `--fit` budget: the phase is taken to have passed it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +19,12 @@ use crate::error::{Error, Result};
 type Spec = (String, usize, u64);
 
 /// The points the code names (a spec naming another is refused: it would never fire).
-const POINTS: [&str; 3] = ["fused-round", "fit-budget-forward", "fit-budget-backward"];
+const POINTS: [&str; 4] = [
+    "fused-round",
+    "reduce-round",
+    "fit-budget-forward",
+    "fit-budget-backward",
+];
 
 /// Parses `POINT:RANK:STEP`.
 fn parse(text: &str) -> Result<Spec> {

@@ -101,6 +101,20 @@ fn with_fault(args: &[&str], out: &Path, fault: &str) -> Result<Option<std::proc
     ))
 }
 
+/// A run's metrics.jsonl: every line, the out-of-memory events, and the steps' lines.
+type Lines = Vec<serde_json::Value>;
+fn metrics(out: &Path) -> Result<(Lines, Lines, Lines)> {
+    let lines: Lines = std::fs::read_to_string(out.join("metrics.jsonl"))?
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let pick =
+        |f: &dyn Fn(&serde_json::Value) -> bool| lines.iter().filter(|l| f(l)).cloned().collect();
+    let events = pick(&|l| l["event"] == "out_of_memory");
+    let steps = pick(&|l| l.get("loss").is_some());
+    Ok((lines, events, steps))
+}
+
 fn weights(dir: &Path) -> Result<SafetensorsFiles> {
     Ok(SafetensorsFiles::open(&[dir.join("model.safetensors")])?)
 }
@@ -145,14 +159,19 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
     // 2 ranks x 2 micro-batches against 4 in one process: step 2 is the epoch's last micro-batch
     // alone, rank 1 has none. 3 ranks x 1 against 3. Then the same under ZeRO-1 and ZeRO-2
     // (each rank updating its share of the parameters; under ZeRO-2 each micro-batch's
-    // gradients reduced to their owners, the rank without a micro-batch sending zeros).
+    // gradients reduced to their owners, the rank without a micro-batch answering). Then with
+    // the model in checkpoint segments (`blocks`), whose gradients the ranks sum segment by
+    // segment inside the backward, against the one process without segments.
     let mut one_process = std::collections::HashMap::new();
-    for (np, per_rank, whole, zero) in [
-        (2, "2", "4", "0"),
-        (3, "1", "3", "0"),
-        (2, "2", "4", "1"),
-        (3, "1", "3", "2"),
-        (2, "2", "4", "2"),
+    for (np, per_rank, whole, zero, segments) in [
+        (2, "2", "4", "0", "none"),
+        (3, "1", "3", "0", "none"),
+        (2, "2", "4", "1", "none"),
+        (3, "1", "3", "2", "none"),
+        (2, "2", "4", "2", "none"),
+        (2, "2", "4", "0", "blocks"),
+        (3, "1", "3", "1", "blocks"),
+        (2, "2", "4", "2", "blocks"),
     ] {
         let one = dir.join(format!("one-{whole}"));
         if let std::collections::hash_map::Entry::Vacant(e) = one_process.entry(whole) {
@@ -162,8 +181,12 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
             e.insert(losses);
         }
         let expected = &one_process[whole];
-        let many = dir.join(format!("ranks-{np}-zero-{zero}"));
-        let sharded = [&args(per_rank)[..], &["--zero", zero]].concat();
+        let many = dir.join(format!("ranks-{np}-zero-{zero}-{segments}"));
+        let sharded = [
+            &args(per_rank)[..],
+            &["--zero", zero, "--checkpointing", segments],
+        ]
+        .concat();
         let Some(got) = train(np, &many, &sharded)? else {
             return Ok(());
         };
@@ -171,7 +194,7 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
         for (a, b) in got.iter().zip(expected) {
             assert!(
                 (a - b).abs() <= 1e-6 * b.abs(),
-                "{np} ranks, ZeRO-{zero}: {got:?} vs {expected:?}"
+                "{np} ranks, ZeRO-{zero}, {segments}: {got:?} vs {expected:?}"
             );
         }
         // Summed in another order (MPI's reduce, under ZeRO-2 a micro-batch at a time), a
@@ -181,7 +204,7 @@ fn ranks_train_what_one_process_trains_on_the_combined_batch() -> Result<()> {
             .max_difference(&weights(&one.join("checkpoint-3"))?, |_| true)?;
         assert!(
             diff <= 1e-5,
-            "{np} ranks, ZeRO-{zero}: `{name}` differs by {diff}"
+            "{np} ranks, ZeRO-{zero}, {segments}: `{name}` differs by {diff}"
         );
         // Rank 0 alone wrote the run's files.
         assert!(many.join("memory.svg").is_file() && many.join("memory.jsonl").is_file());
@@ -448,18 +471,9 @@ fn a_rank_over_its_fit_budget_splits_every_rank() -> Result<()> {
             "{point}: {}",
             String::from_utf8_lossy(&r.stderr)
         );
-        let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))?
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect();
-        let events: Vec<&serde_json::Value> = lines
-            .iter()
-            .filter(|l| l["event"] == "out_of_memory")
-            .collect();
+        let (lines, events, steps) = metrics(&out)?;
         assert_eq!(events.len(), 1, "{point}: {lines:?}");
         assert_eq!(events[0]["step"], at, "{point}: {lines:?}");
-        let steps: Vec<&serde_json::Value> =
-            lines.iter().filter(|l| l.get("loss").is_some()).collect();
         assert_eq!(steps.len(), 4, "{point}: {lines:?}");
         for (k, s) in steps.iter().enumerate() {
             let split = if k + 1 >= first_split { 2 } else { 1 };
@@ -472,6 +486,69 @@ fn a_rank_over_its_fit_budget_splits_every_rank() -> Result<()> {
             let (a, b) = (s["loss"].as_f64().unwrap_or(f64::NAN), plain[k]);
             assert!((a - b).abs() <= 1e-5 * b.abs(), "{point}: loss {a} vs {b}");
         }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// A rank running out of memory inside a backward whose segments' gradients the ranks sum as
+/// they end (`FT_FAULT`'s `reduce-round`: rank 1, between two segments' rounds of step 3)
+/// tells the others in the next round; every rank stops its backward, drops the step's sums
+/// and runs the step again split, and the curve is the one of a run that never failed (f32
+/// rounding): without ZeRO (the step's last micro-batch summed in the backward) and under
+/// ZeRO-2 (each micro-batch's). The fault fires only between segments' rounds: a backward
+/// that summed the gradients after it ended would leave no event, and fail here.
+#[test]
+fn a_rank_out_of_memory_between_segment_sums_splits_every_rank() -> Result<()> {
+    let dir = common::tmp("ranks-reduce-oom");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    for zero in ["0", "2"] {
+        let args = [
+            &from_scratch(&m, &d)[..],
+            &[
+                "--checkpointing",
+                "blocks",
+                "--accum",
+                "2",
+                "--max-steps",
+                "4",
+            ],
+            &["--zero", zero],
+        ]
+        .concat();
+        let Some(plain) = train(2, &dir.join(format!("plain-{zero}")), &args)? else {
+            return Ok(());
+        };
+        let out = dir.join(format!("failed-{zero}"));
+        let Some(r) = with_fault(&args, &out, "reduce-round:1:3")? else {
+            return Ok(());
+        };
+        ensure!(
+            r.status.success(),
+            "ZeRO-{zero}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        let (lines, events, steps) = metrics(&out)?;
+        assert_eq!(events.len(), 1, "ZeRO-{zero}: {lines:?}");
+        assert_eq!(events[0]["step"], 3, "ZeRO-{zero}: {lines:?}");
+        // Rank 0's micro-batches (5 an epoch, 4 a step over the ranks: step 2 is the epoch's
+        // last alone, where rank 1 has none), in two parts each from step 3 on.
+        let parts = [2, 1, 4, 2];
+        assert_eq!(steps.len(), parts.len(), "ZeRO-{zero}: {lines:?}");
+        for ((k, s), parts) in steps.iter().enumerate().zip(parts) {
+            assert_eq!(s["micro_batches"], parts, "ZeRO-{zero}, step {}", k + 1);
+            let (a, b) = (s["loss"].as_f64().unwrap_or(f64::NAN), plain[k]);
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "ZeRO-{zero}: loss {a} vs {b}"
+            );
+        }
+        let (diff, name) = weights(&out.join("checkpoint-4"))?.max_difference(
+            &weights(&dir.join(format!("plain-{zero}/checkpoint-4")))?,
+            |_| true,
+        )?;
+        assert!(diff <= 1e-5, "ZeRO-{zero}: `{name}` differs by {diff}");
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

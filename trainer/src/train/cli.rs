@@ -496,7 +496,14 @@ impl CommonArgs {
         Ok(if self.fused_backward {
             plan.under_fused_backward(segments, self.optim_spec()?)
         } else {
-            plan.formed_by_segment(&segments).with_sums_in_flight(
+            let plan = plan.formed_by_segment(&segments);
+            // In segments, the ranks sum each one's gradients as its backward ends.
+            let plan = if self.checkpoint_strategy()?.segmented() {
+                plan.reduced_by_segment(world, self.zero, self.accum, &segments, &shapes)
+            } else {
+                plan
+            };
+            plan.with_sums_in_flight(
                 world,
                 self.zero,
                 self.accum,

@@ -80,6 +80,9 @@ pub struct StatePlan {
     /// sums hold beyond the gradients they replace until the step has read them.
     in_flight: u64,
     excess: u64,
+    /// The most values one round of a backward that sums each segment's gradients over the
+    /// ranks carries ([`StatePlan::reduced_by_segment`]): its bucket's bound.
+    round_values: Option<u64>,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -172,6 +175,7 @@ pub fn state_plan(
         fused: false,
         in_flight: 0,
         excess: 0,
+        round_values: None,
     }
 }
 
@@ -199,20 +203,27 @@ impl StatePlan {
                 fused: true,
             };
         }
+        self.bound_gradients(&s, "under --fused-backward");
+        self
+    }
+
+    /// The gradient rows bounded to what a backward that hands each segment's gradients on
+    /// as the segment's backward ends holds at once (`how` it does): those of the parameters
+    /// outside every segment of `s` and of its largest segment.
+    fn bound_gradients(&mut self, s: &Segments, how: &str) {
         let outside = self.params.saturating_sub(s.inside);
         let live = self.grad_size * (outside + s.largest);
         for &i in &self.grad_rows {
             let r = &mut self.rows[i];
             r.bytes = r.bytes.min(live);
             r.component = format!(
-                "{}: at most at once under --fused-backward, {} outside checkpoint segments + \
-                 {} of the largest segment",
+                "{}: at most at once {how}, {} outside checkpoint segments + {} of the largest \
+                 segment",
                 r.component,
                 fmt(self.grad_size * outside),
                 fmt(self.grad_size * s.largest)
             );
         }
-        self
     }
 
     /// The plan with the model's checkpoint segments `s` known: backward forms one
@@ -293,6 +304,59 @@ impl StatePlan {
         self
     }
 
+    /// The plan of one of `world` ranks under ZeRO `stage` whose backward sums each checkpoint
+    /// segment's gradients over the ranks as that segment's ends (`s`, the model's segments;
+    /// `update/reduce_backward.rs`: a data-parallel run in segments without the fused
+    /// backward). A micro-batch's gradients then never exist all at once, only those of the
+    /// parameters outside every segment and of the largest segment (as under the fused
+    /// backward); with one micro-batch a step, the fp32 sums arriving take their place (whole,
+    /// or under ZeRO this rank's share); each round's bucket holds one segment's values, or
+    /// the rest's.
+    pub fn reduced_by_segment(
+        mut self,
+        world: usize,
+        stage: u8,
+        accum: usize,
+        s: &Segments,
+        shapes: &[Vec<usize>],
+    ) -> Self {
+        if world < 2 || self.fused {
+            return self;
+        }
+        self.formed = None;
+        self.bound_gradients(
+            s,
+            "(each segment's summed over the ranks as its backward ends)",
+        );
+        if accum == 1 && stage < 2 {
+            let sizes: Vec<usize> = shapes.iter().map(|d| d.iter().product()).collect();
+            let (values, whose) = if stage == 1 {
+                (
+                    crate::update::zero::largest_share(&sizes, world) as u64,
+                    "this rank's parameters",
+                )
+            } else {
+                (self.params, "every parameter")
+            };
+            let on_host = self.grad_rows.iter().any(|&i| self.rows[i].on_host);
+            self.rows.push(PlanRow {
+                component: format!(
+                    "gradient sums over {world} ranks of {whose} (fp32, arriving in the backward)"
+                ),
+                bytes: 4 * values,
+                on_host,
+                activation: false,
+                less: false,
+            });
+        }
+        let values = |shapes: &[Vec<usize>]| {
+            crate::update::bucket_values(shapes.iter().map(|d| d.iter().product::<usize>())) as u64
+        };
+        let rounds = s.own.iter().map(|own| values(own));
+        self.round_values = Some(rounds.chain([values(&s.outside)]).max().unwrap_or(0));
+        self
+    }
+
     /// The plan of one of `world` ranks with what the sum of the gradients over the ranks holds
     /// after backward (`update/reduce.rs`), for trainable tensors of `shapes`: its fp32 bucket
     /// (16 MiB, or the largest tensor where that is larger, never more than all of them), the
@@ -315,7 +379,9 @@ impl StatePlan {
             return self;
         }
         let sizes = shapes.iter().map(|s| s.iter().product::<usize>());
-        let values = crate::update::bucket_values(sizes.clone()) as u64;
+        let all = crate::update::bucket_values(sizes.clone()) as u64;
+        // Summed a segment at a time, a round's bucket holds at most that round's values.
+        let values = self.round_values.map_or(all, |r| r.min(all));
         let largest = sizes.max().unwrap_or(0) as u64;
         // What the sums read: a micro-batch's gradients in the model's dtype (one micro-batch a
         // step, or ZeRO-2, which sums each micro-batch), else the fp32 sums of the step's.
@@ -325,7 +391,8 @@ impl StatePlan {
             (true, true) => 4 * values,
             (true, false) => 4 * largest,
         };
-        let excess = if accum == 1 && stage < 2 && narrow {
+        // (Summed a segment at a time, the sums are a row of their own.)
+        let excess = if accum == 1 && stage < 2 && narrow && self.round_values.is_none() {
             (4 - self.grad_size) * self.params
         } else {
             0

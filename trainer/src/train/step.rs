@@ -181,6 +181,7 @@ impl<T: Task> Loop<'_, T> {
         stood: bool,
     ) -> Result<()> {
         let was_updating = std::mem::replace(&mut self.updating, false);
+        self.opt.discard_reduced();
         drop(self.acc.take());
         self.ledger.remove(Category::Gradients, "model");
         self.ledger
@@ -314,6 +315,7 @@ impl<T: Task> Loop<'_, T> {
             let mut shared = [oom, bad, loss];
             self.comm.all_reduce_sum(&mut shared)?;
             if shared[0] > 0.0 {
+                self.opt.discard_reduced();
                 drop(self.acc.take());
                 return Err(match local {
                     Err(e) => e,
@@ -324,6 +326,7 @@ impl<T: Task> Loop<'_, T> {
                 // A non-finite loss on any rank: no rank updates.
                 if shared[1] > 0.0 && !l.bad_loss {
                     l.bad_loss = true;
+                    self.opt.discard_reduced();
                     drop(self.acc.take());
                 }
                 l.loss_sum = shared[2];
@@ -382,8 +385,8 @@ impl<T: Task> Loop<'_, T> {
         if fused && self.comm.world() > 1 {
             return self.forward_backward_fused_across(pieces, norm, lr);
         }
-        if self.opt.reduces_each_micro_batch() {
-            return self.forward_backward_sharded(pieces, norm);
+        if self.comm.world() > 1 {
+            return self.forward_backward_reduced(pieces, norm);
         }
         let step = self.step;
         let mut out = Local::default();

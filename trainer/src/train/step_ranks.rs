@@ -1,16 +1,17 @@
 //! The step's paths that exist only with several ranks ([`super::step`] is the loop's step):
-//! the fused backward across ranks (the ranks agree once after the last forward, then sum each
-//! segment's gradients in rounds and update), ZeRO-2's micro-batch rounds (each micro-batch's
-//! gradients reduced onto their owners as its backward ends), the error a rank reports when
-//! others ran out of memory, and the agreement that all split the next steps when one's fused
-//! backward passed the `--fit` budget.
+//! the ranks agree after a forward that none ran out of memory and none met a non-finite loss,
+//! then their backward sums each segment's gradients over the ranks in rounds as it ends: the
+//! fused backward updates from them, the plain one keeps them for the step's update (the
+//! step's last micro-batch; under ZeRO-2 every micro-batch, each reduced onto its owners). Also
+//! the error a rank reports when others ran out of memory, and the agreement that all split the
+//! next steps when one's fused backward passed the `--fit` budget.
 
 use candle_core::Tensor;
 
 use super::step::{Local, Loop, Piece};
 use super::task::Task;
 use crate::error::{Error, Result};
-use crate::update::{FusedRanks, LossNorm};
+use crate::update::{BackwardRanks, LossNorm};
 
 impl<T: Task> Loop<'_, T> {
     /// [`Self::forward_backward`] with the fused backward over several ranks: this rank's
@@ -27,11 +28,67 @@ impl<T: Task> Loop<'_, T> {
         lr: f64,
     ) -> Result<Local> {
         let mut out = Local::default();
-        let last = self.all_but_last_backward(pieces, norm, &mut out);
+        let Some(last) = self.last_forward_agreed(pieces, norm, &mut out)? else {
+            return Ok(out);
+        };
+        let ranks = self.backward_ranks(self.acc.device().clone());
+        self.updating = true;
+        let f = self
+            .opt
+            .backward_and_step_across(self.checkpointer, last.as_ref(), lr, &mut self.acc, &ranks)
+            .map_err(|e| {
+                Error::Invalid(format!(
+                    "rank {} of {}: {e} (in the fused backward, after the ranks began to \
+                     update: the step cannot run again; resume from the last checkpoint)",
+                    self.comm.rank(),
+                    self.comm.world()
+                ))
+            })?;
+        drop(last);
+        out.updated_in_backward += f.updated_in_backward;
+        out.non_finite_grads |= f.non_finite > 0;
+        self.ledger.mark("backward", self.step)?;
+        self.watch_budget("backward", true)?;
+        Ok(out)
+    }
+
+    /// [`Self::forward_backward`] over several ranks without the fused backward: the step's
+    /// micro-batches before this rank's last summed here, then the last one's backward sums
+    /// the step's gradients over the ranks segment by segment (under ZeRO-1 onto their
+    /// owners), once the ranks agree its forward went well everywhere. Under ZeRO-2,
+    /// [`Self::forward_backward_sharded`].
+    pub(super) fn forward_backward_reduced(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+    ) -> Result<Local> {
+        if self.opt.reduces_each_micro_batch() {
+            return self.forward_backward_sharded(pieces, norm);
+        }
+        let mut out = Local::default();
+        let Some(last) = self.last_forward_agreed(pieces, norm, &mut out)? else {
+            return Ok(out);
+        };
+        self.backward_reduced(last)??;
+        Ok(out)
+    }
+
+    /// This rank's micro-batches before its last (forward, and backward into the step's sums
+    /// as each segment's ends), its last one's forward, and the ranks' agreement that none ran
+    /// out of memory and none met a non-finite loss (else all drop the step's gradients:
+    /// retried split, or skipped, as one process would). The last scaled loss (None for a rank
+    /// without a micro-batch), or None for it all when the step is skipped (`out.bad_loss`).
+    fn last_forward_agreed(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+        out: &mut Local,
+    ) -> Result<Option<Option<Tensor>>> {
+        let last = self.all_but_last_backward(pieces, norm, out);
         let (oom, bad) = match &last {
             Err(e) if e.is_out_of_memory() => (1u64, 0u64),
             // Any other error ends every rank (`ranks::main`).
-            Err(_) => return last.map(|_| out),
+            Err(_) => return last.map(Some),
             Ok(_) => (0, out.bad_loss as u64),
         };
         let mut shared = [oom, bad];
@@ -46,38 +103,39 @@ impl<T: Task> Loop<'_, T> {
         if shared[1] > 0 {
             out.bad_loss = true;
             drop(self.acc.take());
-            return Ok(out);
+            return Ok(None);
         }
-        let ranks = FusedRanks {
+        last.map(Some)
+    }
+
+    /// How this step's backward meets the other ranks, its sums put on `device`.
+    fn backward_ranks(&self, device: candle_core::Device) -> BackwardRanks {
+        BackwardRanks {
             comm: super::ranks::world,
-            device: self.acc.device().clone(),
+            device,
             step: self.step + 1,
-        };
-        self.updating = true;
-        let scaled = last?;
-        let f = self
-            .opt
-            .backward_and_step_across(
-                self.checkpointer,
-                scaled.as_ref(),
-                lr,
-                &mut self.acc,
-                &ranks,
-            )
-            .map_err(|e| {
-                Error::Invalid(format!(
-                    "rank {} of {}: {e} (in the fused backward, after the ranks began to \
-                     update: the step cannot run again; resume from the last checkpoint)",
-                    self.comm.rank(),
-                    self.comm.world()
-                ))
-            })?;
-        drop(scaled);
-        out.updated_in_backward += f.updated_in_backward;
-        out.non_finite_grads |= f.non_finite > 0;
+        }
+    }
+
+    /// One backward (`scaled`; None for a rank without a micro-batch, which answers the
+    /// rounds) summed over the ranks as each segment's backward ends, into the accumulator.
+    /// An out-of-memory error in any rank's backward comes back on every rank (the outer
+    /// error: the step then splits); the inner one is this rank's `--fit` check of the
+    /// backward's peak, which the ranks have yet to agree on.
+    fn backward_reduced(&mut self, scaled: Option<Tensor>) -> Result<Result<()>> {
+        let device = self
+            .acc
+            .pinned()
+            .or_else(|| self.params.first().map(|p| p.device()))
+            .cloned()
+            .unwrap_or(candle_core::Device::Cpu);
+        let ranks = self.backward_ranks(device);
+        self.opt
+            .backward_and_reduce_across(self.checkpointer, scaled, &mut self.acc, &ranks)?;
+        self.account_gradients();
+        // The backward's peak, with the sums over the ranks arriving.
         self.ledger.mark("backward", self.step)?;
-        self.watch_budget("backward", true)?;
-        Ok(out)
+        Ok(self.watch_budget("backward", false))
     }
 
     /// This rank's micro-batches but the last: forward, and backward into the step's sums as
@@ -111,70 +169,59 @@ impl<T: Task> Loop<'_, T> {
     }
 
     /// [`Self::forward_backward`] under ZeRO-2 with several ranks: each micro-batch's
-    /// gradients go to their owners as its backward ends, and this rank's accumulator sums
-    /// its own parameters' alone. The ranks go in rounds, one micro-batch each (a rank out of
-    /// micro-batches sends zeros), and agree after each round's backward, before its reduce,
-    /// whether one ran out of memory or met a non-finite loss: all then stop the step together.
-    pub(super) fn forward_backward_sharded(
+    /// gradients go to their owners segment by segment as its backward runs, and this rank's
+    /// accumulator sums its own parameters' alone. The ranks go in rounds, one micro-batch
+    /// each (a rank out of micro-batches answers the others' rounds), and agree after each
+    /// round's forward (and the previous backward's `--fit` check) whether one ran out of
+    /// memory or met a non-finite loss: all then stop the step together.
+    fn forward_backward_sharded(
         &mut self,
         pieces: &[Piece<'_, T::Batch>],
         norm: LossNorm,
     ) -> Result<Local> {
-        let step = self.step;
         self.opt.discard_reduced();
         let mut counts = vec![0u64; self.comm.world()];
         self.comm.all_gather(&[pieces.len() as u64], &mut counts)?;
         let rounds = counts.iter().copied().max().unwrap_or(0) as usize;
-        let device = self
-            .acc
-            .pinned()
-            .or_else(|| self.params.first().map(|p| p.device()))
-            .cloned()
-            .unwrap_or(candle_core::Device::Cpu);
         let mut out = Local::default();
+        // This rank's last backward passed the `--fit` budget: told at the next agreement.
+        let mut over: Result<()> = Ok(());
         for round in 0..rounds {
-            let grads = match pieces.get(round) {
-                None => Ok(Some(vec![None; self.params.len()])),
-                Some(piece) => self.forward(piece, norm, &mut out).and_then(|scaled| {
-                    let Some(scaled) = scaled else {
-                        return Ok(None);
-                    };
-                    let grads = self.checkpointer.gradients(&scaled, &self.params)?;
-                    drop(scaled);
-                    self.ledger.mark("backward", step)?;
-                    self.watch_budget("backward", false)?;
-                    Ok(Some(grads))
-                }),
+            let piece = pieces.get(round).filter(|_| over.is_ok());
+            let scaled = match piece {
+                None => Ok(None),
+                Some(piece) => self.forward(piece, norm, &mut out),
             };
-            let (oom, bad) = match &grads {
-                Err(e) if e.is_out_of_memory() => (1u64, 0u64),
-                Err(_) => return grads.map(|_| out),
-                Ok(g) => (0, g.is_none() as u64),
+            let (scaled, oom, bad) = match scaled {
+                Ok(s) => {
+                    let bad = piece.is_some() && s.is_none();
+                    (s, over.is_err(), bad)
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    over = Err(e);
+                    (None, true, false)
+                }
+                // Any other error ends every rank (`ranks::main`).
+                Err(e) => return Err(e),
             };
-            let mut shared = [oom, bad];
+            let mut shared = [oom as u64, bad as u64];
             self.comm.all_reduce_sum(&mut shared)?;
             if shared[0] > 0 || shared[1] > 0 {
                 self.opt.discard_reduced();
                 drop(self.acc.take());
             }
             if shared[0] > 0 {
-                return Err(match grads {
-                    Err(e) => e,
-                    Ok(_) => self.others_out_of_memory(shared[0]),
-                });
+                over?;
+                return Err(self.others_out_of_memory(shared[0]));
             }
             if shared[1] > 0 {
                 // A non-finite loss on some rank: nothing of this step reaches the weights.
                 out.bad_loss = true;
-                break;
+                return Ok(out);
             }
-            let grads = grads?.unwrap_or_default();
-            let mine = self.opt.reduce_micro_batch(grads, &device)?;
-            self.acc.add(mine)?;
-            self.account_gradients();
-            // The reduce's own peak (its buckets, the sums arriving) and this rank's sums.
-            self.ledger.mark("backward", step)?;
+            over = self.backward_reduced(scaled)?;
         }
+        over?;
         Ok(out)
     }
 

@@ -126,6 +126,18 @@ impl GradAccumulator {
         Ok(sum)
     }
 
+    /// Each `(i, g)` with parameter `i`'s sum added ([`Self::take_with`]); `grads` as they
+    /// are when no micro-batch has been summed (a step without accumulation).
+    pub fn take_with_each(&mut self, grads: Vec<(usize, Tensor)>) -> Result<Vec<(usize, Tensor)>> {
+        if self.micro_batches == 0 {
+            return Ok(grads);
+        }
+        grads
+            .into_iter()
+            .map(|(i, g)| Ok((i, self.take_with(i, g)?)))
+            .collect()
+    }
+
     /// The parameters whose sums are still held, taken out (a fused backward steps those
     /// that got no gradient in the last micro-batch from their sums alone).
     pub fn take_remaining(&mut self) -> Vec<(usize, Tensor)> {

@@ -3,16 +3,14 @@
 //! produced their gradients, and the gradients are dropped.
 
 use std::collections::HashMap;
-use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Device, Tensor, Var};
-use ft_dist::Comm;
+use candle_core::{Tensor, Var};
 use ft_params::checkpoint::{Checkpointer, EarlyStep};
 
 use super::norm::{clip_factor, sum_of_squares_each};
-use super::reduce::sum_round;
+use super::rounds::{locked, BackwardRanks, Rounds};
 use super::{GradAccumulator, MixedOptimizer};
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, WriteRules};
@@ -52,7 +50,7 @@ impl MixedOptimizer {
     /// gradients (with this rank's sums of the step's earlier micro-batches) are summed over the
     /// ranks as its backward ends, and every rank updates those parameters from the sums, so the
     /// ranks take the update one process takes over all their micro-batches (up to the order
-    /// of the sums). The ranks meet in rounds ([`FusedRanks`]): a rank without a micro-batch this
+    /// of the sums). The ranks meet in rounds ([`BackwardRanks`]): a rank without a micro-batch this
     /// step (`loss` None), or whose backward has ended, answers the others' rounds, offering
     /// nothing, until every rank's backward has ended. Every rank calls this at the same point
     /// of the step, once the ranks have agreed that every forward succeeded (a failed round
@@ -70,7 +68,7 @@ impl MixedOptimizer {
         loss: Option<&Tensor>,
         lr: f64,
         sums: &mut GradAccumulator,
-        ranks: &FusedRanks,
+        ranks: &BackwardRanks,
     ) -> Result<FusedOutcome> {
         self.fused_step(checkpointer, loss, lr, sums, Some(ranks.clone()))
     }
@@ -81,7 +79,7 @@ impl MixedOptimizer {
         loss: Option<&Tensor>,
         lr: f64,
         sums: &mut GradAccumulator,
-        ranks: Option<FusedRanks>,
+        ranks: Option<BackwardRanks>,
     ) -> Result<FusedOutcome> {
         debug_assert!(self.scaler.is_none(), "StepMode refuses f16 here");
         debug_assert!(
@@ -108,11 +106,9 @@ impl MixedOptimizer {
             non_finite: AtomicUsize::new(0),
             stepped: AtomicUsize::new(0),
             sums: Mutex::new(sums.take_whole()),
-            rounds: ranks.map(|ranks| Rounds {
-                ranks,
-                params: self.model.clone(),
-                owner: self.zero.as_ref().map(|z| z.owners().to_vec()),
-                stepped: Mutex::new(vec![false; n]),
+            rounds: ranks.map(|ranks| {
+                let owner = self.zero.as_ref().map(|z| z.owners().to_vec());
+                Rounds::new(ranks, self.model.clone(), owner)
             }),
         };
         let stepper = Arc::new(stepper);
@@ -134,7 +130,7 @@ impl MixedOptimizer {
                 .enumerate()
                 .filter_map(|(i, g)| Some((i, g?)))
                 .collect();
-            let mut last = stepper.with_sums(rest)?;
+            let mut last = locked(&stepper.sums).take_with_each(rest)?;
             // Sums of parameters this micro-batch gave no gradient: their own update.
             last.extend(locked(&stepper.sums).take_remaining());
             stepper.finish(last)?;
@@ -149,10 +145,7 @@ impl MixedOptimizer {
         let stepped = stepper.stepped.load(Ordering::Relaxed);
         // Whatever happened, the sums are spent (a failed step's are not reused).
         locked(&stepper.sums).take();
-        let summed = stepper
-            .rounds
-            .as_ref()
-            .map(|r| (locked(&r.stepped).clone(), r.ranks.comm));
+        let summed = stepper.rounds.as_ref().map(|r| (r.summed(), r.ranks.comm));
         // Take the optimizer back whatever happened (the hook was uninstalled with the backward).
         drop(stepper);
         let mut slot = locked(&lent);
@@ -184,71 +177,6 @@ impl MixedOptimizer {
             updated_in_backward,
             non_finite,
         })
-    }
-}
-
-/// How a fused backward pass meets the other ranks of a data-parallel run
-/// ([`MixedOptimizer::backward_and_step_across`]). The rounds line up because every rank's
-/// backward finishes the same segments in the same order (the ranks agreed on the model and the
-/// configuration); a rank whose segment gave no gradient at all would shift its rounds, which
-/// the check that no parameter is summed twice turns into an error that ends the run.
-#[derive(Clone)]
-pub struct FusedRanks {
-    /// The run's communicator, asked for on the thread that runs the backward (the early step
-    /// must be `Send` and `Sync`, while MPI's handles stay on the thread that made them): the
-    /// thread that made it, since candle's backward runs the hook on its calling thread.
-    pub comm: fn() -> Result<Rc<Comm>>,
-    /// Where the sums over the ranks are put (the gradient accumulator's device).
-    pub device: Device,
-    /// The loop's step (from 1), where `FT_FAULT` may fail a round.
-    pub step: u64,
-}
-
-/// The rounds of one fused backward pass across ranks.
-struct Rounds {
-    ranks: FusedRanks,
-    /// The model's parameters (their shapes, for the sums).
-    params: Vec<Var>,
-    /// Under ZeRO, each parameter's owner: the rank its sums reach, which updates it.
-    owner: Option<Vec<usize>>,
-    /// Parameters summed in this step's rounds so far.
-    stepped: Mutex<Vec<bool>>,
-}
-
-impl Rounds {
-    /// One round: `offered` (this rank's, maybe none) summed over the ranks with theirs; the
-    /// sums, and whether every rank's backward has ended. A parameter summed in two rounds
-    /// means the ranks' backwards finished it at different times (they hold different models
-    /// or segments): an error, since its first update cannot be taken back.
-    fn round(
-        &self,
-        offered: Vec<(usize, Tensor)>,
-        finished: bool,
-    ) -> Result<(Vec<(usize, Tensor)>, bool)> {
-        let comm = (self.ranks.comm)()?;
-        crate::fault::at("fused-round", comm.rank(), self.ranks.step)?;
-        let round = sum_round(
-            &comm,
-            offered,
-            finished,
-            &self.params,
-            &self.ranks.device,
-            self.owner.as_deref(),
-        )?;
-        let mut stepped = locked(&self.stepped);
-        let summed = round.summed.iter().enumerate().filter(|(_, s)| **s);
-        for (i, _) in summed {
-            if std::mem::replace(&mut stepped[i], true) {
-                return Err(Error::Invalid(format!(
-                    "rank {}: parameter {i} of shape {:?} was summed in two rounds of a fused \
-                     backward: the ranks finished its gradient at different points of their \
-                     backward (do they hold the same model and checkpointing?)",
-                    comm.rank(),
-                    self.params[i].dims()
-                )));
-            }
-        }
-        Ok((round.sums, round.all_finished))
     }
 }
 
@@ -290,7 +218,7 @@ impl MixedOptimizer {
 
     /// The early-step hook of a fused backward: the gradients of this optimizer's parameters
     /// go to `take` by parameter index, the others are handed back to the checkpointer.
-    fn early_hook(
+    pub(super) fn early_hook(
         &self,
         take: impl Fn(Vec<(usize, Tensor)>) -> Result<()> + Send + Sync + 'static,
     ) -> EarlyStep {
@@ -314,10 +242,6 @@ impl MixedOptimizer {
             },
         )
     }
-}
-
-fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What a fused backward pass did.
@@ -352,11 +276,25 @@ impl ParamStepper {
     /// Updates parameter `i` from `g` for each `(i, g)` (a segment's, during the backward),
     /// with the step's earlier micro-batches' sums and, with several ranks, summed over them.
     fn step_all(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
-        let grads = self.with_sums(grads)?;
+        let grads = locked(&self.sums).take_with_each(grads)?;
         match &self.rounds {
             None => self.step_summed(grads),
-            Some(rounds) => self.step_summed(rounds.round(grads, false)?.0),
+            Some(rounds) => self.step_summed(self.round(rounds, grads, false)?.0),
         }
+    }
+
+    /// One round of the rounds across ranks (where `FT_FAULT`'s `fused-round` fails): the sums
+    /// this rank updates from, and whether every rank's backward has ended.
+    fn round(
+        &self,
+        rounds: &Rounds,
+        offered: Vec<(usize, Tensor)>,
+        finished: bool,
+    ) -> Result<(Vec<(usize, Tensor)>, bool)> {
+        let rank = (rounds.ranks.comm)()?.rank();
+        crate::fault::at("fused-round", rank, rounds.ranks.step)?;
+        let round = rounds.round(offered, finished, false)?;
+        Ok((round.sums, round.all_finished))
     }
 
     /// The step's last gradients (after the backward): updated from; with several ranks, then
@@ -367,25 +305,12 @@ impl ParamStepper {
         };
         let mut offered = grads;
         loop {
-            let (sums, all_finished) = rounds.round(std::mem::take(&mut offered), true)?;
+            let (sums, all_finished) = self.round(rounds, std::mem::take(&mut offered), true)?;
             self.step_summed(sums)?;
             if all_finished {
                 return Ok(());
             }
         }
-    }
-
-    /// `grads` plus the step's earlier micro-batches' sums of the same parameters (as they
-    /// are without accumulation).
-    fn with_sums(&self, grads: Vec<(usize, Tensor)>) -> Result<Vec<(usize, Tensor)>> {
-        let mut sums = locked(&self.sums);
-        if sums.micro_batches() == 0 {
-            return Ok(grads);
-        }
-        grads
-            .into_iter()
-            .map(|(i, g)| Ok((i, sums.take_with(i, g)?)))
-            .collect()
     }
 
     /// [`Self::step_all`] for gradients already summed over the step's micro-batches (and, with

@@ -61,6 +61,9 @@ pub struct MixedOptimizer {
     pub(super) max_grad_norm: Option<f64>,
     /// ZeRO's partition of the state over a data-parallel run's ranks, when sharded.
     pub(super) zero: Option<Zero>,
+    /// Without ZeRO: this step's gradients were summed over the ranks in its backward
+    /// ([`MixedOptimizer::backward_and_reduce_across`]).
+    reduced: bool,
 }
 
 /// What a checkpoint keeps of the optimizer ([`MixedOptimizer::state`]): its step count, the
@@ -133,6 +136,7 @@ impl MixedOptimizer {
             scaler: precision.loss_scaling.then(LossScaler::default),
             max_grad_norm,
             zero: None,
+            reduced: false,
         })
     }
 
@@ -160,30 +164,25 @@ impl MixedOptimizer {
     }
 
     /// Whether each micro-batch's gradients are reduced to their owners as its backward ends
-    /// (ZeRO-2 over several ranks: [`MixedOptimizer::reduce_micro_batch`]), rather than the
-    /// step's sums once before the update.
+    /// (ZeRO-2 over several ranks), rather than the step's sums in its last backward.
     pub fn reduces_each_micro_batch(&self) -> bool {
         self.zero
             .as_ref()
             .is_some_and(Zero::reduces_each_micro_batch)
     }
 
-    /// ZeRO-2: one micro-batch's gradients summed over the ranks onto their owners; this rank's
-    /// share comes back (`None` for the parameters of others) for its accumulator. Every rank
-    /// calls it once a round (see [`super::zero`]).
-    pub fn reduce_micro_batch(
-        &mut self,
-        grads: Vec<Option<Tensor>>,
-        device: &Device,
-    ) -> Result<Vec<Option<Tensor>>> {
+    /// Records that a backward summed the parameters `present` over the ranks (some rank had
+    /// their gradient): what the update then takes as it is.
+    pub(super) fn note_reduced(&mut self, present: Vec<bool>) {
         match self.zero.as_mut() {
-            Some(z) => z.reduce_micro_batch(grads, &self.model, device),
-            None => Ok(grads),
+            Some(z) => z.note_reduced(present),
+            None => self.reduced = true,
         }
     }
 
-    /// Forgets the micro-batches of a step that starts again or is skipped.
+    /// Forgets the sums of a step that starts again or is skipped.
     pub fn discard_reduced(&mut self) {
+        self.reduced = false;
         if let Some(z) = self.zero.as_mut() {
             z.discard_reduced();
         }
@@ -191,6 +190,7 @@ impl MixedOptimizer {
 
     /// A step's accumulated `grads` summed over the ranks of `comm`, on `device`: whole on
     /// every rank, or under ZeRO each rank's share (`None` for parameters it does not own).
+    /// Nothing travels when its backward summed them already.
     pub fn reduce_gradients(
         &mut self,
         comm: &Comm,
@@ -199,6 +199,7 @@ impl MixedOptimizer {
     ) -> Result<Vec<Option<Tensor>>> {
         match self.zero.as_mut() {
             Some(z) => z.reduce(grads, &self.model, device),
+            None if std::mem::take(&mut self.reduced) => Ok(grads),
             None => all_reduce_gradients(comm, grads, &self.model, device),
         }
     }

@@ -41,18 +41,20 @@ pub fn all_reduce_gradients(
     Ok(sum_gradients(comm, grads, params, device, None, &mut [])?.0)
 }
 
-/// One round of a fused backward pass over several ranks ([`super::MixedOptimizer::backward_and_step_across`]):
-/// the gradients this rank offers now (a segment's, as its backward ends; after the backward,
-/// the rest), summed over the ranks with every rank's offer of this round, as `(index, fp32
-/// sum on device)` for each parameter some rank offered (under ZeRO, `owner` given: for each
-/// this rank owns, the others' sums reaching their owners alone). Also which parameters some
-/// rank offered (summed in this round), and whether every rank's backward has ended:
-/// `finished` says this rank's has, so that a rank whose backward ended (or that had no
-/// micro-batch) keeps answering rounds, offering nothing, until the last one.
+/// One round of a backward pass over several ranks ([`super::rounds`]): the gradients this
+/// rank offers now (a segment's, as its backward ends; after the backward, the rest), summed
+/// over the ranks with every rank's offer of this round, as `(index, fp32 sum on device)` for
+/// each parameter some rank offered (under ZeRO, `owner` given: for each this rank owns, the
+/// others' sums reaching their owners alone). Also which parameters some rank offered (summed
+/// in this round), whether every rank's backward has ended (`finished` says this rank's has,
+/// so that a rank whose backward ended, or that had no micro-batch, keeps answering rounds,
+/// offering nothing, until the last one), and whether some rank's backward failed (`failed`
+/// says this one's has: the others then stop theirs and answer until the last round).
 pub(super) fn sum_round(
     comm: &Comm,
     offered: Vec<(usize, Tensor)>,
     finished: bool,
+    failed: bool,
     params: &[Var],
     device: &Device,
     owner: Option<&[usize]>,
@@ -67,8 +69,8 @@ pub(super) fn sum_round(
         })?;
         *slot = Some(g);
     }
-    let mut done = [finished as u64];
-    let (sums, summed) = sum_gradients(comm, grads, params, device, owner, &mut done)?;
+    let mut flags = [finished as u64, failed as u64];
+    let (sums, summed) = sum_gradients(comm, grads, params, device, owner, &mut flags)?;
     let sums = sums
         .into_iter()
         .enumerate()
@@ -77,18 +79,21 @@ pub(super) fn sum_round(
     Ok(Round {
         sums,
         summed,
-        all_finished: done[0] == comm.world() as u64,
+        all_finished: flags[0] == comm.world() as u64,
+        failed: flags[1] > 0,
     })
 }
 
-/// What one round of a fused backward over several ranks gives this rank ([`sum_round`]).
+/// What one round of a backward over several ranks gives this rank ([`sum_round`]).
 pub(super) struct Round {
-    /// The sums this rank updates from.
+    /// The sums that reach this rank.
     pub sums: Vec<(usize, Tensor)>,
     /// Which parameters some rank offered in the round.
     pub summed: Vec<bool>,
     /// Whether every rank's backward has ended.
     pub all_finished: bool,
+    /// Whether some rank's backward failed (its own error, or one it saw in an earlier round).
+    pub failed: bool,
 }
 
 /// As [`all_reduce_gradients`], but each parameter's sum reaches only the rank `owner[i]` (the

@@ -1,16 +1,16 @@
 //! ZeRO stages 1 and 2 (DeepSpeed's Zero Redundancy Optimizer) over a data-parallel run's
 //! ranks: each parameter has one owner rank, which alone keeps its optimizer state and steps it.
 //!
-//! - Stage 1: the gradients are summed onto every rank (all-reduce), as without ZeRO; each rank
-//!   updates the parameters it owns, with the state of those alone.
-//! - Stage 2: each parameter's summed gradient reaches its owner only (a reduce to the owner,
-//!   bucket by bucket), and with several ranks this happens as each micro-batch's backward
-//!   ends ([`Zero::reduce_micro_batch`]): a rank's gradient accumulator holds the fp32 sums of
-//!   its own parameters alone, a world-th of the model's. (Under the fused backward each
-//!   segment's sums reach their owners in its rounds, while the step's earlier micro-batches'
-//!   sums stay each rank's whole ones, as under stage 1.) (The ranks reduce in rounds, one
-//!   micro-batch each; a rank with fewer micro-batches in the step sends zeros, so every rank
-//!   joins every reduce.)
+//! - Stage 1: each rank sums its micro-batches' gradients whole, as without ZeRO; in the step's
+//!   last backward each parameter's sum over the ranks reaches its owner alone, a checkpoint
+//!   segment at a time ([`super::reduce_backward`]); each rank updates the parameters it owns,
+//!   with the state of those alone.
+//! - Stage 2: the same reduce to the owners runs in every micro-batch's backward: a rank's
+//!   gradient accumulator holds the fp32 sums of its own parameters alone, a world-th of the
+//!   model's, and one segment's gradients at a time. (Under the fused backward each segment's
+//!   sums reach their owners in its rounds, while the step's earlier micro-batches' sums stay
+//!   each rank's whole ones, as under stage 1.) (A rank with fewer micro-batches in the step
+//!   answers the others' rounds, so every rank joins every reduce.)
 //!
 //! The fp32 master weights are partitioned like the state (as DeepSpeed's are): a rank keeps the
 //! masters of its own parameters. After the update each owner sends the weights it updated
@@ -133,7 +133,7 @@ impl Zero {
     }
 
     /// Whether each micro-batch's gradients go to their owners as its backward ends (stage 2
-    /// with several ranks), so that [`Zero::reduce_micro_batch`] feeds the accumulator.
+    /// with several ranks), so that the accumulator holds this rank's sums alone.
     pub fn reduces_each_micro_batch(&self) -> bool {
         self.stage == 2 && self.comm.world() > 1
     }
@@ -144,30 +144,21 @@ impl Zero {
         self.reduced = None;
     }
 
-    /// One micro-batch's gradients (`None` everywhere for a rank without one this round)
-    /// summed over the ranks onto each parameter's owner: this rank gets the sums of its own
-    /// parameters (`None` for the others), to add into its accumulator. Every rank must call
-    /// it the same number of times in a step.
-    pub fn reduce_micro_batch(
-        &mut self,
-        grads: Vec<Option<Tensor>>,
-        params: &[Var],
-        device: &Device,
-    ) -> Result<Vec<Option<Tensor>>> {
-        let (out, present) =
-            reduce_gradients_to_owners(&self.comm, grads, params, device, &self.owner)?;
+    /// Records that a backward summed the parameters `present` onto their owners (some rank
+    /// had their gradient): under stage 2 each micro-batch's, under stage 1 the step's. The
+    /// owners' accumulators hold those sums, and [`Zero::reduce`] passes them on.
+    pub fn note_reduced(&mut self, present: Vec<bool>) {
         let seen = self
             .reduced
             .get_or_insert_with(|| vec![false; present.len()]);
         for (s, p) in seen.iter_mut().zip(present) {
             *s |= p;
         }
-        Ok(out)
     }
 
     /// The step's gradients summed over the ranks, kept for the parameters this rank owns
-    /// (`None` for the others). After [`Zero::reduce_micro_batch`], `grads` are those sums
-    /// already (this rank's accumulator), and nothing travels.
+    /// (`None` for the others). After a backward that summed them ([`Zero::note_reduced`]),
+    /// `grads` are those sums already (this rank's accumulator), and nothing travels.
     pub fn reduce(
         &mut self,
         grads: Vec<Option<Tensor>>,
