@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Rank 0's exact heap peaks of a data-parallel t5-ft run on the CPU, by phase, from its
-# memory.jsonl (the counting allocator): 2 ranks under `mpirun`, ZeRO 0/1/2, checkpointing
+# memory.jsonl (the counting allocator): NP ranks (default 2) under `mpirun`, ZeRO 0/1/2
+# (NP=1: one process, no `mpirun`, ZeRO 0 alone), checkpointing
 # `none` and `blocks`, 1 and 2 micro-batches a step, on a medium T5 (d_model 256, d_ff 1024,
 # 4 + 4 layers, 9.5M parameters, fp32) trained from scratch for 3 steps on the demo's data.
 # Given two binaries (say, before and after a change), each row runs both.
 #
 #   cargo build -p t5-ft --features "ft-dist/mpi,ft-trainer/mpi,t5-ft/mpi"
 #   bash scripts/ranks-peaks.sh target/debug/t5-ft [other/t5-ft]
+#   NP=1 bash scripts/ranks-peaks.sh target/debug/t5-ft       # one process (any build)
 #
 # Peaks count the steps after the first (step 0's first forward makes the allocator's caches).
 # The `step` phase is the update (and, before the sums moved into the backward, their reduce).
 set -euo pipefail
-[ $# -ge 1 ] || { echo "usage: $0 T5_FT_BINARY [ANOTHER]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: [NP=N] $0 T5_FT_BINARY [ANOTHER]" >&2; exit 2; }
+NP=${NP:-2}
+ZEROS="0 1 2"
+[ "$NP" -gt 1 ] || ZEROS=0
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1}
@@ -33,7 +38,7 @@ PY
 
 printf '| binary | --zero | --checkpointing | --accum | forward | backward | step | run | --plan | plan / run |\n'
 printf '|---|---|---|---|---|---|---|---|---|---|\n'
-for zero in 0 1 2; do
+for zero in $ZEROS; do
   for ck in none blocks; do
     for accum in 1 2; do
       for bin in "$@"; do
@@ -41,10 +46,15 @@ for zero in 0 1 2; do
         rm -rf "$out"
         flags=(--model "$WORK/model" --from-scratch --train-file "$WORK/train.jsonl" --batch-size 4
           --zero "$zero" --checkpointing "$ck" --accum "$accum" --output-dir "$out")
-        mpirun --oversubscribe -np 2 -x RAYON_NUM_THREADS=1 "$bin" "${flags[@]}" --max-steps 3 \
-          --quiet > "$WORK/log" 2>&1 || { cat "$WORK/log" >&2; exit 1; }
-        # What `--plan` says of one of 2 ranks (the total on the CPU, in bytes).
-        "$bin" "${flags[@]}" --plan --plan-ranks 2 > "$WORK/plan" 2>&1 || { cat "$WORK/plan" >&2; exit 1; }
+        if [ "$NP" -gt 1 ]; then
+          mpirun --oversubscribe -np "$NP" -x RAYON_NUM_THREADS=1 "$bin" "${flags[@]}" \
+            --max-steps 3 --quiet > "$WORK/log" 2>&1 || { cat "$WORK/log" >&2; exit 1; }
+        else
+          RAYON_NUM_THREADS=1 "$bin" "${flags[@]}" --max-steps 3 --quiet > "$WORK/log" 2>&1 \
+            || { cat "$WORK/log" >&2; exit 1; }
+        fi
+        # What `--plan` says of one of NP ranks (the total on the CPU, in bytes).
+        "$bin" "${flags[@]}" --plan --plan-ranks "$NP" > "$WORK/plan" 2>&1 || { cat "$WORK/plan" >&2; exit 1; }
         python3 - "$out/memory.jsonl" "$bin" "$zero" "$ck" "$accum" "$WORK/plan" <<'PY'
 import json, sys
 path, bin_, zero, ck, accum, plan = sys.argv[1:]

@@ -497,11 +497,14 @@ impl CommonArgs {
             plan.under_fused_backward(segments, self.optim_spec()?)
         } else {
             let plan = plan.formed_by_segment(&segments);
-            // In segments, the ranks sum each one's gradients as its backward ends.
-            let plan = if self.checkpoint_strategy()?.segmented() {
-                plan.reduced_by_segment(world, self.zero, self.accum, &segments, &shapes)
-            } else {
-                plan
+            // In segments, each one's gradients are added to the step's sums (over the ranks,
+            // summed over them) as its backward ends.
+            let plan = match self.checkpoint_strategy()?.segmented() {
+                false => plan,
+                true if world > 1 => {
+                    plan.reduced_by_segment(world, self.zero, self.accum, &segments, &shapes)
+                }
+                true => plan.accumulated_by_segment(&segments),
             };
             plan.with_sums_in_flight(
                 world,

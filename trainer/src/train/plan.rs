@@ -203,17 +203,18 @@ impl StatePlan {
                 fused: true,
             };
         }
-        self.bound_gradients(&s, "under --fused-backward");
+        let rows = self.grad_rows.clone();
+        self.bound_gradients(&rows, &s, "under --fused-backward");
         self
     }
 
-    /// The gradient rows bounded to what a backward that hands each segment's gradients on
-    /// as the segment's backward ends holds at once (`how` it does): those of the parameters
-    /// outside every segment of `s` and of its largest segment.
-    fn bound_gradients(&mut self, s: &Segments, how: &str) {
+    /// The gradient rows `rows` bounded to what a backward that hands each segment's
+    /// gradients on as the segment's backward ends holds at once (`how` it does): those of the
+    /// parameters outside every segment of `s` and of its largest segment.
+    fn bound_gradients(&mut self, rows: &[usize], s: &Segments, how: &str) {
         let outside = self.params.saturating_sub(s.inside);
         let live = self.grad_size * (outside + s.largest);
-        for &i in &self.grad_rows {
+        for &i in rows {
             let r = &mut self.rows[i];
             r.bytes = r.bytes.min(live);
             r.component = format!(
@@ -304,6 +305,33 @@ impl StatePlan {
         self
     }
 
+    /// The plan of one process whose backward adds each checkpoint segment's gradients (`s`,
+    /// the model's segments) into the step's sums as the segment's backward ends (the loop's
+    /// plain step in segments, as the fused backward's earlier micro-batches): with `--accum`
+    /// above 1 beside the fp32 sums, and with the sums on the host of a GPU run on the GPU, a
+    /// micro-batch's gradients never exist all at once, only those of the parameters outside
+    /// every segment and of the largest segment. (One micro-batch a step on its own device:
+    /// its gradients are the step's, whole, as before.)
+    pub fn accumulated_by_segment(mut self, s: &Segments) -> Self {
+        let device: Vec<usize> = self
+            .grad_rows
+            .iter()
+            .copied()
+            .filter(|&i| !self.rows[i].on_host)
+            .collect();
+        let beside = self.sums_row.is_some() || device.len() < self.grad_rows.len();
+        if self.fused || !beside {
+            return self;
+        }
+        self.formed = None;
+        self.bound_gradients(
+            &device,
+            s,
+            "(each segment's added to the step's sums as its backward ends)",
+        );
+        self
+    }
+
     /// The plan of one of `world` ranks under ZeRO `stage` whose backward sums each checkpoint
     /// segment's gradients over the ranks as that segment's ends (`s`, the model's segments;
     /// `update/reduce_backward.rs`: a data-parallel run in segments without the fused
@@ -324,10 +352,9 @@ impl StatePlan {
             return self;
         }
         self.formed = None;
-        self.bound_gradients(
-            s,
-            "(each segment's summed over the ranks as its backward ends)",
-        );
+        let rows = self.grad_rows.clone();
+        let how = "(each segment's summed over the ranks as its backward ends)";
+        self.bound_gradients(&rows, s, how);
         if accum == 1 && stage < 2 {
             let sizes: Vec<usize> = shapes.iter().map(|d| d.iter().product()).collect();
             let (values, whose) = if stage == 1 {

@@ -413,6 +413,14 @@ impl<T: Task> Loop<'_, T> {
                         .backward_and_step(self.checkpointer, &scaled, lr, &mut self.acc)?;
                 out.updated_in_backward += f.updated_in_backward;
                 out.non_finite_grads |= f.non_finite > 0;
+            } else if self.checkpointer.strategy().segmented() {
+                // Each segment's gradients into the step's sums (or, under
+                // --offload-optimizer, to the host) as its backward ends: the same sums, and a
+                // micro-batch's gradients never whole beside them.
+                self.opt
+                    .backward_and_accumulate(self.checkpointer, &scaled, &mut self.acc)?;
+                drop(scaled);
+                self.account_gradients();
             } else {
                 let grads = self.checkpointer.gradients(&scaled, &self.params)?;
                 drop(scaled);
