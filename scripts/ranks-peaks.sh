@@ -9,12 +9,15 @@
 #   cargo build -p t5-ft --features "ft-dist/mpi,ft-trainer/mpi,t5-ft/mpi"
 #   bash scripts/ranks-peaks.sh target/debug/t5-ft [other/t5-ft]
 #   NP=1 bash scripts/ranks-peaks.sh target/debug/t5-ft       # one process (any build)
+#   EXTRA="--fused-backward" CHECKPOINTING=blocks bash scripts/ranks-peaks.sh ...  # more flags
 #
 # Peaks count the steps after the first (step 0's first forward makes the allocator's caches).
 # The `step` phase is the update (and, before the sums moved into the backward, their reduce).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: [NP=N] $0 T5_FT_BINARY [ANOTHER]" >&2; exit 2; }
 NP=${NP:-2}
+CHECKPOINTING=${CHECKPOINTING:-none blocks}
+read -r -a EXTRA_FLAGS <<< "${EXTRA:-}"
 ZEROS="0 1 2"
 [ "$NP" -gt 1 ] || ZEROS=0
 WORK=$(mktemp -d)
@@ -39,13 +42,14 @@ PY
 printf '| binary | --zero | --checkpointing | --accum | forward | backward | step | run | --plan | plan / run |\n'
 printf '|---|---|---|---|---|---|---|---|---|---|\n'
 for zero in $ZEROS; do
-  for ck in none blocks; do
+  for ck in $CHECKPOINTING; do
     for accum in 1 2; do
       for bin in "$@"; do
         out="$WORK/run"
         rm -rf "$out"
         flags=(--model "$WORK/model" --from-scratch --train-file "$WORK/train.jsonl" --batch-size 4
-          --zero "$zero" --checkpointing "$ck" --accum "$accum" --output-dir "$out")
+          --zero "$zero" --checkpointing "$ck" --accum "$accum" --output-dir "$out"
+          "${EXTRA_FLAGS[@]}")
         if [ "$NP" -gt 1 ]; then
           mpirun --oversubscribe -np "$NP" -x RAYON_NUM_THREADS=1 "$bin" "${flags[@]}" \
             --max-steps 3 --quiet > "$WORK/log" 2>&1 || { cat "$WORK/log" >&2; exit 1; }

@@ -302,9 +302,9 @@ fn ranks_on_gpus_sum_over_nccl_what_one_gpu_trains() -> Result<()> {
 /// epoch's short last step leaving rank 1 without one, so that it only answers the rounds) and
 /// 3 ranks x 1 train what one process's fused backward trains on the combined batch, with
 /// per-tensor clipping (a gradient clipped on one rank's share would differ) and bf16 weights
-/// over fp32 masters; also under ZeRO-2 (2 ranks, the earlier micro-batch's sums each rank's
-/// own) and ZeRO-1 (3 ranks): each round's sums reach the owners, which update and then send
-/// the weights.
+/// over fp32 masters; also under ZeRO-2 (2 ranks, the earlier micro-batch's gradients reduced
+/// onto their owners, which add their sums as the last one's arrive) and ZeRO-1 (3 ranks):
+/// each round's sums reach the owners, which update and then send the weights.
 #[test]
 fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> {
     let dir = common::tmp("ranks-fused");
@@ -377,6 +377,27 @@ fn the_fused_backward_over_ranks_trains_what_one_process_trains() -> Result<()> 
             );
         }
     }
+    // Under ZeRO-2 the earlier micro-batch's gradients went to their owners: in f32 (where a
+    // share of fp32 sums is not the size of a whole micro-batch's bf16 gradients) rank 0 held
+    // about half the gradient bytes it holds without ZeRO.
+    let mut held = Vec::new();
+    for zero in ["0", "2"] {
+        let f32_run: Vec<&str> = args("2", zero)
+            .into_iter()
+            .map(|a| if a == "bf16" { "f32" } else { a })
+            .collect();
+        let out = dir.join(format!("f32-zero-{zero}"));
+        let Some(_) = train(2, &out, &f32_run)? else {
+            return Ok(());
+        };
+        held.push(held_most(&out, "gradients")?);
+    }
+    assert!(
+        held[1] > 0 && (held[1] as f64) < 0.6 * held[0] as f64,
+        "fused, f32: rank 0 held {} bytes of gradients under ZeRO-2, {} without",
+        held[1],
+        held[0]
+    );
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -447,16 +447,6 @@ impl CommonArgs {
         Ok(opt)
     }
 
-    /// The ZeRO stage the plan counts: stage 2's partitioned gradient sums are those of the
-    /// steps without the fused backward, whose sums of earlier micro-batches stay whole.
-    fn sharded_stage(&self) -> u8 {
-        if self.fused_backward {
-            self.zero.min(1)
-        } else {
-            self.zero
-        }
-    }
-
     /// The ranks a plan is for: `--plan-ranks`, else the ranks this process was launched with.
     pub fn planned_world(&self) -> Result<usize> {
         Ok(match self.plan_ranks {
@@ -484,37 +474,38 @@ impl CommonArgs {
             self.optim_spec()?,
             self.accum,
             self.device != "cpu",
-        )
-        // Under the fused backward each rank's sums of a step's earlier micro-batches are its
-        // own whole ones (its rounds partition the rest, as stage 1's do).
-        .per_rank(world, self.sharded_stage(), &shapes, self.optim_spec()?);
+        );
+        let segments = store.segments(segments);
+        if self.fused_backward {
+            // (Before the ranks' shares: with one micro-batch a step there are no sums.)
+            return Ok(plan
+                .under_fused_backward(segments, self.optim_spec()?)
+                .per_rank(world, self.zero, &shapes, self.optim_spec()?));
+        }
+        let plan = plan
+            .per_rank(world, self.zero, &shapes, self.optim_spec()?)
+            .formed_by_segment(&segments);
+        // In segments, each one's gradients are added to the step's sums (over the ranks,
+        // summed over them) as its backward ends.
+        let plan = match self.checkpoint_strategy()?.segmented() {
+            false => plan,
+            true if world > 1 => {
+                plan.reduced_by_segment(world, self.zero, self.accum, &segments, &shapes)
+            }
+            true => plan.accumulated_by_segment(&segments),
+        };
         // The ranks' sums run on the GPUs over NCCL, else (and with the optimizer on the host)
         // through host memory.
         let gpu = self.device != "cpu";
         let on_gpus = gpu && cfg!(feature = "nccl") && !self.offload_optimizer;
-        let segments = store.segments(segments);
-        Ok(if self.fused_backward {
-            plan.under_fused_backward(segments, self.optim_spec()?)
-        } else {
-            let plan = plan.formed_by_segment(&segments);
-            // In segments, each one's gradients are added to the step's sums (over the ranks,
-            // summed over them) as its backward ends.
-            let plan = match self.checkpoint_strategy()?.segmented() {
-                false => plan,
-                true if world > 1 => {
-                    plan.reduced_by_segment(world, self.zero, self.accum, &segments, &shapes)
-                }
-                true => plan.accumulated_by_segment(&segments),
-            };
-            plan.with_sums_in_flight(
-                world,
-                self.zero,
-                self.accum,
-                &shapes,
-                on_gpus,
-                gpu && !on_gpus,
-            )
-        })
+        Ok(plan.with_sums_in_flight(
+            world,
+            self.zero,
+            self.accum,
+            &shapes,
+            on_gpus,
+            gpu && !on_gpus,
+        ))
     }
 
     /// `plan` with the activations of one micro-batch, as `profile` counts them at `what` (the

@@ -244,7 +244,7 @@ impl StatePlan {
     /// masters of the rank that owns the most (parameters assigned as
     /// [`crate::update::zero::partition`] assigns them), and under stage 2 the fp32 gradient sums of its parameters
     /// alone (with one micro-batch a step they come on top of that micro-batch's gradients,
-    /// which the reduce turns into them).
+    /// which the reduce turns into them; none under the fused backward, planned first).
     pub fn per_rank(
         mut self,
         world: usize,
@@ -290,6 +290,8 @@ impl StatePlan {
                     self.rows[i].bytes = sums;
                     self.rows[i].component = label;
                 }
+                // One micro-batch a step under the fused backward: no sums.
+                None if self.fused => {}
                 None => {
                     let on_host = self.rows[self.state_row].on_host;
                     self.rows.push(PlanRow {

@@ -15,7 +15,8 @@ use crate::update::{BackwardRanks, LossNorm};
 
 impl<T: Task> Loop<'_, T> {
     /// [`Self::forward_backward`] with the fused backward over several ranks: this rank's
-    /// micro-batches before its last are accumulated as their segments' backwards end, its last
+    /// micro-batches before its last are accumulated as their segments' backwards end (under
+    /// ZeRO-2 onto their owners, in rounds), its last
     /// one's forward runs, and the ranks agree that none ran out of memory and none met a
     /// non-finite loss (else all drop the step's gradients: retried split, or skipped, as one
     /// process would); then the last backward updates each segment's parameters from their sums
@@ -74,7 +75,8 @@ impl<T: Task> Loop<'_, T> {
     }
 
     /// This rank's micro-batches before its last (forward, and backward into the step's sums
-    /// as each segment's ends), its last one's forward, and the ranks' agreement that none ran
+    /// as each segment's ends; under ZeRO-2 onto their owners, in [`Self::sharded_rounds`]),
+    /// its last one's forward, and the ranks' agreement that none ran
     /// out of memory and none met a non-finite loss (else all drop the step's gradients:
     /// retried split, or skipped, as one process would). The last scaled loss (None for a rank
     /// without a micro-batch), or None for it all when the step is skipped (`out.bad_loss`).
@@ -84,7 +86,23 @@ impl<T: Task> Loop<'_, T> {
         norm: LossNorm,
         out: &mut Local,
     ) -> Result<Option<Option<Tensor>>> {
-        let last = self.all_but_last_backward(pieces, norm, out);
+        let last = if self.opt.reduces_each_micro_batch() {
+            // Under ZeRO-2 (the fused backward's path here) the micro-batches before each
+            // rank's last go to their owners in rounds.
+            let (earlier, last) = pieces.split_at(pieces.len().saturating_sub(1));
+            match self.sharded_rounds(earlier, norm, out)? {
+                None => return Ok(None),
+                Some(Err(e)) => Err(e),
+                Some(Ok(())) => match last.first() {
+                    None => Ok(None),
+                    Some(piece) => self.forward(piece, norm, out).inspect(|scaled| {
+                        out.bad_loss |= scaled.is_none();
+                    }),
+                },
+            }
+        } else {
+            self.all_but_last_backward(pieces, norm, out)
+        };
         let (oom, bad) = match &last {
             Err(e) if e.is_out_of_memory() => (1u64, 0u64),
             // Any other error ends every rank (`ranks::main`).
@@ -93,8 +111,11 @@ impl<T: Task> Loop<'_, T> {
         };
         let mut shared = [oom, bad];
         self.comm.all_reduce_sum(&mut shared)?;
-        if shared[0] > 0 {
+        if shared[0] > 0 || shared[1] > 0 {
+            self.opt.discard_reduced();
             drop(self.acc.take());
+        }
+        if shared[0] > 0 {
             return Err(match last {
                 Err(e) => e,
                 Ok(_) => self.others_out_of_memory(shared[0]),
@@ -102,7 +123,6 @@ impl<T: Task> Loop<'_, T> {
         }
         if shared[1] > 0 {
             out.bad_loss = true;
-            drop(self.acc.take());
             return Ok(None);
         }
         last.map(Some)
@@ -179,18 +199,35 @@ impl<T: Task> Loop<'_, T> {
         pieces: &[Piece<'_, T::Batch>],
         norm: LossNorm,
     ) -> Result<Local> {
+        let mut out = Local::default();
+        if let Some(over) = self.sharded_rounds(pieces, norm, &mut out)? {
+            over?;
+        }
+        Ok(out)
+    }
+
+    /// ZeRO-2's rounds over `pieces` (this rank's micro-batches whose gradients go to their
+    /// owners), one micro-batch a rank each, as many as the rank with the most has: each
+    /// round's forward, the ranks' agreement, and its backward reduced onto the owners. None
+    /// when some rank's loss was not finite (`out.bad_loss`: the step's sums dropped); else
+    /// this rank's `--fit` check of its last backward, which the ranks have yet to agree on.
+    fn sharded_rounds(
+        &mut self,
+        pieces: &[Piece<'_, T::Batch>],
+        norm: LossNorm,
+        out: &mut Local,
+    ) -> Result<Option<Result<()>>> {
         self.opt.discard_reduced();
         let mut counts = vec![0u64; self.comm.world()];
         self.comm.all_gather(&[pieces.len() as u64], &mut counts)?;
         let rounds = counts.iter().copied().max().unwrap_or(0) as usize;
-        let mut out = Local::default();
         // This rank's last backward passed the `--fit` budget: told at the next agreement.
         let mut over: Result<()> = Ok(());
         for round in 0..rounds {
             let piece = pieces.get(round).filter(|_| over.is_ok());
             let scaled = match piece {
                 None => Ok(None),
-                Some(piece) => self.forward(piece, norm, &mut out),
+                Some(piece) => self.forward(piece, norm, out),
             };
             let (scaled, oom, bad) = match scaled {
                 Ok(s) => {
@@ -217,12 +254,11 @@ impl<T: Task> Loop<'_, T> {
             if shared[1] > 0 {
                 // A non-finite loss on some rank: nothing of this step reaches the weights.
                 out.bad_loss = true;
-                return Ok(out);
+                return Ok(None);
             }
             over = self.backward_reduced(scaled)?;
         }
-        over?;
-        Ok(out)
+        Ok(Some(over))
     }
 
     /// After a step that stood: whether a rank's fused backward passed the CPU `--fit` budget

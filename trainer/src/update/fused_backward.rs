@@ -59,9 +59,10 @@ impl MixedOptimizer {
     /// Under ZeRO (1 or 2) each round's sums reach the owners alone, each owner updates its
     /// tensors (from its masters and optimizer state), and after the backward the owners send
     /// the updated weights to the other ranks ([`super::zero::Zero::share_updates`]). The
-    /// step's earlier micro-batches' sums are each rank's own whole ones, as under stage 1
-    /// (each rank adds its own into what it offers): stage 2's partitioned sums apply to the
-    /// steps without the fused backward.
+    /// step's earlier micro-batches' sums are each rank's own whole ones under stage 1 (each
+    /// rank adds its own into what it offers); under stage 2 they were reduced onto their
+    /// owners micro-batch by micro-batch (`sums` holds this rank's share), and each owner adds
+    /// its own to the sums over the ranks as they arrive.
     pub fn backward_and_step_across(
         &mut self,
         checkpointer: &Checkpointer,
@@ -106,6 +107,7 @@ impl MixedOptimizer {
             non_finite: AtomicUsize::new(0),
             stepped: AtomicUsize::new(0),
             sums: Mutex::new(sums.take_whole()),
+            owned: ranks.is_some() && self.reduces_each_micro_batch(),
             rounds: ranks.map(|ranks| {
                 let owner = self.zero.as_ref().map(|z| z.owners().to_vec());
                 Rounds::new(ranks, self.model.clone(), owner)
@@ -130,9 +132,15 @@ impl MixedOptimizer {
                 .enumerate()
                 .filter_map(|(i, g)| Some((i, g?)))
                 .collect();
-            let mut last = locked(&stepper.sums).take_with_each(rest)?;
-            // Sums of parameters this micro-batch gave no gradient: their own update.
-            last.extend(locked(&stepper.sums).take_remaining());
+            let last = if stepper.owned {
+                // The owners add their sums as the sums over the ranks arrive.
+                rest
+            } else {
+                let mut last = locked(&stepper.sums).take_with_each(rest)?;
+                // Sums of parameters this micro-batch gave no gradient: their own update.
+                last.extend(locked(&stepper.sums).take_remaining());
+                last
+            };
             stepper.finish(last)?;
             // A step without any gradient still counts, as `step` counts it.
             if stepper.stepped.load(Ordering::Relaxed) == 0 {
@@ -266,8 +274,14 @@ struct ParamStepper {
     non_finite: AtomicUsize,
     /// Gradients this step has updated from (or skipped as non-finite).
     stepped: AtomicUsize,
-    /// The step's earlier micro-batches' gradients (empty without accumulation).
+    /// The step's earlier micro-batches' gradients (empty without accumulation): this rank's
+    /// own, or (`owned`) their sums over the ranks of the parameters it owns.
     sums: Mutex<GradAccumulator>,
+    /// Under ZeRO-2 over several ranks the earlier micro-batches' sums are the owners' (each
+    /// micro-batch was reduced onto them): an owner adds its sum to the last micro-batch's sum
+    /// over the ranks as that arrives, and the sums no rank's last micro-batch added to go
+    /// round once more after the backward.
+    owned: bool,
     /// With several ranks: each update waits for the sum over the ranks.
     rounds: Option<Rounds>,
 }
@@ -276,11 +290,32 @@ impl ParamStepper {
     /// Updates parameter `i` from `g` for each `(i, g)` (a segment's, during the backward),
     /// with the step's earlier micro-batches' sums and, with several ranks, summed over them.
     fn step_all(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
-        let grads = locked(&self.sums).take_with_each(grads)?;
         match &self.rounds {
-            None => self.step_summed(grads),
-            Some(rounds) => self.step_summed(self.round(rounds, grads, false)?.0),
+            None => self.step_summed(locked(&self.sums).take_with_each(grads)?),
+            Some(rounds) => {
+                let grads = self.offered(grads)?;
+                let sums = self.round(rounds, grads, false)?.0;
+                self.step_summed(self.arrived(sums)?)
+            }
         }
+    }
+
+    /// What this rank offers of `grads`: with its own sums of the earlier micro-batches
+    /// added, unless the owners hold those (`owned`).
+    fn offered(&self, grads: Vec<(usize, Tensor)>) -> Result<Vec<(usize, Tensor)>> {
+        if self.owned {
+            return Ok(grads);
+        }
+        locked(&self.sums).take_with_each(grads)
+    }
+
+    /// The sums over the ranks that reached this rank, with its sums of the earlier
+    /// micro-batches added where it owns them (`owned`).
+    fn arrived(&self, sums: Vec<(usize, Tensor)>) -> Result<Vec<(usize, Tensor)>> {
+        if !self.owned {
+            return Ok(sums);
+        }
+        locked(&self.sums).take_with_each(sums)
     }
 
     /// One round of the rounds across ranks (where `FT_FAULT`'s `fused-round` fails): the sums
@@ -306,11 +341,19 @@ impl ParamStepper {
         let mut offered = grads;
         loop {
             let (sums, all_finished) = self.round(rounds, std::mem::take(&mut offered), true)?;
-            self.step_summed(sums)?;
+            self.step_summed(self.arrived(sums)?)?;
             if all_finished {
-                return Ok(());
+                break;
             }
         }
+        if self.owned {
+            // The owners' sums of parameters no rank's last micro-batch gave a gradient: one
+            // more round, every rank in it, so that every rank knows they were updated.
+            let rest = locked(&self.sums).take_remaining();
+            let (sums, _) = self.round(rounds, rest, true)?;
+            self.step_summed(sums)?;
+        }
+        Ok(())
     }
 
     /// [`Self::step_all`] for gradients already summed over the step's micro-batches (and, with

@@ -7,9 +7,9 @@
 //!   with the state of those alone.
 //! - Stage 2: the same reduce to the owners runs in every micro-batch's backward: a rank's
 //!   gradient accumulator holds the fp32 sums of its own parameters alone, a world-th of the
-//!   model's, and one segment's gradients at a time. (Under the fused backward each segment's
-//!   sums reach their owners in its rounds, while the step's earlier micro-batches' sums stay
-//!   each rank's whole ones, as under stage 1.) (A rank with fewer micro-batches in the step
+//!   model's, and one segment's gradients at a time. (Under the fused backward the step's last
+//!   micro-batch's segments' sums reach their owners in its rounds, and each owner adds its
+//!   sums of the earlier ones as they arrive.) (A rank with fewer micro-batches in the step
 //!   answers the others' rounds, so every rank joins every reduce.)
 //!
 //! The fp32 master weights are partitioned like the state (as DeepSpeed's are): a rank keeps the
