@@ -170,3 +170,47 @@ fn ranks_resume_one_process_keeping_a_share_of_the_ema_each() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+/// An evaluation that needs no EMA (no samples, no MMD: the validation loss alone) tells the
+/// other ranks so (`Ema::decline`), each evaluation of the run: 2 ranks under ZeRO-2 with the
+/// EMA in shares evaluate after every step and train, evaluate and save what one process does
+/// (were the others left waiting for shares rank 0 does not ask for, the run would hang until
+/// `MPIEXEC_TIMEOUT` and fail).
+#[test]
+fn ranks_evaluate_without_the_ema_when_nothing_needs_it() -> Result<()> {
+    let dir = common::tmp("ranks-ema-declined");
+    let (one, many) = (dir.join("one"), dir.join("many"));
+    let flags = ["--eval-mmd-samples", "0", "--eval-every", "1"];
+    let Some(expected) = train(1, "2", "3", &flags, &one)? else {
+        unreachable!("one process needs no mpirun")
+    };
+    let extra = [&flags[..], &["--zero", "2"]].concat();
+    let Some(got) = train(2, "1", "3", &extra, &many)? else {
+        return Ok(());
+    };
+    assert_eq!(got.len(), 3);
+    for (a, b) in got.iter().zip(&expected) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{got:?} vs {expected:?}");
+    }
+    let evals = |d: &Path| -> Result<usize> {
+        let text = std::fs::read_to_string(d.join("metrics.jsonl"))?;
+        Ok(text.lines().filter(|l| l.contains("\"eval_loss\"")).count())
+    };
+    assert_eq!(evals(&many)?, 3, "an evaluation after each step");
+    let (a, b) = (last_eval(&many)?, last_eval(&one)?);
+    assert!(a.get("eval_kid_latent").is_none(), "no MMD: {a:?}");
+    let (x, y) = (a["eval_loss"].as_f64(), b["eval_loss"].as_f64());
+    assert!(
+        matches!((x, y), (Some(x), Some(y)) if (x - y).abs() <= 1e-4 * y.abs().max(1.0)),
+        "eval_loss: {x:?} vs {y:?}"
+    );
+    let file = |d: &Path| {
+        SafetensorsFiles::open(&[
+            d.join("checkpoint-3/unet_ema/diffusion_pytorch_model.safetensors")
+        ])
+    };
+    let (diff, name) = file(&many)?.max_difference(&file(&one)?, |_| true)?;
+    assert!(diff <= 1e-5, "unet_ema: `{name}` differs by {diff}");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
