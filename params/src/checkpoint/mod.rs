@@ -339,7 +339,9 @@ impl Checkpointer {
             if g.is_some() && taken.contains(&p.id()) {
                 return Err(crate::Error::Invalid(format!(
                     "a parameter of shape {:?} is used inside a checkpointed segment and outside \
-                     it: a fused backward pass cannot update it early (turn --fused-backward off)",
+                     it: its gradient cannot be handed on as the segment's backward ends (the \
+                     fused backward's update, or the step's sums in segments; use \
+                     --checkpointing none)",
                     p.dims()
                 )));
             }

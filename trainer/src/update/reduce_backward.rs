@@ -8,10 +8,13 @@
 //! and one segment's gradients, never a micro-batch's whole. On GPUs under NCCL, each segment's
 //! sum is queued on the stream behind that segment's backward.
 //!
-//! A rank whose backward fails with out of memory tells the others in the next round; every
-//! rank then stops its backward, answers the rounds until each one's has ended, and drops the
-//! step's sums: the step runs again split on every rank, as it would had the error come before
-//! the rounds (nothing has reached the weights). Any other error ends the run.
+//! A rank whose backward fails with out of memory (or whose sums fail to allocate between two
+//! rounds) tells the others in the next round; every rank then stops its backward, answers the
+//! rounds until each one's has ended, and drops the step's sums: the step runs again split on
+//! every rank, as it would had the error come before the rounds (nothing has reached the
+//! weights). An error inside a round's collective, or after the last round, leaves the ranks
+//! out of step and ends the run (never as an out-of-memory error, which the step would retry
+//! while others wait), as does any other error.
 
 use std::sync::{Arc, Mutex};
 
@@ -130,25 +133,40 @@ impl Offers {
             }));
             return Err(stopped());
         }
-        let offered = locked(&self.earlier).take_with_each(grads)?;
-        match self
-            .rounds
-            .round(offered, false, false)
-            .and_then(|round| self.keep(round.sums).map(|()| round.failed))
-        {
-            Ok(failed) => {
-                if failed {
-                    *locked(&self.failure) = Some(Failure::Others);
-                    return Err(stopped());
-                }
-                Ok(())
-            }
+        let offered = match locked(&self.earlier).take_with_each(grads) {
+            Ok(offered) => offered,
+            // Before this rank's round: the others can still be told.
+            Err(e) => return Err(self.fail(e)),
+        };
+        let round = match self.rounds.round(offered, false, false) {
+            Ok(round) => round,
             Err(e) => {
                 let text = e.to_string();
                 *locked(&self.failure) = Some(Failure::Fatal(e));
-                Err(Error::Invalid(text))
+                return Err(Error::Invalid(text));
             }
+        };
+        if let Err(e) = self.keep(round.sums) {
+            return Err(self.fail(e));
         }
+        if round.failed {
+            *locked(&self.failure) = Some(Failure::Others);
+            return Err(stopped());
+        }
+        Ok(())
+    }
+
+    /// This rank's error `e` between rounds: out of memory is told to the others in the next
+    /// round (the step then splits on every rank); anything else ends the run. The error that
+    /// stops the backward.
+    fn fail(&self, e: Error) -> Error {
+        let failure = if e.is_out_of_memory() {
+            Failure::Mine(e)
+        } else {
+            Failure::Fatal(e)
+        };
+        *locked(&self.failure) = Some(failure);
+        stopped()
     }
 
     /// After the backward: its last gradients (and the earlier micro-batches' sums of the
@@ -157,16 +175,22 @@ impl Offers {
     fn finish(&self, backward: Result<(Vec<Option<Tensor>>, usize)>) -> Result<usize> {
         let failure = locked(&self.failure).take();
         let (mut offered, taken, mut failure) = match (backward, failure) {
-            (_, Some(Failure::Fatal(e))) => return Err(e),
+            (_, Some(Failure::Fatal(e))) => return Err(ends_the_run(e)),
             (Ok((grads, taken)), None) => {
                 let rest: Vec<(usize, Tensor)> = grads
                     .into_iter()
                     .enumerate()
                     .filter_map(|(i, g)| Some((i, g?)))
                     .collect();
-                let mut offered = locked(&self.earlier).take_with_each(rest)?;
-                offered.extend(locked(&self.earlier).take_remaining());
-                (offered, taken, None)
+                let mut earlier = locked(&self.earlier);
+                match earlier.take_with_each(rest) {
+                    Ok(mut offered) => {
+                        offered.extend(earlier.take_remaining());
+                        (offered, taken, None)
+                    }
+                    Err(e) if e.is_out_of_memory() => (Vec::new(), 0, Some(Failure::Mine(e))),
+                    Err(e) => return Err(ends_the_run(e)),
+                }
             }
             // This rank's own allocation failure: told to the others, the step split.
             (Err(e), None) if e.is_out_of_memory() => (Vec::new(), 0, Some(Failure::Mine(e))),
@@ -176,10 +200,21 @@ impl Offers {
         locked(&self.earlier).take();
         loop {
             let mine = matches!(failure, Some(Failure::Mine(_)));
+            // A failed collective leaves the ranks out of step: whatever it says, the run ends.
             let round = self
                 .rounds
-                .round(std::mem::take(&mut offered), true, mine)?;
-            self.keep(round.sums)?;
+                .round(std::mem::take(&mut offered), true, mine)
+                .map_err(ends_the_run)?;
+            if let Err(e) = self.keep(round.sums) {
+                // The last round (the others have left theirs) or not an allocation failure:
+                // the ranks cannot agree on a retry.
+                if round.all_finished || !e.is_out_of_memory() {
+                    return Err(ends_the_run(e));
+                }
+                // Told in the next round (every rank answers until all have ended).
+                failure.get_or_insert(Failure::Mine(e));
+                continue;
+            }
             if round.failed && failure.is_none() {
                 failure = Some(Failure::Others);
             }
@@ -189,7 +224,8 @@ impl Offers {
         }
         match failure {
             None => Ok(taken),
-            Some(Failure::Mine(e) | Failure::Fatal(e)) => Err(e),
+            Some(Failure::Mine(e)) => Err(e),
+            Some(Failure::Fatal(e)) => Err(ends_the_run(e)),
             Some(Failure::Others) => Err(Error::OutOfMemory {
                 phase: "backward".into(),
                 step: self.rounds.ranks.step,
@@ -203,6 +239,19 @@ impl Offers {
         let mut into = locked(&self.into);
         sums.into_iter().try_for_each(|(i, s)| into.add_one(i, s))
     }
+}
+
+/// An error after which the ranks' rounds no longer line up: never out of memory (which the
+/// step would retry while other ranks wait in a collective), so that `ranks::main` ends every
+/// rank.
+fn ends_the_run(e: Error) -> Error {
+    if e.is_out_of_memory() {
+        return Error::Invalid(format!(
+            "{e} (inside the ranks' gradient sums, where the step cannot run again: the run \
+             ends; resume from the last checkpoint with a smaller --batch-size)"
+        ));
+    }
+    e
 }
 
 /// The error that stops a rank's backward from inside its hook (the reason is kept aside).

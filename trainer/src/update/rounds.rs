@@ -82,7 +82,9 @@ impl Rounds {
                 return Err(Error::Invalid(format!(
                     "rank {}: parameter {i} of shape {:?} was summed in two rounds of a \
                      backward: the ranks finished its gradient at different points of their \
-                     backward (do they hold the same model and checkpointing?)",
+                     backward (different models or checkpointing, or a tensor whose gradient \
+                     some ranks' last micro-batch gave and others' did not while their earlier \
+                     ones did; --checkpointing none sums after the backward)",
                     comm.rank(),
                     self.params[i].dims()
                 )));
