@@ -1,0 +1,183 @@
+//! The plan of one rank of a data-parallel run: its ZeRO share of the optimizer state, masters
+//! and sums, the sums over the ranks a segment at a time, and what those sums hold in flight.
+
+use ft_params::Segments;
+
+use super::{PlanRow, StatePlan};
+use crate::optim::OptimSpec;
+
+impl StatePlan {
+    /// The plan of one rank of `world` under ZeRO `stage` (0: none, the plan unchanged), for
+    /// the trainable tensors of `shapes` trained with `optim`: the optimizer state and fp32
+    /// masters of the rank that owns the most (parameters assigned as
+    /// [`crate::update::zero::partition`] assigns them), and under stage 2 the fp32 gradient sums of its parameters
+    /// alone (with one micro-batch a step they come on top of that micro-batch's gradients,
+    /// which the reduce turns into them; none under the fused backward, planned first).
+    pub fn per_rank(
+        mut self,
+        world: usize,
+        stage: u8,
+        shapes: &[Vec<usize>],
+        optim: &OptimSpec,
+    ) -> Self {
+        if stage == 0 || world < 2 {
+            return self;
+        }
+        let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+        let owner = crate::update::zero::partition(&sizes, world);
+        let most = |bytes: &dyn Fn(usize) -> u64| {
+            (0..world)
+                .map(|r| {
+                    (0..sizes.len())
+                        .filter(|&i| owner[i] == r)
+                        .map(bytes)
+                        .sum::<u64>()
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        let state = most(&|i| (optim.state_bytes)(&shapes[i]));
+        let r = &mut self.rows[self.state_row];
+        r.bytes = state;
+        r.component = format!(
+            "{}: this rank's share (ZeRO-{stage}, {world} ranks)",
+            r.component
+        );
+        let fp32_share = most(&|i| 4 * sizes[i] as u64);
+        if let Some(i) = self.masters_row {
+            let r = &mut self.rows[i];
+            r.bytes = fp32_share;
+            r.component = format!("{}: this rank's share ({world} ranks)", r.component);
+        }
+        if stage == 2 {
+            let sums = fp32_share;
+            let label =
+                format!("gradient sums of this rank's parameters (fp32, ZeRO-2, {world} ranks)");
+            match self.sums_row {
+                Some(i) => {
+                    self.rows[i].bytes = sums;
+                    self.rows[i].component = label;
+                }
+                // One micro-batch a step under the fused backward: no sums.
+                None if self.fused => {}
+                None => {
+                    let on_host = self.rows[self.state_row].on_host;
+                    self.rows.push(PlanRow {
+                        component: label,
+                        bytes: sums,
+                        on_host,
+                        activation: false,
+                        less: false,
+                    });
+                }
+            }
+        }
+        self
+    }
+    /// The plan of one of `world` ranks under ZeRO `stage` whose backward sums each checkpoint
+    /// segment's gradients over the ranks as that segment's ends (`s`, the model's segments;
+    /// `update/reduce_backward.rs`: a data-parallel run in segments without the fused
+    /// backward). A micro-batch's gradients then never exist all at once, only those of the
+    /// parameters outside every segment and of the largest segment (as under the fused
+    /// backward); with one micro-batch a step, the fp32 sums arriving take their place (whole,
+    /// or under ZeRO this rank's share); each round's bucket holds one segment's values, or
+    /// the rest's.
+    pub fn reduced_by_segment(
+        mut self,
+        world: usize,
+        stage: u8,
+        accum: usize,
+        s: &Segments,
+        shapes: &[Vec<usize>],
+    ) -> Self {
+        if world < 2 || self.fused {
+            return self;
+        }
+        self.formed = None;
+        let rows = self.grad_rows.clone();
+        let how = "(each segment's summed over the ranks as its backward ends)";
+        self.bound_gradients(&rows, s, how);
+        if accum == 1 && stage < 2 {
+            let sizes: Vec<usize> = shapes.iter().map(|d| d.iter().product()).collect();
+            let (values, whose) = if stage == 1 {
+                (
+                    crate::update::zero::largest_share(&sizes, world) as u64,
+                    "this rank's parameters",
+                )
+            } else {
+                (self.params, "every parameter")
+            };
+            let on_host = self.grad_rows.iter().any(|&i| self.rows[i].on_host);
+            self.rows.push(PlanRow {
+                component: format!(
+                    "gradient sums over {world} ranks of {whose} (fp32, arriving in the backward)"
+                ),
+                bytes: 4 * values,
+                on_host,
+                activation: false,
+                less: false,
+            });
+        }
+        let values = |shapes: &[Vec<usize>]| {
+            crate::update::bucket_values(shapes.iter().map(|d| d.iter().product::<usize>())) as u64
+        };
+        let rounds = s.own.iter().map(|own| values(own));
+        self.round_values = Some(rounds.chain([values(&s.outside)]).max().unwrap_or(0));
+        self
+    }
+    /// The plan of one of `world` ranks with what the sum of the gradients over the ranks holds
+    /// after backward (`update/reduce.rs`), for trainable tensors of `shapes`: its fp32 bucket
+    /// (16 MiB, or the largest tensor where that is larger, never more than all of them), the
+    /// fp32 copy of the tensor being added to it when what is summed is not fp32 (summed
+    /// through host memory) or of the whole bucket (summed on the GPUs, `on_gpus`), and with
+    /// one micro-batch a step and gradients narrower than fp32 outside ZeRO-2, the fp32 sums'
+    /// excess over the gradients they replace. On the training device unless `through_host`
+    /// (a GPU run whose sums go through host memory: a host row). Not under the fused
+    /// backward, whose rounds sum a segment's gradients at a time (not counted yet).
+    pub fn with_sums_in_flight(
+        mut self,
+        world: usize,
+        stage: u8,
+        accum: usize,
+        shapes: &[Vec<usize>],
+        on_gpus: bool,
+        through_host: bool,
+    ) -> Self {
+        if world < 2 || self.fused {
+            return self;
+        }
+        let sizes = shapes.iter().map(|s| s.iter().product::<usize>());
+        let all = crate::update::bucket_values(sizes.clone()) as u64;
+        // Summed a segment at a time, a round's bucket holds at most that round's values.
+        let values = self.round_values.map_or(all, |r| r.min(all));
+        let largest = sizes.max().unwrap_or(0) as u64;
+        // What the sums read: a micro-batch's gradients in the model's dtype (one micro-batch a
+        // step, or ZeRO-2, which sums each micro-batch), else the fp32 sums of the step's.
+        let narrow = self.grad_size < 4 && (accum == 1 || stage == 2);
+        let copies = match (narrow, on_gpus) {
+            (false, _) => 0,
+            (true, true) => 4 * values,
+            (true, false) => 4 * largest,
+        };
+        // (Summed a segment at a time, the sums are a row of their own.)
+        let excess = if accum == 1 && stage < 2 && narrow && self.round_values.is_none() {
+            (4 - self.grad_size) * self.params
+        } else {
+            0
+        };
+        let bytes = 4 * values + copies;
+        if through_host {
+            return self.with(
+                &format!(
+                    "the gradients' sums over {world} ranks in flight (fp32 buckets, after \
+                     backward)"
+                ),
+                bytes + excess,
+                true,
+            );
+        }
+        self.in_flight = bytes;
+        self.excess = excess;
+        self
+    }
+}
