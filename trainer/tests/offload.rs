@@ -459,3 +459,66 @@ fn plan_counts_the_sums_over_the_ranks() {
     let cpu = |world| plan(1, false).with_sums_in_flight(world, 0, 1, &shapes, false, false);
     assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 28 + 4 * 10 + 2 * 28);
 }
+
+/// Under the fused backward across ranks the plan counts each round of the sums over the ranks
+/// (`update/fused_backward.rs`): its fp32 bucket (a segment's 16 values here, or the rest's
+/// 12), the fp32 copy of its largest bf16 tensor being added (10 or 8 values) and, with one
+/// micro-batch a step, the fp32 sums arriving, which the segment's step reads: in host memory
+/// for a GPU run summing through it (a row of the largest round), else at the segments'
+/// moments of the backward (on the CPU the sums replace the bf16 gradients: 2 bytes a value
+/// more). Under ZeRO the sums arriving are at most this rank's share (14 values).
+#[test]
+fn plan_counts_the_fused_backwards_rounds() {
+    use ft_params::checkpoint::{ActivationProfile, Strategy};
+    use ft_params::Segments;
+    use ft_trainer::train::plan::{state_plan, StatePlan};
+    let precision = Precision::for_dtype(DType::BF16);
+    let shapes = [vec![4usize], vec![8], vec![2, 5], vec![6]];
+    let seg = Segments {
+        inside: 16,
+        largest: 16,
+        tensors: 2,
+        own: vec![vec![vec![2, 5], vec![6]]],
+        outside: vec![vec![4], vec![8]],
+    };
+    let adamw = &ft_trainer::optim::adamw::SPEC;
+    let fused = |accum, gpu| {
+        state_plan(&shapes, &precision, StatePlacement::Host, adamw, accum, gpu)
+            .under_fused_backward(seg.clone(), adamw)
+    };
+    let host_row = |p: &StatePlan| {
+        p.rows
+            .iter()
+            .find(|r| r.component.contains("a segment's round at a time"))
+            .map(|r| (r.bytes, r.on_host))
+    };
+    let through = |world, stage, accum| {
+        fused(accum, true)
+            .rounds_under_fused_backward(world, stage, accum, &seg, &shapes, false, true)
+    };
+    assert_eq!(
+        host_row(&through(2, 0, 1)),
+        Some((4 * 16 + 4 * 10 + 4 * 16, true))
+    );
+    assert_eq!(
+        host_row(&through(2, 1, 1)),
+        Some((4 * 16 + 4 * 10 + 4 * 14, true))
+    );
+    // Several micro-batches: the sums arriving take the place of the step's own.
+    assert_eq!(host_row(&through(2, 0, 2)), Some((4 * 16 + 4 * 10, true)));
+    assert_eq!(host_row(&through(1, 0, 1)), None);
+    // On the CPU, with no segments in the profile, the moment after the backward holds the
+    // rest's round (AdamW's step makes no temporaries): bucket, copy and the sums' excess.
+    let with = |p: StatePlan| {
+        p.with_activations("nothing", &ActivationProfile::default(), Strategy::Blocks)
+            .device_bytes()
+    };
+    let cpu = |world| {
+        fused(1, false).rounds_under_fused_backward(world, 0, 1, &seg, &shapes, false, false)
+    };
+    assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 12 + 4 * 8 + 2 * 12);
+    assert!(cpu(2)
+        .with_activations("nothing", &ActivationProfile::default(), Strategy::Blocks)
+        .table()
+        .contains("a round of the gradients' sums over the ranks"));
+}

@@ -476,11 +476,25 @@ impl CommonArgs {
             self.device != "cpu",
         );
         let segments = store.segments(segments);
+        // The ranks' sums run on the GPUs over NCCL, else (and with the optimizer on the host)
+        // through host memory.
+        let gpu = self.device != "cpu";
+        let on_gpus = gpu && cfg!(feature = "nccl") && !self.offload_optimizer;
+        let through_host = gpu && !on_gpus;
         if self.fused_backward {
             // (Before the ranks' shares: with one micro-batch a step there are no sums.)
             return Ok(plan
-                .under_fused_backward(segments, self.optim_spec()?)
-                .per_rank(world, self.zero, &shapes, self.optim_spec()?));
+                .under_fused_backward(segments.clone(), self.optim_spec()?)
+                .per_rank(world, self.zero, &shapes, self.optim_spec()?)
+                .rounds_under_fused_backward(
+                    world,
+                    self.zero,
+                    self.accum,
+                    &segments,
+                    &shapes,
+                    on_gpus,
+                    through_host,
+                ));
         }
         let plan = plan
             .per_rank(world, self.zero, &shapes, self.optim_spec()?)
@@ -494,18 +508,7 @@ impl CommonArgs {
             }
             true => plan.accumulated_by_segment(&segments),
         };
-        // The ranks' sums run on the GPUs over NCCL, else (and with the optimizer on the host)
-        // through host memory.
-        let gpu = self.device != "cpu";
-        let on_gpus = gpu && cfg!(feature = "nccl") && !self.offload_optimizer;
-        Ok(plan.with_sums_in_flight(
-            world,
-            self.zero,
-            self.accum,
-            &shapes,
-            on_gpus,
-            gpu && !on_gpus,
-        ))
+        Ok(plan.with_sums_in_flight(world, self.zero, self.accum, &shapes, on_gpus, through_host))
     }
 
     /// `plan` with the activations of one micro-batch, as `profile` counts them at `what` (the

@@ -87,6 +87,10 @@ pub struct StatePlan {
     /// The most values one round of a backward that sums each segment's gradients over the
     /// ranks carries ([`StatePlan::reduced_by_segment`]): its bucket's bound.
     round_values: Option<u64>,
+    /// Under the fused backward across ranks, each segment's round on the training device and
+    /// the rest's, last ([`StatePlan::rounds_under_fused_backward`]): its peak, and the sums
+    /// its step reads beside its own temporaries.
+    rounds: Vec<(u64, u64)>,
 }
 
 fn dtype_name(d: DType) -> &'static str {
@@ -180,6 +184,7 @@ pub fn state_plan(
         in_flight: 0,
         excess: 0,
         round_values: None,
+        rounds: Vec::new(),
     }
 }
 
@@ -220,6 +225,19 @@ impl StatePlan {
         let mut step = self.step.clone();
         if self.in_flight > 0 {
             step.after = step.after.max(self.in_flight) + self.excess;
+        }
+        // Under the fused backward across ranks, each segment's moment holds its round, then
+        // its step beside the sums (the rest's after the backward).
+        let largest_round = self.rounds.iter().map(|r| r.0).max().unwrap_or(0);
+        if let Some(((rest_peak, rest_sums), own)) = self.rounds.split_last() {
+            if step.segments.len() != own.len() {
+                step.segments = vec![0; own.len()];
+            }
+            for (s, (peak, sums)) in step.segments.iter_mut().zip(own) {
+                *s = (*s + sums).max(*peak);
+            }
+            step.after = (step.after + rest_sums).max(*rest_peak);
+            step.fused = true;
         }
         let held = profile.held_with(strategy, &step, self.formed.as_ref());
         let mut rows = Vec::new();
@@ -283,10 +301,17 @@ impl StatePlan {
                     fmt(x)
                 ),
             };
+            let rounds = match largest_round {
+                0 => String::new(),
+                r => format!(
+                    " or a round of the gradients' sums over the ranks ({})",
+                    fmt(r)
+                ),
+            };
             row(
                 format!(
                     "the optimizer step's temporaries ({} for the largest tensor it updates, \
-                     {when}){sums}: above backward's peak by",
+                     {when}){sums}{rounds}: above backward's peak by",
                     fmt(largest.unwrap_or(0))
                 ),
                 held.step,

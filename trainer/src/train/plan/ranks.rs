@@ -125,6 +125,75 @@ impl StatePlan {
         self.round_values = Some(rounds.chain([values(&s.outside)]).max().unwrap_or(0));
         self
     }
+    /// The plan of one of `world` ranks under ZeRO `stage` under the fused backward
+    /// (`update/fused_backward.rs`), whose rounds sum each checkpoint segment's gradients over
+    /// the ranks as that segment's backward ends (`s`, the model's segments of trainable
+    /// tensors `shapes`; the rest after the backward) and step them from the sums. A round holds
+    /// its fp32 bucket (the segment's values, at most a bucket's or its largest tensor's), the
+    /// fp32 copies of gradients narrower than fp32 (one tensor's through host memory, the
+    /// bucket's on the GPUs, `on_gpus`) and the fp32 sums arriving (under ZeRO this rank's
+    /// share, at most), which the segment's step then reads: with one micro-batch a step,
+    /// beside what the gradients they replace held; with more, in place of the step's sums
+    /// that went into the offer. Counted at each segment's moment of the fused backward (and
+    /// the rest's after it) on the training device, or, for a GPU run whose sums go through
+    /// host memory (`through_host`), as a host row of the largest round.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rounds_under_fused_backward(
+        mut self,
+        world: usize,
+        stage: u8,
+        accum: usize,
+        s: &Segments,
+        shapes: &[Vec<usize>],
+        on_gpus: bool,
+        through_host: bool,
+    ) -> Self {
+        if world < 2 || !self.fused {
+            return self;
+        }
+        let sizes: Vec<usize> = shapes.iter().map(|d| d.iter().product()).collect();
+        let share = match stage {
+            0 => u64::MAX,
+            _ => crate::update::zero::largest_share(&sizes, world) as u64,
+        };
+        let (gs, narrow) = (self.grad_size, self.grad_size < 4);
+        // A round of tensors `own`: its peak (the bucket, the copies, the sums arriving beyond
+        // the gradients they replace) and what its step reads beside its own temporaries.
+        let round = |own: &[Vec<usize>]| -> (u64, u64) {
+            let sizes = own.iter().map(|d| d.iter().product::<usize>());
+            let values = sizes.clone().sum::<usize>() as u64;
+            let bucket = crate::update::bucket_values(sizes.clone()) as u64;
+            let largest = sizes.max().unwrap_or(0) as u64;
+            let copies = match (narrow, on_gpus) {
+                (false, _) => 0,
+                (true, true) => 4 * bucket,
+                (true, false) => 4 * largest,
+            };
+            let arriving = 4 * values.min(share);
+            let sums = match (accum, through_host) {
+                (1, true) => arriving,
+                (1, false) => arriving.saturating_sub(gs * values),
+                _ => 0,
+            };
+            (4 * bucket + copies + sums, sums)
+        };
+        let rounds: Vec<(u64, u64)> = s.own.iter().map(|own| round(own)).collect();
+        let rest = round(&s.outside);
+        if through_host {
+            let largest = rounds.iter().chain([&rest]).map(|r| r.0).max().unwrap_or(0);
+            return self.with(
+                &format!(
+                    "the gradients' sums over {world} ranks in flight (fp32, a segment's round \
+                     at a time inside --fused-backward)"
+                ),
+                largest,
+                true,
+            );
+        }
+        self.rounds = rounds.into_iter().chain([rest]).collect();
+        self
+    }
+
     /// The plan of one of `world` ranks with what the sum of the gradients over the ranks holds
     /// after backward (`update/reduce.rs`), for trainable tensors of `shapes`: its fp32 bucket
     /// (16 MiB, or the largest tensor where that is larger, never more than all of them), the
@@ -133,7 +202,7 @@ impl StatePlan {
     /// one micro-batch a step and gradients narrower than fp32 outside ZeRO-2, the fp32 sums'
     /// excess over the gradients they replace. On the training device unless `through_host`
     /// (a GPU run whose sums go through host memory: a host row). Not under the fused
-    /// backward, whose rounds sum a segment's gradients at a time (not counted yet).
+    /// backward, whose rounds [`Self::rounds_under_fused_backward`] counts.
     pub fn with_sums_in_flight(
         mut self,
         world: usize,
