@@ -8,7 +8,9 @@
 //! waiting in the same collective); `reduce-round` (before each segment's round of the plain
 //! backward across ranks: the rank takes itself to have run out of memory there);
 //! `fit-budget-forward` and `fit-budget-backward` (the check
-//! of that phase's peak against the CPU `--fit` budget: the phase is taken to have passed it).
+//! of that phase's peak against the CPU `--fit` budget: the phase is taken to have passed it);
+//! `nan-gradient` (the first tensor a rank offers to the fused backward's rounds in that step
+//! turns NaN, as a micro-batch that diverged on that rank alone would make it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -19,11 +21,12 @@ use crate::error::{Error, Result};
 type Spec = (String, usize, u64);
 
 /// The points the code names (a spec naming another is refused: it would never fire).
-const POINTS: [&str; 4] = [
+const POINTS: [&str; 5] = [
     "fused-round",
     "reduce-round",
     "fit-budget-forward",
     "fit-budget-backward",
+    "nan-gradient",
 ];
 
 /// Parses `POINT:RANK:STEP`.

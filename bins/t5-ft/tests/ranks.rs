@@ -450,6 +450,66 @@ fn a_rank_failing_in_the_fused_backward_ends_the_run_and_spares_the_checkpoint()
     Ok(())
 }
 
+/// A gradient that turns NaN on one rank (`FT_FAULT=nan-gradient:0:2`: the first tensor rank
+/// 0 offers in step 2's rounds, a step in which rank 1 has no micro-batch) skips that tensor's update and no other, under the fused
+/// backward with per-tensor clipping: under ZeRO-2 its owner alone skips it, sends the others
+/// the weight unchanged and counts the step as one process would, so the run equals the one in
+/// which every rank skips it (no ZeRO): the same losses, weights and optimizer state (its step
+/// count too), and step 2 alone reports the non-finite gradient on both.
+#[test]
+fn a_non_finite_gradient_on_one_rank_skips_one_tensor_under_fused_zero() -> Result<()> {
+    let dir = common::tmp("ranks-fused-nan");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let fused = ["--fused-backward", "--checkpointing", "blocks"];
+    let clip = ["--max-grad-norm", "0.05"];
+    let mut runs = Vec::new();
+    for zero in ["0", "2"] {
+        let args = [
+            &three_steps(&m, &d, "2")[..],
+            &fused,
+            &clip,
+            &["--zero", zero],
+        ]
+        .concat();
+        let out = dir.join(format!("zero-{zero}"));
+        let Some(r) = with_fault(&args, &out, "nan-gradient:0:2")? else {
+            return Ok(());
+        };
+        assert!(
+            r.status.success(),
+            "ZeRO-{zero}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        let (_, _, steps) = metrics(&out)?;
+        let flags: Vec<_> = steps.iter().map(|l| l["non_finite"].clone()).collect();
+        assert_eq!(flags, [false, true, false], "ZeRO-{zero}: {steps:?}");
+        runs.push(out);
+    }
+    let losses = |out: &Path| -> Result<Vec<f64>> {
+        Ok(metrics(out)?
+            .2
+            .iter()
+            .filter_map(|l| l["loss"].as_f64())
+            .collect())
+    };
+    let (a, b) = (losses(&runs[0])?, losses(&runs[1])?);
+    assert!(
+        a.iter()
+            .zip(&b)
+            .all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs()),
+        "{a:?} vs {b:?}"
+    );
+    let (diff, name) = weights(&runs[1].join("checkpoint-3"))?
+        .max_difference(&weights(&runs[0].join("checkpoint-3"))?, |_| true)?;
+    assert!(diff <= 1e-5, "`{name}` differs by {diff}");
+    let state = |d: &Path| SafetensorsFiles::open(&[d.join("checkpoint-3/optimizer.safetensors")]);
+    let (diff, name) = state(&runs[1])?.max_difference(&state(&runs[0])?, |_| true)?;
+    assert!(diff <= 1e-5, "state `{name}` differs by {diff}");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 /// Under `--fit` with the fused backward, one rank's phase passing the budget splits every
 /// rank alike (`FT_FAULT` makes it pass): in forward the ranks agree before any update and run
 /// the step again split; in the fused backward the update stands and every rank splits the

@@ -293,7 +293,8 @@ impl ParamStepper {
         match &self.rounds {
             None => self.step_summed(locked(&self.sums).take_with_each(grads)?),
             Some(rounds) => {
-                let grads = self.offered(grads)?;
+                let mut grads = self.offered(grads)?;
+                poisoned_on_purpose(rounds, &mut grads)?;
                 let sums = self.round(rounds, grads, false)?.0;
                 self.step_summed(self.arrived(sums)?)
             }
@@ -385,6 +386,20 @@ impl ParamStepper {
         }
         Ok(())
     }
+}
+
+/// `FT_FAULT=nan-gradient:RANK:STEP`: the first tensor this rank offers in that step's rounds
+/// made NaN (the tests of a non-finite gradient on one rank, whose tensor only its owner skips
+/// under ZeRO).
+fn poisoned_on_purpose(rounds: &Rounds, grads: &mut [(usize, Tensor)]) -> Result<()> {
+    let Some((_, g)) = grads.first_mut() else {
+        return Ok(());
+    };
+    let rank = (rounds.ranks.comm)()?.rank();
+    if crate::fault::fires("nan-gradient", rank, rounds.ranks.step)? {
+        *g = g.affine(f64::NAN, 0.0)?;
+    }
+    Ok(())
 }
 
 /// Stands in for the optimizer while a fused backward pass has lent it out.
