@@ -138,6 +138,15 @@ impl GradAccumulator {
             .collect()
     }
 
+    /// Parameter `i`'s sum alone, taken out (`None` where none is held): a rank whose last
+    /// micro-batch gave `i` no gradient adds it to the round in which another rank's did.
+    pub fn take_one(&mut self, i: usize) -> Option<Tensor> {
+        if let Some(o) = self.owned.get_mut(i) {
+            *o = false;
+        }
+        self.sums.get_mut(i)?.take()
+    }
+
     /// The parameters whose sums are still held, taken out (a fused backward steps those
     /// that got no gradient in the last micro-batch from their sums alone).
     pub fn take_remaining(&mut self) -> Vec<(usize, Tensor)> {

@@ -329,7 +329,9 @@ impl ParamStepper {
     ) -> Result<(Vec<(usize, Tensor)>, bool)> {
         let rank = (rounds.ranks.comm)()?.rank();
         crate::fault::at("fused-round", rank, rounds.ranks.step)?;
-        let round = rounds.round(offered, finished, false)?;
+        // This rank's earlier sums go round where they are not the owners' already.
+        let earlier = (!self.owned).then_some(&self.sums);
+        let round = rounds.round(offered, finished, false, earlier)?;
         Ok((round.sums, round.all_finished))
     }
 

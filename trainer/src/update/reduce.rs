@@ -38,7 +38,7 @@ pub fn all_reduce_gradients(
     if comm.world() == 1 {
         return Ok(grads);
     }
-    Ok(sum_gradients(comm, grads, params, device, None, &mut [])?.0)
+    Ok(sum_gradients(comm, grads, params, device, None, &mut [], &mut none)?.0)
 }
 
 /// One round of a backward pass over several ranks ([`super::rounds`]): the gradients this
@@ -49,7 +49,10 @@ pub fn all_reduce_gradients(
 /// in this round), whether every rank's backward has ended (`finished` says this rank's has,
 /// so that a rank whose backward ended, or that had no micro-batch, keeps answering rounds,
 /// offering nothing, until the last one), and whether some rank's backward failed (`failed`
-/// says this one's has: the others then stop theirs and answer until the last round).
+/// says this one's has: the others then stop theirs and answer until the last round). For a
+/// parameter another rank offers and this one does not, `fill` gives what this rank adds (its
+/// sum of the step's earlier micro-batches, when it holds one), else zeros.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn sum_round(
     comm: &Comm,
     offered: Vec<(usize, Tensor)>,
@@ -58,6 +61,7 @@ pub(super) fn sum_round(
     params: &[Var],
     device: &Device,
     owner: Option<&[usize]>,
+    fill: &mut dyn FnMut(usize) -> Option<Tensor>,
 ) -> Result<Round> {
     let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
     for (i, g) in offered {
@@ -70,7 +74,7 @@ pub(super) fn sum_round(
         *slot = Some(g);
     }
     let mut flags = [finished as u64, failed as u64];
-    let (sums, summed) = sum_gradients(comm, grads, params, device, owner, &mut flags)?;
+    let (sums, summed) = sum_gradients(comm, grads, params, device, owner, &mut flags, fill)?;
     let sums = sums
         .into_iter()
         .enumerate()
@@ -110,13 +114,19 @@ pub(super) fn reduce_gradients_to_owners(
         let present = grads.iter().map(Option::is_some).collect();
         return Ok((grads, present));
     }
-    sum_gradients(comm, grads, params, device, Some(owner), &mut [])
+    sum_gradients(comm, grads, params, device, Some(owner), &mut [], &mut none)
+}
+
+/// What a rank adds for a parameter it has no gradient of: zeros.
+fn none(_: usize) -> Option<Tensor> {
+    None
 }
 
 /// The sums over the ranks, to every rank (`owner` None) or to each parameter's owner, bucket
 /// by bucket (with owners, each bucket holds one owner's parameters), and which parameters had
 /// a gradient on some rank. `counts` are summed over the ranks in the same message as which
-/// parameters each rank has.
+/// parameters each rank has. A parameter some rank has and this one has not takes `fill`'s
+/// tensor for it, or zeros.
 fn sum_gradients(
     comm: &Comm,
     mut grads: Vec<Option<Tensor>>,
@@ -124,6 +134,7 @@ fn sum_gradients(
     device: &Device,
     owner: Option<&[usize]>,
     counts: &mut [u64],
+    fill: &mut dyn FnMut(usize) -> Option<Tensor>,
 ) -> Result<(Vec<Option<Tensor>>, Vec<bool>)> {
     if grads.len() != params.len() || owner.is_some_and(|o| o.len() != params.len()) {
         return Err(Error::Invalid(format!(
@@ -139,6 +150,12 @@ fn sum_gradients(
     counts.copy_from_slice(&present[grads.len()..]);
     present.truncate(grads.len());
     let present: Vec<bool> = present.iter().map(|&p| p > 0).collect();
+    // In this round, beside the rank that has it: what this rank holds of it (see `fill`).
+    for (i, g) in grads.iter_mut().enumerate() {
+        if present[i] && g.is_none() {
+            *g = fill(i);
+        }
+    }
     let roots: Vec<Option<usize>> = match owner {
         None => vec![None],
         Some(_) => (0..comm.world()).map(Some).collect(),
@@ -361,7 +378,8 @@ mod gpu_tests {
         };
         for owner in [None, Some(&[0usize, 0, 0][..])] {
             let grads = vec![Some(g0.clone()), None, Some(g2.clone())];
-            let (out, present) = sum_gradients(&comm, grads, &params, &device, owner, &mut [])?;
+            let (out, present) =
+                sum_gradients(&comm, grads, &params, &device, owner, &mut [], &mut none)?;
             assert_eq!(present, [true, false, true]);
             let s0 = out[0].as_ref().ok_or(Error::Invalid("no sum 0".into()))?;
             assert_eq!((s0.dims(), s0.dtype()), (&[2usize, 3][..], DType::F32));

@@ -138,7 +138,10 @@ impl Offers {
             // Before this rank's round: the others can still be told.
             Err(e) => return Err(self.fail(e)),
         };
-        let round = match self.rounds.round(offered, false, false) {
+        let round = match self
+            .rounds
+            .round(offered, false, false, Some(&self.earlier))
+        {
             Ok(round) => round,
             Err(e) => {
                 let text = e.to_string();
@@ -203,7 +206,7 @@ impl Offers {
             // A failed collective leaves the ranks out of step: whatever it says, the run ends.
             let round = self
                 .rounds
-                .round(std::mem::take(&mut offered), true, mine)
+                .round(std::mem::take(&mut offered), true, mine, None)
                 .map_err(ends_the_run)?;
             if let Err(e) = self.keep(round.sums) {
                 // The last round (the others have left theirs) or not an allocation failure:

@@ -17,6 +17,7 @@ use candle_core::{Device, Tensor, Var};
 use ft_dist::Comm;
 
 use super::reduce::{sum_round, Round};
+use super::GradAccumulator;
 use crate::error::{Error, Result};
 
 /// How a backward pass meets the other ranks of a data-parallel run.
@@ -59,13 +60,20 @@ impl Rounds {
     /// rank's backward has ended (`finished`: this one's has) and whether some rank failed
     /// (`failed`: this one has). A parameter summed in two rounds means the ranks' backwards
     /// finished it at different points (they hold different models or segments): an error.
+    ///
+    /// `earlier`, this rank's sums of the step's earlier micro-batches where the sums over the
+    /// ranks hold them (not where their owners already do): a parameter another rank offers in
+    /// this round and this one does not (its last micro-batch gave no gradient of it, its
+    /// earlier ones did) goes in with its sum taken from `earlier`, in the same round.
     pub(super) fn round(
         &self,
         offered: Vec<(usize, Tensor)>,
         finished: bool,
         failed: bool,
+        earlier: Option<&Mutex<GradAccumulator>>,
     ) -> Result<Round> {
         let comm = (self.ranks.comm)()?;
+        let mut fill = |i: usize| earlier.and_then(|e| locked(e).take_one(i));
         let round = sum_round(
             &comm,
             offered,
@@ -74,6 +82,7 @@ impl Rounds {
             &self.params,
             &self.ranks.device,
             self.owner.as_deref(),
+            &mut fill,
         )?;
         let mut summed = locked(&self.summed);
         let now = round.summed.iter().enumerate().filter(|(_, s)| **s);
@@ -82,9 +91,8 @@ impl Rounds {
                 return Err(Error::Invalid(format!(
                     "rank {}: parameter {i} of shape {:?} was summed in two rounds of a \
                      backward: the ranks finished its gradient at different points of their \
-                     backward (different models or checkpointing, or a tensor whose gradient \
-                     some ranks' last micro-batch gave and others' did not while their earlier \
-                     ones did; --checkpointing none sums after the backward)",
+                     backward (different models or checkpointing; --checkpointing none sums \
+                     after the backward)",
                     comm.rank(),
                     self.params[i].dims()
                 )));
