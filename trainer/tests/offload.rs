@@ -469,7 +469,7 @@ fn plan_counts_the_sums_over_the_ranks() {
 /// more). Under ZeRO the sums arriving are at most this rank's share (14 values).
 #[test]
 fn plan_counts_the_fused_backwards_rounds() {
-    use ft_params::checkpoint::{ActivationProfile, Strategy};
+    use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Strategy};
     use ft_params::Segments;
     use ft_trainer::train::plan::{state_plan, StatePlan};
     let precision = Precision::for_dtype(DType::BF16);
@@ -517,6 +517,23 @@ fn plan_counts_the_fused_backwards_rounds() {
         fused(1, false).rounds_under_fused_backward(world, 0, 1, &seg, &shapes, false, false)
     };
     assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 12 + 4 * 8 + 2 * 12);
+    // With the segment in the profile, its round (bucket 64, copy 40, the sums' excess 32)
+    // stands at its moment of the backward, beside its kept graph of 1,000: above the rest's.
+    let one_segment = ActivationProfile {
+        segments: vec![SegmentBytes {
+            graph: 1000,
+            ..SegmentBytes::default()
+        }],
+        ..ActivationProfile::default()
+    };
+    let with_segment = |p: StatePlan| {
+        p.with_activations("one segment", &one_segment, Strategy::Blocks)
+            .device_bytes()
+    };
+    assert_eq!(
+        with_segment(cpu(2)) - with_segment(cpu(1)),
+        4 * 16 + 4 * 10 + 2 * 16
+    );
     assert!(cpu(2)
         .with_activations("nothing", &ActivationProfile::default(), Strategy::Blocks)
         .table()

@@ -164,18 +164,13 @@ impl StatePlan {
             let values = sizes.clone().sum::<usize>() as u64;
             let bucket = crate::update::bucket_values(sizes.clone()) as u64;
             let largest = sizes.max().unwrap_or(0) as u64;
-            let copies = match (narrow, on_gpus) {
-                (false, _) => 0,
-                (true, true) => 4 * bucket,
-                (true, false) => 4 * largest,
-            };
             let arriving = 4 * values.min(share);
             let sums = match (accum, through_host) {
                 (1, true) => arriving,
                 (1, false) => arriving.saturating_sub(gs * values),
                 _ => 0,
             };
-            (4 * bucket + copies + sums, sums)
+            (bucket_bytes(bucket, largest, narrow, on_gpus) + sums, sums)
         };
         let rounds: Vec<(u64, u64)> = s.own.iter().map(|own| round(own)).collect();
         let rest = round(&s.outside);
@@ -223,18 +218,13 @@ impl StatePlan {
         // What the sums read: a micro-batch's gradients in the model's dtype (one micro-batch a
         // step, or ZeRO-2, which sums each micro-batch), else the fp32 sums of the step's.
         let narrow = self.grad_size < 4 && (accum == 1 || stage == 2);
-        let copies = match (narrow, on_gpus) {
-            (false, _) => 0,
-            (true, true) => 4 * values,
-            (true, false) => 4 * largest,
-        };
         // (Summed a segment at a time, the sums are a row of their own.)
         let excess = if accum == 1 && stage < 2 && narrow && self.round_values.is_none() {
             (4 - self.grad_size) * self.params
         } else {
             0
         };
-        let bytes = 4 * values + copies;
+        let bytes = bucket_bytes(values, largest, narrow, on_gpus);
         if through_host {
             return self.with(
                 &format!(
@@ -249,4 +239,17 @@ impl StatePlan {
         self.excess = excess;
         self
     }
+}
+
+/// What one collective of the sums over the ranks holds (`update/reduce.rs`'s `Bucket`): the
+/// fp32 bucket of `values` values, and where what it adds is narrower than fp32 (`narrow`),
+/// the fp32 copy of it: of one tensor at a time (at most `largest` values) through host
+/// memory, of the whole bucket on the GPUs (`on_gpus`).
+fn bucket_bytes(values: u64, largest: u64, narrow: bool, on_gpus: bool) -> u64 {
+    let copies = match (narrow, on_gpus) {
+        (false, _) => 0,
+        (true, true) => 4 * values,
+        (true, false) => 4 * largest,
+    };
+    4 * values + copies
 }
