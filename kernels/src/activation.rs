@@ -32,7 +32,7 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 /// A float type the passes compute in (f32 or f64).
-trait Real: Copy + Send + Sync {
+pub(crate) trait Real: Copy + Send + Sync {
     fn f(x: f64) -> Self;
     fn positive(self) -> bool;
     fn tanh(self) -> Self;
@@ -98,7 +98,7 @@ real!(f64, candle_core::cpu::erf::erf_f64, f64::tanh, f64::exp);
 
 impl Activation {
     #[inline(always)]
-    fn forward<R: Real>(self, x: R) -> R {
+    pub(crate) fn forward<R: Real>(self, x: R) -> R {
         let (half, one) = (R::f(0.5), R::f(1.0));
         match self {
             Activation::GeluTanh => {
@@ -148,7 +148,7 @@ impl Activation {
     /// `g * f'(x)`; for ReLU `g` where `x > 0` and 0 elsewhere, whatever `g` is (an infinite
     /// or NaN gradient where the ReLU cut gives 0, as PyTorch's, not `g * 0`).
     #[inline(always)]
-    fn backward<R: Real>(self, g: R, x: R) -> R {
+    pub(crate) fn backward<R: Real>(self, g: R, x: R) -> R {
         match self {
             Activation::Relu if x.positive() => g,
             Activation::Relu => R::f(0.0),

@@ -18,6 +18,7 @@ pub mod cross_entropy;
 pub mod cuda;
 pub mod dropout;
 pub mod fastmath;
+pub mod gated;
 pub mod gradcheck;
 pub mod host;
 pub mod linear;

@@ -99,8 +99,7 @@ impl Walk<'_> {
         t.new_tensor(bnd); // residual
         t.norm(bnd);
         t.linear(b * n, d, 8 * d, true, false); // GEGLU in
-        t.new_tensor(4 * bnd); // gelu of the gate
-        t.new_tensor(4 * bnd); // product
+        t.new_tensor(4 * bnd); // value times the gate's GELU, one op
         t.linear(b * n, 4 * d, d, true, false); // out
         t.new_tensor(bnd); // residual
                            // Its leaves: the input (the text states are data, no gradient).

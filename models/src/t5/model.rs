@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
+use ft_kernels::activation::{self, Activation};
 use ft_kernels::cross_entropy::linear_cross_entropy;
-use ft_kernels::{activation, attention, linear, norm, softmax};
+use ft_kernels::gated::gated;
+use ft_kernels::{attention, linear, norm, softmax};
 use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::{Init, ParamBuilder};
 
@@ -179,15 +181,17 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor, drop: &DropoutCtx, site: &str) -> candle_core::Result<Tensor> {
-        let act = |t: Tensor| match self.act {
-            FfAct::Relu => activation::relu(&t),
-            FfAct::GeluNew => activation::gelu_tanh(&t),
-            FfAct::Silu => activation::silu(&t),
+        let act = match self.act {
+            FfAct::Relu => Activation::Relu,
+            FfAct::GeluNew => Activation::GeluTanh,
+            FfAct::Silu => Activation::Silu,
         };
-        let h = act(linear::linear(x, &self.wi[0], None)?)?;
+        let h = linear::linear(x, &self.wi[0], None)?;
+        // Gated (v1.1, FLAN): one op, which keeps no activation output for the product's
+        // backward (`ft_kernels::gated`).
         let h = match self.wi.get(1) {
-            Some(w1) => (h * linear::linear(x, w1, None)?)?,
-            None => h,
+            Some(w1) => gated(&h, &linear::linear(x, w1, None)?, act)?,
+            None => activation::activate(&h, act)?,
         };
         let h = drop.apply(&h, site)?;
         linear::linear(&h, &self.wo, None)
