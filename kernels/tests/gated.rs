@@ -85,8 +85,12 @@ fn equal_to_the_two_ops(rows: usize, width: usize) -> Result<()> {
                 two_ops(&x[0], &x[1], a)
             })?;
             assert!(ours == theirs, "{a:?} {dtype:?} {rows}x{width}: apart");
-            let ours = run(std::slice::from_ref(&h), &probe, &|x| gated_halves(&x[0], a))?;
-            let theirs = run(std::slice::from_ref(&h), &probe, &|x| two_ops_halves(&x[0], a))?;
+            let ours = run(std::slice::from_ref(&h), &probe, &|x| {
+                gated_halves(&x[0], a)
+            })?;
+            let theirs = run(std::slice::from_ref(&h), &probe, &|x| {
+                two_ops_halves(&x[0], a)
+            })?;
             assert!(ours == theirs, "{a:?} {dtype:?} {rows}x{width}: halves");
         }
     }
