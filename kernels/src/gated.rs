@@ -14,7 +14,9 @@
 //! Each value is rounded as the two ops round it (the activation, then the product; the
 //! product's gradient, then the activation's), so f32 gives the same bits as before and bf16
 //! and f16 the same values. CPU: f32, f64, bf16 and f16, on the calling thread below
-//! [`host::CHUNK`] elements and in chunks on rayon's threads above; elsewhere candle's ops.
+//! [`host::CHUNK`] elements and in chunks on rayon's threads above. CUDA (f32, bf16, f16):
+//! `cuda/gated.cu`, the same rounding with the device's `tanhf`/`erff`/`expf`; elsewhere
+//! candle's ops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape};
@@ -261,6 +263,22 @@ impl CustomOp2 for Apart {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        same_shape("gated", l1, l2)?;
+        same_dtype("gated", s1.dtype(), s2.dtype())?;
+        let n = l1.shape().elem_count();
+        let rows = apart_rows(l1, 0);
+        let out = crate::cuda::gated_forward((s1, l1), (s2, l2), n, &rows, self.0)?;
+        Ok((out, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         gate: &Tensor,
@@ -299,10 +317,74 @@ impl CustomOp3 for ApartBackward {
         let out = per_dtype!(what, s1, [(s1, l1), (s2, l2), (s3, l3)], |g, a, v| {
             apart_backward(act, g, a, v)
         });
-        let mut dims = vec![2];
-        dims.extend_from_slice(l1.dims());
-        Ok((out, Shape::from(dims)))
+        Ok((out, stacked(l1)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let what = "gated backward";
+        same_shape(what, l1, l2)?;
+        same_shape(what, l1, l3)?;
+        same_dtype(what, s1.dtype(), s2.dtype())?;
+        same_dtype(what, s1.dtype(), s3.dtype())?;
+        let n = l1.shape().elem_count();
+        let out = crate::cuda::gated_backward(
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+            (n, &apart_rows(l1, 0)),
+            (2 * n, &apart_rows(l1, n)),
+            self.0,
+        )?;
+        Ok((out, stacked(l1)))
+    }
+}
+
+/// `[2, ..shape]`: the two gradients stacked.
+fn stacked(l: &Layout) -> Shape {
+    let mut dims = vec![2];
+    dims.extend_from_slice(l.dims());
+    Shape::from(dims)
+}
+
+/// Two tensors' rows (T5's form): contiguous rows of the last dimension; the value's `value_at`
+/// elements on (the stacked gradients: one tensor's length).
+#[cfg(feature = "cuda")]
+fn apart_rows(l: &Layout, value_at: usize) -> crate::cuda::Rows {
+    let width = l.dims().last().copied().unwrap_or(1).max(1);
+    crate::cuda::Rows {
+        width,
+        stride: width,
+        value_at,
+        gate_at: 0,
+    }
+}
+
+/// GEGLU's rows: the value the first `width` of each `2 width`, the gate the rest.
+#[cfg(feature = "cuda")]
+fn halves_rows(width: usize) -> crate::cuda::Rows {
+    crate::cuda::Rows {
+        width,
+        stride: 2 * width,
+        value_at: 0,
+        gate_at: width,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn same_dtype(what: &str, a: DType, b: DType) -> Result<()> {
+    if a != b {
+        bail!("{what}: the operands differ in dtype ({a:?}, {b:?})");
+    }
+    Ok(())
 }
 
 /// GEGLU's form: the last dimension's first half times `act` of its second.
@@ -316,6 +398,15 @@ fn halved_width(what: &str, l: &Layout) -> Result<usize> {
     }
 }
 
+/// The shape with the last dimension halved to `width`.
+fn halved_shape(l: &Layout, width: usize) -> Shape {
+    let mut dims = l.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = width;
+    }
+    Shape::from(dims)
+}
+
 impl CustomOp1 for Halves {
     fn name(&self) -> &'static str {
         "ft-gated-halves"
@@ -325,11 +416,19 @@ impl CustomOp1 for Halves {
         let (act, what) = (self.0, "gated halves");
         let width = halved_width(what, l)?;
         let out = per_dtype!(what, s, [(s, l)], |h| halves_forward(act, h, width));
-        let mut dims = l.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = width;
-        }
-        Ok((out, Shape::from(dims)))
+        Ok((out, halved_shape(l, width)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let width = halved_width("gated halves", l)?;
+        let n = l.shape().elem_count() / 2;
+        let out = crate::cuda::gated_forward((s, l), (s, l), n, &halves_rows(width), self.0)?;
+        Ok((out, halved_shape(l, width)))
     }
 
     fn bwd(&self, h: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
@@ -365,12 +464,39 @@ impl CustomOp2 for HalvesBackward {
         });
         Ok((out, hl.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        hs: &candle_core::CudaStorage,
+        hl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let what = "gated halves backward";
+        let width = halved_width(what, hl)?;
+        let n = gl.shape().elem_count();
+        if n * 2 != hl.shape().elem_count() {
+            bail!("{what}: gradient {:?} for input {:?}", gl.dims(), hl.dims());
+        }
+        same_dtype(what, gs.dtype(), hs.dtype())?;
+        let rows = halves_rows(width);
+        let out = crate::cuda::gated_backward(
+            (gs, gl),
+            (hs, hl),
+            (hs, hl),
+            (n, &rows),
+            (2 * n, &rows),
+            self.0,
+        )?;
+        Ok((out, hl.shape().clone()))
+    }
 }
 
 /// `act(gate) * value` with its backward (T5's gated feed-forward: `gate = wi_0 x`,
-/// `value = wi_1 x`): one op on the CPU (see the module), candle's ops elsewhere.
+/// `value = wi_1 x`): one op on the CPU and CUDA (see the module), candle's ops elsewhere.
 pub fn gated(gate: &Tensor, value: &Tensor, act: Activation) -> Result<Tensor> {
-    if !gate.device().is_cpu() {
+    if !crate::has_kernel(gate) {
         return activate(gate, act)? * value;
     }
     gate.contiguous()?
@@ -378,9 +504,10 @@ pub fn gated(gate: &Tensor, value: &Tensor, act: Activation) -> Result<Tensor> {
 }
 
 /// `h[.., :n] * act(h[.., n:])` over the last dimension's halves, with its backward (diffusers'
-/// GEGLU: `value, gate = proj(x).chunk(2, -1)`): one op on the CPU, candle's ops elsewhere.
+/// GEGLU: `value, gate = proj(x).chunk(2, -1)`): one op on the CPU and CUDA, candle's ops
+/// elsewhere.
 pub fn gated_halves(h: &Tensor, act: Activation) -> Result<Tensor> {
-    if !h.device().is_cpu() {
+    if !crate::has_kernel(h) {
         let n = h.dim(D::Minus1)? / 2;
         return h.narrow(D::Minus1, 0, n)? * activate(&h.narrow(D::Minus1, n, n)?, act)?;
     }

@@ -20,11 +20,13 @@
 //! | `grad_norm` | gradient sums of squares, f16 unscale | ft-trainer's update step |
 //! | `rounding` | fp32 -> bf16 stochastic rounding | `crate::rounding` |
 //! | `dropout` | inverted dropout, mask drawn from a hash | `crate::dropout` |
+//! | `gated` | `act(gate) * value`, forward and backward | `crate::gated` |
 
 mod adafactor;
 mod adamw;
 mod attention;
 mod dropout;
+mod gated;
 mod grad_norm;
 mod launch;
 mod norm;
@@ -45,6 +47,7 @@ pub use adamw::{
 };
 pub use attention::{fused_attention, fused_attention_supported};
 pub(crate) use dropout::dropout_forward;
+pub(crate) use gated::{gated_backward, gated_forward, Rows};
 pub use grad_norm::{sum_squares, sum_squares_each, unscale_check};
 pub use launch::{launches, launches_of};
 pub use norm::norm_backward;

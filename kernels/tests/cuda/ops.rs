@@ -23,6 +23,8 @@ fn kernels_compile_with_nvrtc() {
                     "adamw8bit_f32_f32",
                     "unscale_f32",
                     "dropout_bf16",
+                    "gated_fwd_bf16",
+                    "gated_bwd_f32",
                     "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
                     "adafactor_apply_f16_bf16",
@@ -170,6 +172,47 @@ fn empty_tensors_launch_nothing() -> Result<()> {
     let dq = g.get(q.as_tensor()).expect("dQ");
     assert_eq!(dq.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
     dev.synchronize()?;
+    Ok(())
+}
+
+/// The gated feed-forward on CUDA (both forms, every activation) against the CPU's passes:
+/// forward and both gradients in f32, the bf16 forward within its precision, and the kernels
+/// launched (not candle's fallback).
+#[test]
+fn gated_matches_the_cpu() -> Result<()> {
+    use ft_kernels::activation::Activation;
+    use ft_kernels::gated::{gated, gated_halves};
+    let Some(dev) = gpu() else { return Ok(()) };
+    let r =
+        |s: &[usize], seed: u64| -> Result<Tensor> { random_tensor(s, seed, &Device::Cpu)? * 3.0 };
+    for (i, act) in [
+        Activation::GeluTanh,
+        Activation::GeluErf,
+        Activation::Silu,
+        Activation::Relu,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let before = ft_kernels::cuda::launches_of("gated_");
+        let seed = 70 + 3 * i as u64;
+        compare(
+            &format!("gated {act:?}"),
+            &dev,
+            &[r(&[3, 5, 67], seed)?, r(&[3, 5, 67], seed + 1)?],
+            |t| gated(&t[0], &t[1], act),
+        )?;
+        compare(
+            &format!("gated halves {act:?}"),
+            &dev,
+            &[r(&[2, 9, 2 * 67], seed + 2)?],
+            |t| gated_halves(&t[0], act),
+        )?;
+        assert!(
+            ft_kernels::cuda::launches_of("gated_") > before,
+            "{act:?}: the gated kernels did not run"
+        );
+    }
     Ok(())
 }
 

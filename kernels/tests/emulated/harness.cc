@@ -22,6 +22,7 @@
 #include "../../src/cuda/grad_norm.cu"
 #include "../../src/cuda/rounding.cu"
 #include "../../src/cuda/dropout.cu"
+#include "../../src/cuda/gated.cu"
 // Their checks, one file per family.
 #include "softmax.cc"
 #include "norm.cc"
@@ -33,6 +34,7 @@
 #include "adafactor.cc"
 #include "grad_norm.cc"
 #include "dropout.cc"
+#include "gated.cc"
 
 int main(int argc, char** argv) {
   // A warp-level call that not every lane reaches (a shuffle behind a divergent branch) waits
@@ -106,6 +108,7 @@ int main(int argc, char** argv) {
   adafactor_in_place_case();
   stochastic_case();
   dropout_case();
+  gated_case();
   sum_squares_case();
   atomic_add_f64_case();
   unscale_case();
