@@ -3,7 +3,8 @@
 //! within f32 rounding), through a short last step where a rank has no micro-batch, with
 //! dropout drawn per micro-batch of the whole step; a resumed run continues the same curve; ranks
 //! that disagree stop every rank with one error; the fused backward over ranks trains what one
-//! process's fused backward trains. (Failures on one rank: `ranks_faults.rs`.) Needs the `mpi`
+//! process's fused backward trains; rank 0's plan is within 10% of its measured peak.
+//! (Failures on one rank: `ranks_faults.rs`.) Needs the `mpi`
 //! feature and `mpirun` (skipped, saying so, without one, unless FT_REQUIRE_MPI=1).
 #![cfg(feature = "mpi")]
 
@@ -296,6 +297,69 @@ fn ranks_resume_the_same_curve() -> Result<()> {
     let (diff, name) = weights(&first.join("checkpoint-4"))?
         .max_difference(&weights(&dir.join("whole/checkpoint-4"))?, |_| true)?;
     assert_eq!(diff, 0.0, "`{name}`");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// Rank 0's plan of its own peak (what `--plan --plan-ranks N` prints: its share of the
+/// state under ZeRO, the sums in flight) is within 10% of the peak its ledger measured (the
+/// exact heap of the training phases, the counting allocator's), as `--fit` needs: 2 ranks x 2
+/// micro-batches under ZeRO 0 and 2, plain and in segments summed inside the backward, and
+/// with the fused backward's rounds; 3 ranks under ZeRO-1. The run writes both to its
+/// metrics.jsonl (`predicted_peak_bytes`, `peak_bytes`) every step.
+#[test]
+fn a_ranks_plan_is_near_its_measured_peak() -> Result<()> {
+    let dir = common::tmp("ranks-plan");
+    let (model, data) = model_and_data(&dir)?;
+    let (m, d) = (model.display().to_string(), data.display().to_string());
+    let mut table =
+        String::from("| ranks | --zero | --checkpointing | fused | plan | run | plan / run |\n");
+    let mut bad = Vec::new();
+    for (np, zero, ck, fused) in [
+        (2, "0", "none", false),
+        (2, "2", "none", false),
+        (2, "0", "blocks", false),
+        (2, "2", "blocks", true),
+        (2, "0", "full", true),
+        (3, "1", "blocks", false),
+    ] {
+        let out = dir.join(format!("run-{np}-{zero}-{ck}-{fused}"));
+        let mut args = [
+            &three_steps(&m, &d, "2")[..],
+            &["--zero", zero, "--checkpointing", ck],
+        ]
+        .concat();
+        if fused {
+            args.push("--fused-backward");
+        }
+        if train(np, &out, &args)?.is_none() {
+            return Ok(());
+        }
+        let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+        let last = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .rfind(|r| r["step"] == 3 && r.get("loss").is_some())
+            .ok_or_else(|| anyhow::anyhow!("no step 3 in {}", out.display()))?;
+        let (Some(plan), Some(run)) = (
+            last["predicted_peak_bytes"].as_u64(),
+            last["peak_bytes"].as_u64(),
+        ) else {
+            anyhow::bail!("no predicted or measured peak in {last}");
+        };
+        let ratio = plan as f64 / run as f64;
+        table += &format!("| {np} | {zero} | {ck} | {fused} | {plan} | {run} | {ratio:.3} |\n");
+        if (ratio - 1.0).abs() > 0.10 {
+            bad.push(format!(
+                "{np} ranks, ZeRO-{zero}, {ck}, fused {fused}: {ratio:.3}"
+            ));
+        }
+    }
+    eprintln!("{table}");
+    assert!(
+        bad.is_empty(),
+        "plan / run off by more than 10%: {bad:?}\n{table}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
