@@ -4,8 +4,8 @@
 //! dropout drawn per micro-batch of the whole step; a resumed run continues the same curve; ranks
 //! that disagree stop every rank with one error; the fused backward over ranks trains what one
 //! process's fused backward trains; rank 0's plan is within 10% of its measured peak.
-//! (Failures on one rank: `ranks_faults.rs`.) Needs the `mpi`
-//! feature and `mpirun` (skipped, saying so, without one, unless FT_REQUIRE_MPI=1).
+//! (Failures on one rank: `ranks_faults.rs`.) Needs the `mpi` feature and `mpirun` (skipped,
+//! saying so, without one, unless FT_REQUIRE_MPI=1).
 #![cfg(feature = "mpi")]
 
 mod common;
