@@ -111,7 +111,7 @@ fn long_tensors_take_the_threaded_pass_with_the_same_bits() -> Result<()> {
 }
 
 #[test]
-fn bad_shapes_are_refused_with_the_shapes() -> Result<()> {
+fn bad_shapes_are_refused_and_empty_ones_pass() -> Result<()> {
     let e = gated(&rand(&[2, 3], 1)?, &rand(&[3, 2], 2)?, Activation::GeluTanh)
         .err()
         .map(|e| e.to_string())
@@ -122,5 +122,14 @@ fn bad_shapes_are_refused_with_the_shapes() -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(e.contains("must be even") && e.contains("[2, 5]"), "{e}");
+    // Empty operands give empty results and gradients (no zero-width rows to walk).
+    for shape in [[2usize, 0], [0, 6]] {
+        let h = candle_core::Var::from_tensor(&rand(&shape, 3)?)?;
+        let y = gated_halves(h.as_tensor(), Activation::GeluErf)?;
+        assert_eq!(y.dims(), [shape[0], shape[1] / 2]);
+        let g = y.sum_all()?.backward()?;
+        let gh = g.get(h.as_tensor()).map(|t| t.dims().to_vec());
+        assert_eq!(gh, Some(shape.to_vec()));
+    }
     Ok(())
 }

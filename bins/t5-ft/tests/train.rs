@@ -478,7 +478,7 @@ fn fit_plans_for_flan_t5_xl_at_batch_8_by_512_tokens() -> anyhow::Result<()> {
         "{table}"
     );
     // 8 GiB (7.36 GiB planned within, after the 8% reserve) no longer fits the given batch 8
-    // (7.47 GiB at the least: the boundaries on the host); nor does 7 GiB: the errors name the
+    // (7.37 GiB at the least: the boundaries on the host); nor does 7 GiB: the errors name the
     // micro-batch that would fit, with the rest turned too (no fused backward: plain
     // accumulation in segments holds one block's gradients at a time already).
     let row = table

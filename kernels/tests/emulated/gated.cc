@@ -1,7 +1,8 @@
 // The gated feed-forward (gated.cu) against a double-precision reference: both forms (two
 // tensors; the halves of one projection's rows), every activation, forward and both gradients,
-// in f32 and bf16 (the bf16 reference rounds where the two ops would: the activation, then the
-// product; the product's gradient, then the activation's).
+// in f32, bf16 and f16 (the reference rounds where the two ops would: the activation, then the
+// product; the product's gradient, then the activation's; within one last place, so a rounding
+// left out would not show).
 #pragma once
 
 #include "common.h"
@@ -24,7 +25,8 @@ static double gated_ref_grad(int act, double x) {
 // rows x width operands; `halves`: GEGLU's layout (value then gate in each 2-width row).
 template <typename T, typename Fwd, typename Bwd>
 static void gated_form(const char* dtype, bool halves, int act, double tol, Fwd fwd, Bwd bwd) {
-  const long long rows = 7, width = 93, n = rows * width;
+  // More elements than the emulation's 3 blocks of 256 threads: the grid-stride loop wraps.
+  const long long rows = 7, width = 193, n = rows * width;
   const long long in_stride = halves ? 2 * width : width;
   auto gate_f = rnd(n, 31 + act), value_f = rnd(n, 37 + act), g_f = rnd(n, 41 + act);
   for (auto& v : gate_f) v *= 4.f;
@@ -75,5 +77,6 @@ static void gated_case() {
       gated_form<float>("f32", halves, act, 2e-6, gated_fwd_f32, gated_bwd_f32);
       // bf16: one last place (2^-8) where the float and the double reference round apart.
       gated_form<bf16>("bf16", halves, act, 8e-3, gated_fwd_bf16, gated_bwd_bf16);
+      gated_form<f16>("f16", halves, act, 1e-3, gated_fwd_f16, gated_bwd_f16);
     }
 }
