@@ -11,7 +11,9 @@
 #    temporaries (2026-11-28): `xl-fit-24GiB` chooses a B the plan prints at start, where the
 #    old plan chose `budget:12106MiB` and measured 24% under it; expected: measured at or under
 #    the plan, and under 24 GiB;
-# 4. the CUDA op tests, with what time is left;
+# 4. the CUDA op tests, with what time is left (since 2026-11-29 `gated_matches_the_cpu`: the
+#    gated feed-forward's kernel, never run on a GPU; rows 2 and 3 run T5 with it, their plans
+#    without the activation's tensor, 1.17 GiB less at `none`);
 # 5. run first (seconds; added 2026-11-28): NCCL on the card as a world of one (`nccl_tests`:
 #    ft-dist's all-reduce, reduce and broadcast; `nccl_trainer_tests gpu_tests`: a gradient
 #    bucket concatenated, summed in place and split back), libnccl.so.2 from PyTorch's wheel.
