@@ -205,24 +205,13 @@ fn halves_backward<T: Elem>(act: Activation, g: &[T], h: &[T], width: usize) -> 
     out
 }
 
-/// A contiguous operand's elements.
-fn slice<'a, T: candle_core::WithDType>(
-    what: &str,
-    s: &'a CpuStorage,
-    l: &Layout,
-) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => bail!("{what}: the operands must be contiguous"),
-    }
-}
-
-/// Runs the pass `$f::<T>` for the storages' common dtype, giving `CpuStorage` of it.
+/// `$body` over the operands' contiguous slices (bound to `$x`) in their common dtype, as
+/// `CpuStorage` of that dtype; an error for operands of different dtypes or not floats.
 macro_rules! per_dtype {
     ($what:expr, $first:expr, [$(($s:expr, $l:expr)),*], |$($x:ident),*| $body:expr) => {{
         macro_rules! arm {
             ($t:ty, $variant:ident) => {{
-                $(let $x: &[$t] = slice($what, $s, $l)?;)*
+                $(let $x: &[$t] = crate::cpu::slice($s.as_slice::<$t>()?, $l)?;)*
                 CpuStorage::$variant($body)
             }};
         }
