@@ -58,7 +58,10 @@ fn finish<E: Display>(result: std::result::Result<(), E>) -> std::result::Result
     };
     match result {
         Err(e) if comm.world() > 1 => {
-            eprintln!("Error (rank {} of {}): {e}", comm.rank(), comm.world());
+            // One write of the whole line: `eprintln!` writes its pieces one by one, and
+            // mpirun's abort notice, on the same pipe, came between them.
+            let line = format!("Error (rank {} of {}): {e}\n", comm.rank(), comm.world());
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             comm.abort(1)
         }
         other => {
