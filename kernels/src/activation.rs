@@ -34,6 +34,8 @@ const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 /// A float type the passes compute in (f32 or f64).
 pub(crate) trait Real: Copy + Send + Sync {
     fn f(x: f64) -> Self;
+    /// The value as f64 (exact).
+    fn wide(self) -> f64;
     fn positive(self) -> bool;
     fn tanh(self) -> Self;
     fn exp(self) -> Self;
@@ -50,6 +52,10 @@ macro_rules! real {
             #[inline(always)]
             fn f(x: f64) -> Self {
                 x as $t
+            }
+            #[inline(always)]
+            fn wide(self) -> f64 {
+                self as f64
             }
             #[inline(always)]
             fn positive(self) -> bool {

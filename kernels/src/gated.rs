@@ -21,60 +21,12 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape};
-use candle_core::{DType, Tensor, D};
-use half::{bf16, f16};
+use candle_core::{Tensor, D};
 use rayon::prelude::*;
 
 use crate::activation::{activate, Activation, Real};
+use crate::elem::{per_activation, per_dtype, Elem};
 use crate::host;
-
-/// An element type and the float the passes compute it in (f16 and bf16: f32).
-trait Elem: candle_core::WithDType + Copy + Send + Sync {
-    type R: Real;
-    fn load(self) -> Self::R;
-    fn store(r: Self::R) -> Self;
-    /// `r` rounded to this type, as a value the two-op path would have stored.
-    #[inline(always)]
-    fn round(r: Self::R) -> Self::R {
-        Self::store(r).load()
-    }
-}
-
-macro_rules! same {
-    ($t:ty) => {
-        impl Elem for $t {
-            type R = $t;
-            #[inline(always)]
-            fn load(self) -> $t {
-                self
-            }
-            #[inline(always)]
-            fn store(r: $t) -> $t {
-                r
-            }
-        }
-    };
-}
-same!(f32);
-same!(f64);
-
-macro_rules! narrow {
-    ($t:ty) => {
-        impl Elem for $t {
-            type R = f32;
-            #[inline(always)]
-            fn load(self) -> f32 {
-                self.to_f32()
-            }
-            #[inline(always)]
-            fn store(r: f32) -> $t {
-                <$t>::from_f32(r)
-            }
-        }
-    };
-}
-narrow!(bf16);
-narrow!(f16);
 
 /// `out = act(gate) * value` over slices of one length.
 #[inline(always)]
@@ -99,18 +51,6 @@ fn backward_run<T: Elem>(
         *dv = T::store(g.mul(T::round(act.forward(a))));
         *dg = T::store(act.backward(T::round(g.mul(v.load())), a));
     }
-}
-
-/// Calls `$f` with the activation as a constant, so that each loop is compiled for one.
-macro_rules! per_activation {
-    ($act:expr, $f:ident($($arg:expr),*)) => {
-        match $act {
-            Activation::GeluTanh => $f(Activation::GeluTanh, $($arg),*),
-            Activation::GeluErf => $f(Activation::GeluErf, $($arg),*),
-            Activation::Silu => $f(Activation::Silu, $($arg),*),
-            Activation::Relu => $f(Activation::Relu, $($arg),*),
-        }
-    };
 }
 
 /// Rows of a whole number of `width`s that make about one [`host::CHUNK`].
@@ -203,30 +143,6 @@ fn halves_backward<T: Elem>(act: Activation, g: &[T], h: &[T], width: usize) -> 
             .for_each(|(i, c)| run(i * rows, c));
     }
     out
-}
-
-/// `$body` over the operands' contiguous slices (bound to `$x`) in their common dtype, as
-/// `CpuStorage` of that dtype; an error for operands of different dtypes or not floats.
-macro_rules! per_dtype {
-    ($what:expr, $first:expr, [$(($s:expr, $l:expr)),*], |$($x:ident),*| $body:expr) => {{
-        macro_rules! arm {
-            ($t:ty, $variant:ident) => {{
-                $(let $x: &[$t] = crate::cpu::slice($s.as_slice::<$t>()?, $l)?;)*
-                CpuStorage::$variant($body)
-            }};
-        }
-        let dtype = $first.dtype();
-        if [$($s.dtype()),*].iter().any(|d| *d != dtype) {
-            bail!("{}: the operands differ in dtype", $what);
-        }
-        match dtype {
-            DType::F32 => arm!(f32, F32),
-            DType::F64 => arm!(f64, F64),
-            DType::BF16 => arm!(bf16, BF16),
-            DType::F16 => arm!(f16, F16),
-            d => bail!("{}: {d:?} (a float tensor is required)", $what),
-        }
-    }};
 }
 
 fn same_shape(what: &str, a: &Layout, b: &Layout) -> Result<()> {
@@ -376,7 +292,7 @@ fn halves_rows(width: usize) -> crate::cuda::Rows {
 }
 
 #[cfg(feature = "cuda")]
-fn same_dtype(what: &str, a: DType, b: DType) -> Result<()> {
+fn same_dtype(what: &str, a: candle_core::DType, b: candle_core::DType) -> Result<()> {
     if a != b {
         bail!("{what}: the operands differ in dtype ({a:?}, {b:?})");
     }

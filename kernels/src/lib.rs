@@ -17,6 +17,7 @@ pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dropout;
+mod elem;
 pub mod fastmath;
 pub mod gated;
 pub mod gradcheck;
@@ -24,6 +25,7 @@ pub mod host;
 pub mod linear;
 pub mod matmul_scratch;
 pub mod norm;
+mod norm_affine;
 pub mod pool;
 pub mod rounding;
 pub mod softmax;

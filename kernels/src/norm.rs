@@ -1,13 +1,18 @@
 //! Layer, RMS and group normalisation with a backward.
 //!
 //! candle's fast `layer_norm`/`rms_norm` (and `nn::LayerNorm`/`nn::RmsNorm` on contiguous input)
-//! have no backward at all. The normalisation here is one op that keeps only its input and output;
-//! its backward recomputes the row statistics. The affine part (weight, bias) is a plain
-//! broadcast multiply/add, whose backward candle gets right.
+//! have no backward at all. With a weight (as every model here has one) the normalisation, its
+//! affine part and, for [`group_norm_act`], the activation after it are one op on the CPU
+//! ([`crate::norm_affine`]: the graph keeps only the input). Elsewhere, and without a weight,
+//! the normalisation is one op that keeps only its input and output (its backward recomputes
+//! the row statistics) and the affine part a plain broadcast multiply/add, whose backward
+//! candle gets right.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
+use crate::activation::{activate, Activation};
 use crate::cpu;
+use crate::norm_affine::{self, Spec};
 
 /// Normalises rows: `(x - mean) * rsqrt(var + eps)` (layer norm) or `x * rsqrt(mean(x^2) + eps)`.
 struct Normalize {
@@ -134,12 +139,30 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
+        let spec = Spec {
+            eps,
+            center: true,
+            groups: None,
+            act: None,
+        };
+        return norm_affine::apply(x, w, bias, spec);
+    }
     affine(normalize(x, eps, true)?, weight, bias)
 }
 
 /// RMS norm over the last dimension (T5's LayerNorm): `x * rsqrt(mean(x^2) + eps) * weight`,
 /// with the statistics computed in f64 on CPU (f32 on other devices) for low-precision inputs.
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
+        let spec = Spec {
+            eps,
+            center: false,
+            groups: None,
+            act: None,
+        };
+        return norm_affine::apply(x, w, None, spec);
+    }
     affine(normalize(x, eps, false)?, weight, None)
 }
 
@@ -152,11 +175,43 @@ pub fn group_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    grouped(x, num_groups, (weight, bias), eps, None)
+}
+
+/// [`group_norm`] followed by `act` (the UNet's and VAE's `silu(norm(x))`), one op on the CPU
+/// with a weight: the graph keeps the input alone, not the normalised, scaled, shifted values.
+pub fn group_norm_act(
+    x: &Tensor,
+    num_groups: usize,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+    act: Activation,
+) -> Result<Tensor> {
+    grouped(x, num_groups, (weight, bias), eps, Some(act))
+}
+
+fn grouped(
+    x: &Tensor,
+    num_groups: usize,
+    (weight, bias): (Option<&Tensor>, Option<&Tensor>),
+    eps: f64,
+    act: Option<Activation>,
+) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     if dims.len() < 2 || num_groups == 0 || !dims[1].is_multiple_of(num_groups) {
         candle_core::bail!(
             "group_norm: {num_groups} groups do not divide the channels of {dims:?}"
         );
+    }
+    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
+        let spec = Spec {
+            eps,
+            center: true,
+            groups: Some(num_groups),
+            act,
+        };
+        return norm_affine::apply(x, w, bias, spec);
     }
     let n = dims[0];
     let y = normalize(&x.reshape((n, num_groups, ()))?, eps, true)?.reshape(dims.as_slice())?;
@@ -164,5 +219,9 @@ pub fn group_norm(
     shape[1] = dims[1];
     let w = weight.map(|w| w.reshape(shape.as_slice())).transpose()?;
     let b = bias.map(|b| b.reshape(shape.as_slice())).transpose()?;
-    affine(y, w.as_ref(), b.as_ref())
+    let y = affine(y, w.as_ref(), b.as_ref())?;
+    match act {
+        Some(a) => activate(&y, a),
+        None => Ok(y),
+    }
 }

@@ -2,6 +2,7 @@
 //! from the ops with a tested backward, with PyTorch's default initialisation unless told.
 
 use candle_core::Tensor;
+use ft_kernels::activation::{silu, Activation};
 use ft_kernels::{linear, norm};
 use ft_params::{Init, ParamBuilder};
 
@@ -162,6 +163,22 @@ impl Norm {
         match self.groups {
             Some(g) => norm::group_norm(x, g, Some(&self.weight), Some(&self.bias), self.eps),
             None => norm::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps),
+        }
+    }
+
+    /// `silu(self.forward(x))` (every UNet and VAE ResNet block's), one op for a group norm on
+    /// the CPU: the graph keeps `x` alone, not the normalised, scaled and shifted values.
+    pub fn forward_silu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self.groups {
+            Some(g) => norm::group_norm_act(
+                x,
+                g,
+                Some(&self.weight),
+                Some(&self.bias),
+                self.eps,
+                Activation::Silu,
+            ),
+            None => silu(&self.forward(x)?),
         }
     }
 

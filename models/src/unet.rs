@@ -183,14 +183,14 @@ impl Resnet {
         })
     }
     fn forward(&self, x: &Tensor, temb: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.conv1.forward(&silu(&self.norm1.forward(x)?)?)?;
+        let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
         let t = self
             .temb
             .forward(&silu(temb)?)?
             .unsqueeze(2)?
             .unsqueeze(3)?;
         let h = h.broadcast_add(&t)?;
-        let h = self.conv2.forward(&silu(&self.norm2.forward(&h)?)?)?;
+        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
         let s = match &self.shortcut {
             Some(c) => c.forward(x)?,
             None => x.clone(),
@@ -645,6 +645,6 @@ impl UNet {
                 h = c.forward(&upsample::upsample_nearest2x(&h)?)?;
             }
         }
-        Ok(self.conv_out.forward(&silu(&self.norm_out.forward(&h)?)?)?)
+        Ok(self.conv_out.forward(&self.norm_out.forward_silu(&h)?)?)
     }
 }

@@ -5,7 +5,6 @@
 use std::path::Path;
 
 use candle_core::Tensor;
-use ft_kernels::activation::silu;
 use ft_kernels::{attention, upsample};
 use ft_params::ParamBuilder;
 use serde::Deserialize;
@@ -96,8 +95,8 @@ impl Resnet {
         })
     }
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.conv1.forward(&silu(&self.norm1.forward(x)?)?)?;
-        let h = self.conv2.forward(&silu(&self.norm2.forward(&h)?)?)?;
+        let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
+        let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
         let s = match &self.shortcut {
             Some(c) => c.forward(x)?,
             None => x.clone(),
@@ -321,7 +320,7 @@ impl Vae {
             }
         }
         let h = e.mid.forward(&h)?;
-        let h = e.conv_out.forward(&silu(&e.norm.forward(&h)?)?)?;
+        let h = e.conv_out.forward(&e.norm.forward_silu(&h)?)?;
         let m = e.quant.forward(&h)?;
         let lc = self.cfg.latent_channels;
         Ok((
@@ -354,7 +353,7 @@ impl Vae {
                 h = c.forward(&upsample::upsample_nearest2x(&h)?)?;
             }
         }
-        Ok(d.conv_out.forward(&silu(&d.norm.forward(&h)?)?)?)
+        Ok(d.conv_out.forward(&d.norm.forward_silu(&h)?)?)
     }
 
     /// Decodes in overlapping spatial tiles of `tile` latent pixels (diffusers' `enable_tiling`:

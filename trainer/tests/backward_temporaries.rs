@@ -173,36 +173,54 @@ fn unet_rows() -> anyhow::Result<Vec<Row>> {
     let dev = Device::Cpu;
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/unet_tiny/config.json");
-    let cfg = UNetConfig::from_file(&path)?;
-    let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &dev, 1);
-    let unet = UNet::new(&pb, &cfg)?;
-    let ps = params(&pb)?;
-    let grads = formed(&pb, &unet.segments());
+    let tiny = UNetConfig::from_file(&path)?;
+    // sdxl-ft's demo UNet (twice the channels, CLIP's 77 tokens of 64), at its latents of
+    // 64 px (16 x 16): the `--fit` runs' model.
+    let mut demo = tiny.clone();
+    demo.block_out_channels = vec![32, 64];
+    demo.cross_attention_dim = 64;
+    demo.projection_class_embeddings_input_dim = Some(80);
     let mut rows = Vec::new();
-    for (batch, h, w, cl) in [(4, 32, 32, 7), (1, 48, 48, 5), (2, 24, 40, 7)] {
-        let x = Tensor::randn(0f32, 1., (batch, 4, h, w), &dev)?;
-        let ctx = Tensor::randn(0f32, 1., (batch, cl, 24), &dev)?;
-        let te = Tensor::randn(0f32, 1., (batch, 12), &dev)?;
-        let ids = Tensor::ones((batch, 6), DType::F32, &dev)?;
-        let t = vec![10.0; batch];
-        let shape = UNetShape {
-            batch,
-            height: h,
-            width: w,
-            context_len: cl,
-        };
-        let profile = cfg.activations(&shape, DType::F32, Target::Cpu);
-        rows.extend(measure(
-            &format!("unet {batch}x{h}x{w}"),
-            TOLERANCE,
-            &profile,
-            &ps,
-            &grads,
-            &|ck| {
-                let y = unet.forward(&x, &t, &ctx, Some((&te, &ids)), ck)?;
-                Ok(y.sqr()?.sum_all()?)
-            },
-        )?);
+    let tiny_shapes: &[(usize, usize, usize, usize)] =
+        &[(4, 32, 32, 7), (1, 48, 48, 5), (2, 24, 40, 7)];
+    let demo_shapes: &[(usize, usize, usize, usize)] = &[(4, 16, 16, 77), (2, 16, 16, 77)];
+    for (name, cfg, shapes) in [
+        ("unet", &tiny, tiny_shapes),
+        ("demo unet", &demo, demo_shapes),
+    ] {
+        let pb = ParamBuilder::new(ParamStore::new(), DType::F32, &dev, 1);
+        let unet = UNet::new(&pb, cfg)?;
+        let ps = params(&pb)?;
+        let grads = formed(&pb, &unet.segments());
+        let (ctx_dim, te_dim) = (
+            cfg.cross_attention_dim,
+            cfg.projection_class_embeddings_input_dim.unwrap_or(0) - 48,
+        );
+        for &(batch, h, w, cl) in shapes {
+            let x = Tensor::randn(0f32, 1., (batch, 4, h, w), &dev)?;
+            let ctx = Tensor::randn(0f32, 1., (batch, cl, ctx_dim), &dev)?;
+            let te = Tensor::randn(0f32, 1., (batch, te_dim), &dev)?;
+            let ids = Tensor::ones((batch, 6), DType::F32, &dev)?;
+            let t = vec![10.0; batch];
+            let shape = UNetShape {
+                batch,
+                height: h,
+                width: w,
+                context_len: cl,
+            };
+            let profile = cfg.activations(&shape, DType::F32, Target::Cpu);
+            rows.extend(measure(
+                &format!("{name} {batch}x{h}x{w}"),
+                TOLERANCE,
+                &profile,
+                &ps,
+                &grads,
+                &|ck| {
+                    let y = unet.forward(&x, &t, &ctx, Some((&te, &ids)), ck)?;
+                    Ok(y.sqr()?.sum_all()?)
+                },
+            )?);
+        }
     }
     Ok(rows)
 }

@@ -5,6 +5,7 @@ use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Temporaries};
 
 use super::{Attention, Tally, Target};
 use crate::unet::UNetConfig;
+use ft_kernels::attention::MAX_SCORES;
 
 /// The input of one UNet forward: `batch` latents of `height` x `width` (the image size / 8)
 /// and text states of `context_len` tokens (77 for SDXL's CLIP encoders).
@@ -26,14 +27,18 @@ struct Walk<'a> {
     target: Target,
     /// Each convolution's bias is a second op ([`Target::bias_op`]).
     bias_op: bool,
+    /// Each norm (with the SiLU after it) is one op ([`Target::norm_op`]).
+    norm_op: bool,
     outer: Tally,
     segments: Vec<SegmentBytes>,
 }
 
 impl Walk<'_> {
-    /// A segment of `t` with `output` elements, copying `inputs` elements as its leaves.
-    fn segment(&mut self, t: Tally, output: u64, inputs: u64) {
-        self.segments.push(t.segment(self.dtype, output, inputs, 0));
+    /// A segment of `t` with `output` elements, copying `inputs` elements as its leaves, with
+    /// `scores` elements of backward's temporaries through its attention scores.
+    fn segment(&mut self, t: Tally, output: u64, inputs: u64, scores: u64) {
+        self.segments
+            .push(t.segment(self.dtype, output, inputs, scores));
         // The op's output is a tensor of the caller's graph.
         self.outer.new_tensor(output);
     }
@@ -41,25 +46,25 @@ impl Walk<'_> {
     /// A ResNet block from `cin` to `cout` channels over `hw` pixels.
     fn resnet(&mut self, cin: u64, cout: u64, hw: u64) {
         let (b, mut t) = (self.b, Tally::default());
-        t.norm(b * cin * hw);
-        t.new_tensor(b * cin * hw); // silu
+        t.norm_silu(b * cin * hw, self.norm_op);
         t.conv(b * cout * hw, self.bias_op);
         t.new_tensor(b * self.temb); // silu of the time embedding
         t.linear(b, self.temb, cout, true, false);
         t.new_tensor(b * cout * hw); // + time embedding
-        t.norm(b * cout * hw);
-        t.new_tensor(b * cout * hw); // silu
+        t.norm_silu(b * cout * hw, self.norm_op);
         t.conv(b * cout * hw, self.bias_op);
         if cin != cout {
             t.conv(b * cout * hw, self.bias_op); // 1x1 shortcut
         }
         t.new_tensor(b * cout * hw); // residual sum
                                      // Its leaves: the input and the time embedding.
-        self.segment(t, b * cout * hw, b * cin * hw + b * self.temb);
+        self.segment(t, b * cout * hw, b * cin * hw + b * self.temb, 0);
     }
 
-    /// An attention sub-layer of a transformer block: projections, attention, output.
-    fn attn(&self, t: &mut Tally, d: u64, n: u64, lk: u64, ctx_dim: u64, heads: u64) {
+    /// An attention sub-layer of a transformer block: projections, attention, output. Returns
+    /// its backward's temporaries through the scores, in elements (0 where the attention does
+    /// not form them): [`UNET_SCORE_TEMPORARIES`] of the scores of one query chunk.
+    fn attn(&self, t: &mut Tally, d: u64, n: u64, lk: u64, ctx_dim: u64, heads: u64) -> u64 {
         let b = self.b;
         t.linear(b * n, d, d, false, false); // q
         t.linear(b * lk, ctx_dim, d, false, false); // k
@@ -78,38 +83,44 @@ impl Walk<'_> {
         t.attention(a, self.target);
         t.new_tensor(b * n * d); // heads merged back
         t.linear(b * n, d, d, true, false); // out
+        if self.target.fused_attention(a.head_dim) {
+            return 0;
+        }
+        UNET_SCORE_TEMPORARIES * b * heads * lk * a.chunk_rows(MAX_SCORES as u64) / 1000
     }
 
     /// A transformer block of width `d` over `n` tokens.
     fn transformer_block(&mut self, d: u64, n: u64, heads: u64) {
         let (b, mut t) = (self.b, Tally::default());
         let bnd = b * n * d;
-        t.norm(bnd);
-        self.attn(&mut t, d, n, n, d, heads);
+        t.norm(bnd, self.norm_op);
+        // The two attentions' backward runs one after the other: the block holds the larger
+        // one's score temporaries.
+        let mut scores = self.attn(&mut t, d, n, n, d, heads);
         t.new_tensor(bnd); // residual
-        t.norm(bnd);
-        self.attn(
+        t.norm(bnd, self.norm_op);
+        scores = scores.max(self.attn(
             &mut t,
             d,
             n,
             self.ctx,
             self.cfg.cross_attention_dim as u64,
             heads,
-        );
+        ));
         t.new_tensor(bnd); // residual
-        t.norm(bnd);
+        t.norm(bnd, self.norm_op);
         t.linear(b * n, d, 8 * d, true, false); // GEGLU in
         t.new_tensor(4 * bnd); // value times the gate's GELU, one op
         t.linear(b * n, 4 * d, d, true, false); // out
         t.new_tensor(bnd); // residual
                            // Its leaves: the input (the text states are data, no gradient).
-        self.segment(t, bnd, bnd);
+        self.segment(t, bnd, bnd, scores);
     }
 
     /// A Transformer2D: group norm and projection in, its blocks, projection out, residual.
     fn transformer(&mut self, c: u64, hw: u64, level: usize) {
         let n = self.b * c * hw;
-        self.outer.norm(n);
+        self.outer.norm(n, self.norm_op);
         self.outer.linear(self.b * hw, c, c, true, true);
         let heads = self.cfg.heads(level) as u64;
         for _ in 0..self.cfg.layers(level) {
@@ -126,13 +137,26 @@ fn halved(x: usize) -> usize {
     x.div_ceil(2)
 }
 
-/// Backward's temporaries through a UNet block, in thousandths of its graph (measured:
-/// `trainer/tests/backward_temporaries.rs`).
+/// Backward's temporaries through a UNet block besides its attention scores', in thousandths
+/// of its graph, and ([`UNET_SCORE_TEMPORARIES`]) through the scores, in thousandths of one
+/// attention's scores (of one query chunk; the block's larger attention). Measured by
+/// `trainer/tests/backward_temporaries.rs` on two UNets: the tiny fixture's, whose largest
+/// blocks are transformer blocks made mostly of scores (256-576 tokens), and sdxl-ft's demo
+/// UNet at 64 px, whose transformer blocks see 64 tokens. One factor of the graph could not
+/// serve both: a rebuilt block needed 3.1-3.5 graphs on top in the first and 1.6-1.7 in the
+/// second (the `--fit` runs of the demo were 14% over their plans under `full`). With the
+/// scores apart, fitted by hand on those 20 runs (2026-11-29, after the norms became one op):
+/// predicted peaks 2.1% under to 6.2% over the measured ones. On a GPU the attention of 64-wide
+/// heads forms no scores, so the factors of the graph alone count there (not measured on a
+/// GPU yet).
 const UNET_TEMPORARIES: Temporaries = Temporaries {
-    whole: 2100,
-    kept: 2050,
-    recomputed: 2100,
+    whole: 1000,
+    kept: 250,
+    recomputed: 250,
 };
+
+/// See [`UNET_TEMPORARIES`]; T5's fit found the same 8 ([`super::t5`]).
+const UNET_SCORE_TEMPORARIES: u64 = 8000;
 
 impl UNetConfig {
     /// What one forward at `shape` keeps for its backward, in `dtype`, with attention as it
@@ -156,6 +180,7 @@ impl UNetConfig {
             dtype,
             target,
             bias_op: target.bias_op(dtype),
+            norm_op: target.norm_op(),
             outer: Tally::default(),
             segments: Vec::new(),
         };
@@ -216,8 +241,7 @@ impl UNetConfig {
             }
         }
         let n = b * ch[0] * px(h, wd);
-        w.outer.norm(n);
-        w.outer.new_tensor(n);
+        w.outer.norm_silu(n, w.norm_op);
         w.outer
             .conv(b * self.out_channels as u64 * px(h, wd), bias_op);
         ActivationProfile {

@@ -1,0 +1,486 @@
+//! A normalisation with its affine part, and the activation after it, as one op: layer norm
+//! (`(x - mean) * rstd * w + b`), T5's RMS norm (`x * rstd * w`) and group norm, the latter
+//! optionally followed by SiLU as in every UNet and VAE ResNet block.
+//!
+//! As separate ops (the normalisation, a broadcast multiply, a broadcast add, the activation)
+//! the graph keeps each intermediate for its successor's backward: the normalised values, the
+//! scaled, the shifted; three tensors of the input's size beside the input for a group norm and
+//! SiLU, two for a layer norm, one for an RMS norm. The backward then makes each of their
+//! gradients, and candle fills a zero tensor and adds into it for every edge. Here the op keeps
+//! only its input (and the weight and bias, which are parameters) and writes the output once;
+//! the backward recomputes each row's statistics and makes the input's gradient in two passes
+//! over the row, with the weight's and bias's gradients summed on the way:
+//!
+//! ```text
+//! z   = xhat * w + b          dz  = act'(z) * dy        dw = sum(dz * xhat)   db = sum(dz)
+//! dxh = dz * w                dx  = rstd * (dxh - mean(dxh) - xhat * mean(dxh * xhat))
+//! ```
+//!
+//! (RMS norm: without `mean(dxh)` and `b`.) The forward rounds where the separate ops round
+//! (the normalised value, the product, the sum, the activation), so its values are theirs, bit
+//! for bit, in every dtype (tested); the backward sums in f64 where the separate ops summed in
+//! the dtype, so its gradients agree with theirs within the dtype's rounding (tested). The
+//! weight's and bias's sums are made per task of rows and added in the tasks' order, so they do
+//! not depend on the number of threads.
+//!
+//! CPU: f32, f64, bf16 and f16. Elsewhere [`crate::norm`] composes its normalisation with
+//! candle's ops.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::activation::{Activation, Real};
+use crate::elem::{per_dtype, Elem};
+use crate::host;
+
+/// What the op computes: the statistics (centred or not, over rows or groups) and what follows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spec {
+    pub eps: f64,
+    /// Subtract the mean (layer and group norm); RMS norm does not.
+    pub center: bool,
+    /// Group norm of `[N, C, *]` over this many groups; `None`: over the last dimension.
+    pub groups: Option<usize>,
+    pub act: Option<Activation>,
+}
+
+/// Where each value's statistics and affine parameters come from: rows of `cols` values (the
+/// last dimension, or one group of `[N, C, *]`: `per_group` channels of `inner` values each).
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    cols: usize,
+    groups: usize,
+    per_group: usize,
+    inner: usize,
+}
+
+impl Geometry {
+    fn of(dims: &[usize], groups: Option<usize>) -> Result<Self> {
+        match groups {
+            None => {
+                let cols = dims.last().copied().unwrap_or(1);
+                Ok(Geometry {
+                    cols,
+                    groups: 1,
+                    per_group: cols,
+                    inner: 1,
+                })
+            }
+            Some(g) => {
+                if dims.len() < 2 || g == 0 || !dims[1].is_multiple_of(g) {
+                    bail!("group_norm: {g} groups do not divide the channels of {dims:?}");
+                }
+                let inner = dims[2..].iter().product::<usize>();
+                let per_group = dims[1] / g;
+                Ok(Geometry {
+                    cols: per_group * inner,
+                    groups: g,
+                    per_group,
+                    inner,
+                })
+            }
+        }
+    }
+
+    fn channels(&self) -> usize {
+        self.groups * self.per_group
+    }
+
+    /// Rows a task: a whole number of rows of about [`host::CHUNK`] values.
+    fn rows_a_task(&self) -> usize {
+        (host::CHUNK / self.cols.max(1)).max(1)
+    }
+
+    /// The first channel of `row`; its `k`-th `inner` values belong to channel `first + k`.
+    fn first_channel(&self, row: usize) -> usize {
+        (row % self.groups) * self.per_group
+    }
+}
+
+/// A row's mean (0 without centring) and reciprocal standard deviation, in f64 as
+/// [`crate::norm`]'s normalisation computes them (the same sums in the same order).
+#[inline]
+fn row_stats<T: Elem>(x: &[T], center: bool, eps: f64) -> (f64, f64) {
+    let n = x.len().max(1) as f64;
+    let mean = if center {
+        x.iter().map(|v| v.to_f64()).sum::<f64>() / n
+    } else {
+        0.0
+    };
+    let var = x
+        .iter()
+        .map(|v| (v.to_f64() - mean) * (v.to_f64() - mean))
+        .sum::<f64>()
+        / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// The weight and bias of one channel, as the compute type.
+#[derive(Clone, Copy)]
+struct Affine<R> {
+    w: Option<R>,
+    b: Option<R>,
+}
+
+impl<R: Real> Affine<R> {
+    /// `xhat * w + b`, rounded to `T` after each op as the separate ops store it.
+    #[inline(always)]
+    fn apply<T: Elem<R = R>>(self, xhat: R) -> R {
+        let mut z = xhat;
+        if let Some(w) = self.w {
+            z = T::round(z.mul(w));
+        }
+        if let Some(b) = self.b {
+            z = T::round(z.add(b));
+        }
+        z
+    }
+}
+
+/// The forward over rows starting at `row0`.
+fn forward_rows<T: Elem>(
+    spec: Spec,
+    geo: Geometry,
+    row0: usize,
+    x: &[T],
+    out: &mut [T],
+    (w, b): (Option<&[T]>, Option<&[T]>),
+) {
+    for (j, (xr, or)) in x
+        .chunks(geo.cols.max(1))
+        .zip(out.chunks_mut(geo.cols.max(1)))
+        .enumerate()
+    {
+        let (mean, r) = row_stats(xr, spec.center, spec.eps);
+        let c0 = geo.first_channel(row0 + j);
+        for (k, (xs, os)) in xr
+            .chunks(geo.inner.max(1))
+            .zip(or.chunks_mut(geo.inner.max(1)))
+            .enumerate()
+        {
+            let c = c0 + k;
+            let aff = Affine {
+                w: w.map(|w| w[c].load()),
+                b: b.map(|b| b[c].load()),
+            };
+            for (o, v) in os.iter_mut().zip(xs) {
+                let xhat = T::from_f64((v.to_f64() - mean) * r).load();
+                let z = aff.apply::<T>(xhat);
+                *o = T::store(match spec.act {
+                    Some(a) => a.forward(z),
+                    None => z,
+                });
+            }
+        }
+    }
+}
+
+fn forward<T: Elem>(
+    spec: Spec,
+    geo: Geometry,
+    x: &[T],
+    w: Option<&[T]>,
+    b: Option<&[T]>,
+) -> Vec<T> {
+    let mut out = vec![T::zero(); x.len()];
+    if geo.cols == 0 {
+        return out;
+    }
+    let rows = geo.rows_a_task();
+    out.par_chunks_mut(rows * geo.cols)
+        .enumerate()
+        .for_each(|(t, o)| {
+            let at = t * rows * geo.cols;
+            forward_rows(spec, geo, t * rows, &x[at..at + o.len()], o, (w, b));
+        });
+    out
+}
+
+/// The weight's and bias's gradients summed over some rows, per channel.
+struct Sums {
+    dw: Vec<f64>,
+    db: Vec<f64>,
+}
+
+impl Sums {
+    fn zeros(c: usize) -> Self {
+        Sums {
+            dw: vec![0.0; c],
+            db: vec![0.0; c],
+        }
+    }
+}
+
+/// The backward's parameters: the weight and bias in f64 (exactly the `T` values), and where
+/// it leaves the weight's and bias's gradients.
+struct Backward {
+    spec: Spec,
+    w: Option<Vec<f64>>,
+    b: Option<Vec<f64>>,
+    sums: Arc<Mutex<Option<Sums>>>,
+}
+
+impl Backward {
+    /// The input's gradient over rows starting at `row0`, adding the parameters' to `sums`;
+    /// `dxh` is scratch for one row.
+    #[allow(clippy::too_many_arguments)]
+    fn rows<T: Elem>(
+        &self,
+        geo: Geometry,
+        row0: usize,
+        x: &[T],
+        g: &[T],
+        dx: &mut [T],
+        sums: &mut Sums,
+        dxh: &mut Vec<f64>,
+    ) {
+        let Spec {
+            eps, center, act, ..
+        } = self.spec;
+        let cols = geo.cols.max(1);
+        let inner = geo.inner.max(1);
+        let it = x.chunks(cols).zip(g.chunks(cols)).zip(dx.chunks_mut(cols));
+        for (j, ((xr, gr), dr)) in it.enumerate() {
+            let (mean, r) = row_stats(xr, center, eps);
+            let c0 = geo.first_channel(row0 + j);
+            dxh.clear();
+            let (mut s1, mut s2) = (0f64, 0f64);
+            for (k, (xs, gs)) in xr.chunks(inner).zip(gr.chunks(inner)).enumerate() {
+                let c = c0 + k;
+                let w = self.w.as_ref().map(|w| w[c]);
+                let aff = Affine::<T::R> {
+                    w: w.map(T::R::f),
+                    b: self.b.as_ref().map(|b| T::R::f(b[c])),
+                };
+                let (mut sw, mut sb) = (0f64, 0f64);
+                for (v, gv) in xs.iter().zip(gs) {
+                    let exact = (v.to_f64() - mean) * r;
+                    let xhat = T::from_f64(exact).load();
+                    let dz = match act {
+                        Some(a) => a.backward(gv.load(), aff.apply::<T>(xhat)).wide(),
+                        None => gv.to_f64(),
+                    };
+                    sw += dz * xhat.wide();
+                    sb += dz;
+                    let d = w.map_or(dz, |w| dz * w);
+                    s1 += d;
+                    s2 += d * exact;
+                    dxh.push(d);
+                }
+                sums.dw[c] += sw;
+                sums.db[c] += sb;
+            }
+            let n = xr.len().max(1) as f64;
+            let m1 = if center { s1 / n } else { 0.0 };
+            let m2 = s2 / n;
+            for ((o, v), d) in dr.iter_mut().zip(xr).zip(dxh.iter()) {
+                let exact = (v.to_f64() - mean) * r;
+                *o = T::from_f64(r * (d - m1 - exact * m2));
+            }
+        }
+    }
+
+    fn run<T: Elem>(&self, geo: Geometry, x: &[T], g: &[T]) -> Result<Vec<T>> {
+        let mut dx = vec![T::zero(); x.len()];
+        let c = geo.channels();
+        let total = if geo.cols == 0 {
+            Sums::zeros(c)
+        } else {
+            let rows = geo.rows_a_task();
+            let parts: Vec<Sums> = dx
+                .par_chunks_mut(rows * geo.cols)
+                .enumerate()
+                .map(|(t, d)| {
+                    let at = t * rows * geo.cols;
+                    let r = at..at + d.len();
+                    let mut sums = Sums::zeros(c);
+                    let mut scratch = Vec::with_capacity(geo.cols);
+                    let (x, g) = (&x[r.clone()], &g[r]);
+                    self.rows(geo, t * rows, x, g, d, &mut sums, &mut scratch);
+                    sums
+                })
+                .collect();
+            let mut total = Sums::zeros(c);
+            for p in parts {
+                total.dw.iter_mut().zip(&p.dw).for_each(|(a, b)| *a += b);
+                total.db.iter_mut().zip(&p.db).for_each(|(a, b)| *a += b);
+            }
+            total
+        };
+        *self.sums.lock().map_err(|_| poisoned())? = Some(total);
+        Ok(dx)
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("norm affine: the parameters' sums were poisoned".into())
+}
+
+impl CustomOp2 for Backward {
+    fn name(&self) -> &'static str {
+        "ft-norm-affine-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let what = "norm affine backward";
+        if xl.shape() != gl.shape() {
+            bail!("{what}: gradient {:?} for input {:?}", gl.dims(), xl.dims());
+        }
+        let geo = Geometry::of(xl.dims(), self.spec.groups)?;
+        let dx = per_dtype!(what, xs, [(xs, xl), (gs, gl)], |x, g| self
+            .run(geo, x, g)?);
+        Ok((dx, xl.shape().clone()))
+    }
+}
+
+/// The op: `x` and the weight, with or without the bias (RMS norm has none).
+struct NormAffine(Spec);
+
+impl NormAffine {
+    fn check(&self, xl: &Layout, params: &[&Layout]) -> Result<Geometry> {
+        let geo = Geometry::of(xl.dims(), self.0.groups)?;
+        for p in params {
+            if p.shape().elem_count() != geo.channels() {
+                bail!(
+                    "norm: a weight or bias of shape {:?} for {} channels of {:?}",
+                    p.dims(),
+                    geo.channels(),
+                    xl.dims()
+                );
+            }
+        }
+        Ok(geo)
+    }
+
+    /// The gradients of the input, the weight and (with `b`) the bias.
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        g: &Tensor,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let wide = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>();
+        let sums = Arc::new(Mutex::new(None));
+        let op = Backward {
+            spec: self.0,
+            w: Some(wide(w)?),
+            b: b.map(wide).transpose()?,
+            sums: sums.clone(),
+        };
+        let dx = x.apply_op2_no_bwd(&g.to_dtype(x.dtype())?.contiguous()?, &op)?;
+        let Sums { dw, db } = sums
+            .lock()
+            .map_err(|_| poisoned())?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("norm affine: no sums".into()))?;
+        let back = |v: Vec<f64>, like: &Tensor| -> Result<Tensor> {
+            Tensor::from_vec(v, like.shape(), like.device())?.to_dtype(like.dtype())
+        };
+        let db = b.map(|b| back(db, b)).transpose()?;
+        Ok((dx, back(dw, w)?, db))
+    }
+}
+
+impl CustomOp2 for NormAffine {
+    fn name(&self) -> &'static str {
+        "ft-norm-scale"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = self.check(xl, &[wl])?;
+        let spec = self.0;
+        let out = per_dtype!("norm", xs, [(xs, xl), (ws, wl)], |x, w| {
+            forward(spec, geo, x, Some(w), None)
+        });
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, None, g)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for NormAffine {
+    fn name(&self) -> &'static str {
+        "ft-norm-affine"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = self.check(xl, &[wl, bl])?;
+        let spec = self.0;
+        let out = per_dtype!("norm", xs, [(xs, xl), (ws, wl), (bs, bl)], |x, w, b| {
+            forward(spec, geo, x, Some(w), Some(b))
+        });
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.grads(x, w, Some(b), g)?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+/// Whether `x` takes the op (the CPU), rather than [`crate::norm`]'s composition.
+/// `FT_NORM_OP=0` turns it off, for a before-and-after measurement (as `FT_BATCH_NORM_OP`; the
+/// plans' formulas then undercount the tensors the composition keeps).
+pub(crate) fn takes(x: &Tensor) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    x.device().is_cpu()
+        && *ON.get_or_init(|| std::env::var("FT_NORM_OP").map_or(true, |v| v != "0"))
+}
+
+/// The normalisation of `x`, scaled by `weight`, shifted by `bias` when given, and activated,
+/// as one op ([`takes`] must hold). The parameters are cast to `x`'s dtype (a no-op when they
+/// are in it, as the models hold them).
+pub(crate) fn apply(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    spec: Spec,
+) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let param = |t: &Tensor| t.to_dtype(x.dtype())?.flatten_all();
+    let w = param(weight)?;
+    match bias {
+        Some(b) => x.apply_op3(&w, &param(b)?, NormAffine(spec)),
+        None => x.apply_op2(&w, NormAffine(spec)),
+    }
+}
