@@ -105,7 +105,8 @@ impl CustomOp1 for Normalize {
     }
 }
 
-fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
+/// The normalisation alone: one op keeping its input (CPU, and CUDA with the own kernels).
+pub(crate) fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
     let op = Normalize { eps, center };
     if crate::has_kernel(x) {
         x.contiguous()?.apply_op1(op)
@@ -119,6 +120,14 @@ fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
         let (xc, r) = op.rstd(&x.to_dtype(wide)?)?;
         xc.broadcast_mul(&r)?.to_dtype(dt)
     }
+}
+
+/// The input's gradient of [`normalize`] for the output's gradient `g`: its backward, run
+/// directly (the row statistics recomputed from `x`).
+pub(crate) fn normalize_backward(x: &Tensor, g: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
+    Normalize { eps, center }
+        .bwd(x, x, g)?
+        .ok_or_else(|| candle_core::Error::Msg("norm: no input gradient".into()))
 }
 
 fn affine(y: Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -139,7 +148,7 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
-    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
+    if let (Some(w), true) = (weight, norm_affine::takes(x, None)) {
         let spec = Spec {
             eps,
             center: true,
@@ -154,7 +163,7 @@ pub fn layer_norm(
 /// RMS norm over the last dimension (T5's LayerNorm): `x * rsqrt(mean(x^2) + eps) * weight`,
 /// with the statistics computed in f64 on CPU (f32 on other devices) for low-precision inputs.
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
+    if let (Some(w), true) = (weight, norm_affine::takes(x, None)) {
         let spec = Spec {
             eps,
             center: false,
@@ -204,7 +213,7 @@ fn grouped(
             "group_norm: {num_groups} groups do not divide the channels of {dims:?}"
         );
     }
-    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
+    if let (Some(w), true) = (weight, norm_affine::takes(x, act)) {
         let spec = Spec {
             eps,
             center: true,
@@ -224,4 +233,24 @@ fn grouped(
         Some(a) => activate(&y, a),
         None => Ok(y),
     }
+}
+
+/// The gradients (input, weight, bias) of the one-op norm's backward as CUDA composes it
+/// (`norm_affine`'s device path), run on any device: lets the CPU tests check that
+/// composition against the CPU's op, which no GPU-less machine could otherwise run.
+#[doc(hidden)]
+pub fn composed_gradients(
+    x: &Tensor,
+    (weight, bias): (&Tensor, Option<&Tensor>),
+    (groups, center, eps): (Option<usize>, bool, f64),
+    act: Option<Activation>,
+    g: &Tensor,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let spec = Spec {
+        eps,
+        center,
+        groups,
+        act,
+    };
+    norm_affine::device_grads(spec, x, &weight.flatten_all()?, bias, g)
 }

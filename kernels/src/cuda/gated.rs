@@ -13,7 +13,7 @@ use super::launch::{dptr, elem_grid, launch, out_ptr, output, suffix, Arg};
 use crate::activation::Activation;
 
 /// The kernels' code of an activation (`gated.cu`).
-fn code(act: Activation) -> i32 {
+pub(crate) fn code(act: Activation) -> i32 {
     match act {
         Activation::GeluTanh => 0,
         Activation::GeluErf => 1,

@@ -205,7 +205,7 @@ fn rows_cols(l: &Layout) -> Result<(usize, usize)> {
 }
 
 /// One block per row: a warp for short rows, up to 512 threads for long ones.
-fn row_block(cols: usize) -> u32 {
+pub(crate) fn row_block(cols: usize) -> u32 {
     (cols.div_ceil(32) * 32).clamp(32, 512) as u32
 }
 

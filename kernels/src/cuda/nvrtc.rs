@@ -35,7 +35,7 @@ pub fn kernel_arch(dev: &CudaDevice) -> String {
 /// The kernel files, compiled as one NVRTC program in this order: the prelude first, then one
 /// file per op family (each beside its launcher `.rs`). `scripts/kernel_report.py` reads this
 /// list; the host emulation (`tests/emulated/harness.cc`) includes the same files.
-pub const SOURCES: [(&str, &str); 13] = [
+pub const SOURCES: [(&str, &str); 14] = [
     ("prelude.cuh", include_str!("prelude.cuh")),
     ("softmax.cu", include_str!("softmax.cu")),
     ("norm.cu", include_str!("norm.cu")),
@@ -49,6 +49,7 @@ pub const SOURCES: [(&str, &str); 13] = [
     ("rounding.cu", include_str!("rounding.cu")),
     ("dropout.cu", include_str!("dropout.cu")),
     ("gated.cu", include_str!("gated.cu")),
+    ("norm_affine.cu", include_str!("norm_affine.cu")),
 ];
 
 /// [`SOURCES`] as one program text.

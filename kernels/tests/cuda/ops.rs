@@ -25,6 +25,7 @@ fn kernels_compile_with_nvrtc() {
                     "dropout_bf16",
                     "gated_fwd_bf16",
                     "gated_bwd_f32",
+                    "norm_affine_fwd_bf16",
                     "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
                     "adafactor_apply_f16_bf16",
@@ -213,6 +214,39 @@ fn gated_matches_the_cpu() -> Result<()> {
             "{act:?}: the gated kernels did not run"
         );
     }
+    Ok(())
+}
+
+/// The norms with their weight and bias (and group norm with SiLU) as one op: the CUDA forward
+/// kernel and the composed device backward against the CPU's op.
+#[test]
+fn norm_affine_matches_the_cpu() -> Result<()> {
+    use ft_kernels::activation::Activation;
+    let Some(dev) = gpu() else { return Ok(()) };
+    let r = |shape: &[usize], seed: u64| random_tensor(shape, seed, &Device::Cpu);
+    let before = ft_kernels::cuda::launches_of("norm_affine_");
+    compare(
+        "group_norm_act silu",
+        &dev,
+        &[r(&[2, 16, 5, 6], 81)?, r(&[16], 82)?, r(&[16], 83)?],
+        |t| norm::group_norm_act(&t[0], 4, Some(&t[1]), Some(&t[2]), 1e-5, Activation::Silu),
+    )?;
+    compare(
+        "group_norm_act silu, no bias, 700-value rows",
+        &dev,
+        &[r(&[1, 8, 20, 35], 84)?, r(&[8], 85)?],
+        |t| norm::group_norm_act(&t[0], 2, Some(&t[1]), None, 1e-5, Activation::Silu),
+    )?;
+    compare(
+        "layer_norm, 640 wide",
+        &dev,
+        &[r(&[3, 640], 86)?, r(&[640], 87)?, r(&[640], 88)?],
+        |t| norm::layer_norm(&t[0], Some(&t[1]), Some(&t[2]), 1e-5),
+    )?;
+    assert!(
+        ft_kernels::cuda::launches_of("norm_affine_") > before,
+        "the norm_affine kernel did not run"
+    );
     Ok(())
 }
 

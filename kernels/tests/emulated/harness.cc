@@ -23,6 +23,7 @@
 #include "../../src/cuda/rounding.cu"
 #include "../../src/cuda/dropout.cu"
 #include "../../src/cuda/gated.cu"
+#include "../../src/cuda/norm_affine.cu"
 // Their checks, one file per family.
 #include "softmax.cc"
 #include "norm.cc"
@@ -35,6 +36,7 @@
 #include "grad_norm.cc"
 #include "dropout.cc"
 #include "gated.cc"
+#include "norm_affine.cc"
 
 int main(int argc, char** argv) {
   // A warp-level call that not every lane reaches (a shuffle behind a divergent branch) waits
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
   stochastic_case();
   dropout_case();
   gated_case();
+  norm_affine_case();
   sum_squares_case();
   atomic_add_f64_case();
   unscale_case();

@@ -198,7 +198,7 @@ impl FewShotModel {
                 outer.new_tensor(2 * queries * ways * d); // differences, squared
                 outer.new_tensor(2 * queries * ways); // summed, negated
             }
-            Some(f) => fsct(&mut outer, f, (ways, k, queries, d), target.norm_op()),
+            Some(f) => fsct(&mut outer, f, ways, k, queries, d),
         }
         // The loss in f32: the scores converted (when they are not f32), log-softmax, the
         // targets' entries, their sum and its negation.
@@ -246,7 +246,7 @@ const RESNET_TEMPORARIES: Temporaries = Temporaries {
 };
 
 /// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.
-fn fsct(t: &mut Tally, f: &Fsct, (ways, k, queries, d): (u64, u64, u64, u64), norm_op: bool) {
+fn fsct(t: &mut Tally, f: &Fsct, ways: u64, k: u64, queries: u64, d: u64) {
     let (heads, dh) = (f.heads as u64, f.dim_head as u64);
     let inner = heads * dh;
     let mlp = f.ffn1.weight.dims()[0] as u64;
@@ -256,7 +256,7 @@ fn fsct(t: &mut Tally, f: &Fsct, (ways, k, queries, d): (u64, u64, u64, u64), no
     t.new_tensor(ways * k + ways * k * d + ways * d);
     // Layer norm and input projection of the prototypes and of the queries.
     for rows in [ways, queries] {
-        t.norm(rows * d, norm_op);
+        t.norm(rows * d);
         t.linear(rows, d, inner, false, false);
     }
     // q.k: the prototypes broadcast over queries and the keys, each made contiguous; the dots.
@@ -273,13 +273,13 @@ fn fsct(t: &mut Tally, f: &Fsct, (ways, k, queries, d): (u64, u64, u64, u64), no
     t.linear(qn, inner, d, true, false);
     t.new_tensor(qn * d);
     // Feed-forward with its residual.
-    t.norm(qn * d, norm_op);
+    t.norm(qn * d);
     t.linear(qn, d, mlp, true, false);
     t.new_tensor(qn * mlp); // GELU
     t.linear(qn, mlp, d, true, false);
     t.new_tensor(qn * d);
     // Output norm and projection to dim_head.
-    t.norm(qn * d, norm_op);
+    t.norm(qn * d);
     t.linear(qn, d, dh, true, false);
     if f.cosine {
         // The input normalised over classes (square; sum, sqrt and + eps per query; divide),

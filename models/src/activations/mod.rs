@@ -49,12 +49,6 @@ impl Target {
         !self.cpu_op(dtype)
     }
 
-    /// Whether a norm with its weight (and bias, and a following SiLU) is one op that keeps
-    /// only its input (`ft_kernels::norm`, through `norm_affine`): on the CPU, every dtype.
-    pub(crate) fn norm_op(self) -> bool {
-        self == Target::Cpu
-    }
-
     /// Whether the convolution adds its bias in the same op and batch norm is one op
     /// (`ft_kernels::conv::bias_in_op`, `ft_kernels::batch_norm`): the CPU in f32 and f64.
     pub(crate) fn cpu_op(self, dtype: DType) -> bool {
@@ -142,20 +136,10 @@ impl Tally {
         self.elems += out * (1 + bias_op as u64);
     }
 
-    /// Layer or group norm with affine weight and bias over `n` elements: its output when it
-    /// is `one_op` ([`Target::norm_op`]); else the normalized, scaled and shifted values.
-    pub fn norm(&mut self, n: u64, one_op: bool) {
-        self.elems += if one_op { n } else { 3 * n };
-    }
-
-    /// [`Self::norm`] followed by SiLU: the output alone as one op; else four tensors.
-    pub fn norm_silu(&mut self, n: u64, one_op: bool) {
-        self.elems += if one_op { n } else { 4 * n };
-    }
-
-    /// RMS norm with a weight: its output as one op; else the normalized and scaled values.
-    pub fn rms_norm(&mut self, n: u64, one_op: bool) {
-        self.elems += if one_op { n } else { 2 * n };
+    /// A layer, RMS or group norm with its weight (and bias, and a SiLU after it) over `n`
+    /// elements: one op (`ft_kernels::norm`, CPU and CUDA) whose output alone is new.
+    pub fn norm(&mut self, n: u64) {
+        self.elems += n;
     }
 
     /// `ft_kernels::attention::attend`.

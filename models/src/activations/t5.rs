@@ -74,17 +74,17 @@ impl Walk<'_> {
         let (b, d, f) = (self.b, self.cfg.d_model as u64, self.cfg.d_ff as u64);
         let bld = b * l * d;
         let mut t = Tally::default();
-        t.rms_norm(bld, self.target.norm_op());
+        t.norm(bld);
         self.attn(&mut t, l, l, bias, cross.is_none());
         t.dropout(self.dropout, bld);
         t.new_tensor(bld); // residual
         if let Some(ls) = cross {
-            t.rms_norm(bld, self.target.norm_op());
+            t.norm(bld);
             self.attn(&mut t, l, ls, b * ls, false);
             t.dropout(self.dropout, bld);
             t.new_tensor(bld);
         }
-        t.rms_norm(bld, self.target.norm_op());
+        t.norm(bld);
         let gated = self.cfg.activation().map(|(_, g)| g).unwrap_or(false);
         t.linear(b * l, d, f, false, false);
         if gated {
@@ -123,7 +123,7 @@ impl Walk<'_> {
         for _ in 0..layers {
             self.block(l, bias, cross);
         }
-        self.outer.rms_norm(b * l * d, self.target.norm_op());
+        self.outer.norm(b * l * d);
         self.outer.dropout(self.dropout, b * l * d);
     }
 }

@@ -27,8 +27,6 @@ struct Walk<'a> {
     target: Target,
     /// Each convolution's bias is a second op ([`Target::bias_op`]).
     bias_op: bool,
-    /// Each norm (with the SiLU after it) is one op ([`Target::norm_op`]).
-    norm_op: bool,
     outer: Tally,
     segments: Vec<SegmentBytes>,
 }
@@ -46,12 +44,12 @@ impl Walk<'_> {
     /// A ResNet block from `cin` to `cout` channels over `hw` pixels.
     fn resnet(&mut self, cin: u64, cout: u64, hw: u64) {
         let (b, mut t) = (self.b, Tally::default());
-        t.norm_silu(b * cin * hw, self.norm_op);
+        t.norm(b * cin * hw); // with its SiLU
         t.conv(b * cout * hw, self.bias_op);
         t.new_tensor(b * self.temb); // silu of the time embedding
         t.linear(b, self.temb, cout, true, false);
         t.new_tensor(b * cout * hw); // + time embedding
-        t.norm_silu(b * cout * hw, self.norm_op);
+        t.norm(b * cout * hw); // with its SiLU
         t.conv(b * cout * hw, self.bias_op);
         if cin != cout {
             t.conv(b * cout * hw, self.bias_op); // 1x1 shortcut
@@ -93,12 +91,12 @@ impl Walk<'_> {
     fn transformer_block(&mut self, d: u64, n: u64, heads: u64) {
         let (b, mut t) = (self.b, Tally::default());
         let bnd = b * n * d;
-        t.norm(bnd, self.norm_op);
+        t.norm(bnd);
         // The two attentions' backward runs one after the other: the block holds the larger
         // one's score temporaries.
         let mut scores = self.attn(&mut t, d, n, n, d, heads);
         t.new_tensor(bnd); // residual
-        t.norm(bnd, self.norm_op);
+        t.norm(bnd);
         scores = scores.max(self.attn(
             &mut t,
             d,
@@ -108,7 +106,7 @@ impl Walk<'_> {
             heads,
         ));
         t.new_tensor(bnd); // residual
-        t.norm(bnd, self.norm_op);
+        t.norm(bnd);
         t.linear(b * n, d, 8 * d, true, false); // GEGLU in
         t.new_tensor(4 * bnd); // value times the gate's GELU, one op
         t.linear(b * n, 4 * d, d, true, false); // out
@@ -120,7 +118,7 @@ impl Walk<'_> {
     /// A Transformer2D: group norm and projection in, its blocks, projection out, residual.
     fn transformer(&mut self, c: u64, hw: u64, level: usize) {
         let n = self.b * c * hw;
-        self.outer.norm(n, self.norm_op);
+        self.outer.norm(n);
         self.outer.linear(self.b * hw, c, c, true, true);
         let heads = self.cfg.heads(level) as u64;
         for _ in 0..self.cfg.layers(level) {
@@ -180,7 +178,6 @@ impl UNetConfig {
             dtype,
             target,
             bias_op: target.bias_op(dtype),
-            norm_op: target.norm_op(),
             outer: Tally::default(),
             segments: Vec::new(),
         };
@@ -241,7 +238,7 @@ impl UNetConfig {
             }
         }
         let n = b * ch[0] * px(h, wd);
-        w.outer.norm_silu(n, w.norm_op);
+        w.outer.norm(n); // with its SiLU
         w.outer
             .conv(b * self.out_channels as u64 * px(h, wd), bias_op);
         ActivationProfile {
