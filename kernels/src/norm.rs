@@ -22,14 +22,7 @@ struct Normalize {
 
 impl Normalize {
     fn row(&self, x: &[f64], y: &mut [f64]) {
-        let n = x.len().max(1) as f64;
-        let mean = if self.center {
-            x.iter().sum::<f64>() / n
-        } else {
-            0.0
-        };
-        let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
-        let r = 1.0 / (var + self.eps).sqrt();
+        let (mean, r) = cpu::row_stats(x, self.center, self.eps);
         for (yi, xi) in y.iter_mut().zip(x) {
             *yi = (xi - mean) * r;
         }

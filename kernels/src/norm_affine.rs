@@ -36,6 +36,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result,
 use rayon::prelude::*;
 
 use crate::activation::{Activation, Real};
+use crate::cpu::row_stats;
 use crate::elem::{per_dtype, Elem};
 use crate::host;
 
@@ -101,24 +102,6 @@ impl Geometry {
     fn first_channel(&self, row: usize) -> usize {
         (row % self.groups) * self.per_group
     }
-}
-
-/// A row's mean (0 without centring) and reciprocal standard deviation, in f64 as
-/// [`crate::norm`]'s normalisation computes them (the same sums in the same order).
-#[inline]
-fn row_stats<T: Elem>(x: &[T], center: bool, eps: f64) -> (f64, f64) {
-    let n = x.len().max(1) as f64;
-    let mean = if center {
-        x.iter().map(|v| v.to_f64()).sum::<f64>() / n
-    } else {
-        0.0
-    };
-    let var = x
-        .iter()
-        .map(|v| (v.to_f64() - mean) * (v.to_f64() - mean))
-        .sum::<f64>()
-        / n;
-    (mean, 1.0 / (var + eps).sqrt())
 }
 
 /// The weight and bias of one channel, as the compute type.
