@@ -153,7 +153,7 @@ const UNET_TEMPORARIES: Temporaries = Temporaries {
     recomputed: 250,
 };
 
-/// See [`UNET_TEMPORARIES`]; T5's fit found the same 8 ([`super::t5`]).
+/// See [`UNET_TEMPORARIES`]; T5's fit finds 7.5 to 8 ([`super::t5`]).
 const UNET_SCORE_TEMPORARIES: u64 = 8000;
 
 impl UNetConfig {
