@@ -2,8 +2,9 @@
 //!
 //! candle's fast `layer_norm`/`rms_norm` (and `nn::LayerNorm`/`nn::RmsNorm` on contiguous input)
 //! have no backward at all. With a weight (as every model here has one) the normalisation, its
-//! affine part and, for [`group_norm_act`], the activation after it are one op on the CPU
-//! ([`crate::norm_affine`]: the graph keeps only the input). Elsewhere, and without a weight,
+//! affine part and, for [`group_norm_act`], the activation after it are one op on the CPU, and
+//! on CUDA with the own kernels for no activation or SiLU (`norm_affine`: the graph keeps only
+//! the input). Elsewhere, and without a weight,
 //! the normalisation is one op that keeps only its input and output (its backward recomputes
 //! the row statistics) and the affine part a plain broadcast multiply/add, whose backward
 //! candle gets right.
@@ -180,8 +181,9 @@ pub fn group_norm(
     grouped(x, num_groups, (weight, bias), eps, None)
 }
 
-/// [`group_norm`] followed by `act` (the UNet's and VAE's `silu(norm(x))`), one op on the CPU
-/// with a weight: the graph keeps the input alone, not the normalised, scaled, shifted values.
+/// [`group_norm`] followed by `act` (the UNet's and VAE's `silu(norm(x))`), one op with a
+/// weight (on the CPU; on CUDA for SiLU): the graph keeps the input alone, not the normalised,
+/// scaled, shifted values.
 pub fn group_norm_act(
     x: &Tensor,
     num_groups: usize,

@@ -166,8 +166,9 @@ impl Norm {
         }
     }
 
-    /// `silu(self.forward(x))` (every UNet and VAE ResNet block's), one op for a group norm on
-    /// the CPU: the graph keeps `x` alone, not the normalised, scaled and shifted values.
+    /// `silu(self.forward(x))` (every UNet and VAE ResNet block's), one op for a group norm
+    /// (`norm::group_norm_act`): the graph keeps `x` alone, not the normalised, scaled and
+    /// shifted values.
     pub fn forward_silu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self.groups {
             Some(g) => norm::group_norm_act(

@@ -174,12 +174,22 @@ fn unet_rows() -> anyhow::Result<Vec<Row>> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/unet_tiny/config.json");
     let tiny = UNetConfig::from_file(&path)?;
-    // sdxl-ft's demo UNet (twice the channels, CLIP's 77 tokens of 64), at its latents of
-    // 64 px (16 x 16): the `--fit` runs' model.
-    let mut demo = tiny.clone();
-    demo.block_out_channels = vec![32, 64];
-    demo.cross_attention_dim = 64;
-    demo.projection_class_embeddings_input_dim = Some(80);
+    // sdxl-ft's demo UNet (`bins/sdxl-ft/src/demo/mod.rs`: twice the channels, one transformer
+    // layer a level, CLIP's 77 tokens of 64), at its latents of 64 px (16 x 16): the `--fit`
+    // runs' model.
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    for (key, value) in [
+        ("block_out_channels", serde_json::json!([32, 64])),
+        ("cross_attention_dim", serde_json::json!(64)),
+        (
+            "projection_class_embeddings_input_dim",
+            serde_json::json!(80),
+        ),
+        ("transformer_layers_per_block", serde_json::json!([1, 1])),
+    ] {
+        json[key] = value;
+    }
+    let demo: UNetConfig = serde_json::from_value(json)?;
     let mut rows = Vec::new();
     let tiny_shapes: &[(usize, usize, usize, usize)] =
         &[(4, 32, 32, 7), (1, 48, 48, 5), (2, 24, 40, 7)];

@@ -34,6 +34,13 @@ pub(crate) fn norm_affine_forward(
     act: Option<Activation>,
 ) -> Result<CudaStorage> {
     let dt = xs.dtype();
+    if rows.rows > u32::MAX as usize || rows.cols > i32::MAX as usize {
+        candle_core::bail!(
+            "norm: {} rows of {} values exceed the kernel's grid or index",
+            rows.rows,
+            rows.cols
+        );
+    }
     let out = output(&xs.device, dt, rows.rows * rows.cols)?;
     if rows.rows == 0 || rows.cols == 0 {
         return Ok(out);

@@ -238,6 +238,12 @@ fn norm_affine_matches_the_cpu() -> Result<()> {
         |t| norm::group_norm_act(&t[0], 2, Some(&t[1]), None, 1e-5, Activation::Silu),
     )?;
     compare(
+        "rms_norm, 700 wide",
+        &dev,
+        &[r(&[2, 700], 89)?, r(&[700], 90)?],
+        |t| norm::rms_norm(&t[0], Some(&t[1]), 1e-6),
+    )?;
+    compare(
         "layer_norm, 640 wide",
         &dev,
         &[r(&[3, 640], 86)?, r(&[640], 87)?, r(&[640], 88)?],
