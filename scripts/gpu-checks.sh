@@ -14,8 +14,8 @@
 # 4. the CUDA op tests, with what time is left (since 2026-11-29 `gated_matches_the_cpu`: the
 #    gated feed-forward's kernel, never run on a GPU; rows 2 and 3 run T5 with it, their plans
 #    without the activation's tensor, 1.17 GiB less at `none`; and `norm_affine_matches_the_cpu`:
-#    the norms with their weight, bias and SiLU as one op, its forward kernel and the device
-#    backward's composition never run on a GPU; the plans of rows 2 and 3 count one tensor a
+#    the norms with their weight, bias and activation as one op, its forward and backward
+#    kernels never run on a GPU; the plans of rows 2 and 3 count one tensor a
 #    norm, FLAN-T5-XL 1.05 GiB less at `none`);
 # 5. run first (seconds; added 2026-11-28): NCCL on the card as a world of one (`nccl_tests`:
 #    ft-dist's all-reduce, reduce and broadcast; `nccl_trainer_tests gpu_tests`: a gradient

@@ -2,9 +2,8 @@
 //!
 //! candle's fast `layer_norm`/`rms_norm` (and `nn::LayerNorm`/`nn::RmsNorm` on contiguous input)
 //! have no backward at all. With a weight (as every model here has one) the normalisation, its
-//! affine part and, for [`group_norm_act`], the activation after it are one op on the CPU, and
-//! on CUDA with the own kernels for no activation or SiLU (`norm_affine`: the graph keeps only
-//! the input). Elsewhere, and without a weight,
+//! affine part and, for [`group_norm_act`], the activation after it are one op on the CPU and
+//! on CUDA with the own kernels (`norm_affine`: the graph keeps only the input). Elsewhere, and without a weight,
 //! the normalisation is one op that keeps only its input and output (its backward recomputes
 //! the row statistics) and the affine part a plain broadcast multiply/add, whose backward
 //! candle gets right.
@@ -99,8 +98,7 @@ impl CustomOp1 for Normalize {
     }
 }
 
-/// The normalisation alone: one op keeping its input (CPU, and CUDA with the own kernels).
-pub(crate) fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
+fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
     let op = Normalize { eps, center };
     if crate::has_kernel(x) {
         x.contiguous()?.apply_op1(op)
@@ -114,14 +112,6 @@ pub(crate) fn normalize(x: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
         let (xc, r) = op.rstd(&x.to_dtype(wide)?)?;
         xc.broadcast_mul(&r)?.to_dtype(dt)
     }
-}
-
-/// The input's gradient of [`normalize`] for the output's gradient `g`: its backward, run
-/// directly (the row statistics recomputed from `x`).
-pub(crate) fn normalize_backward(x: &Tensor, g: &Tensor, eps: f64, center: bool) -> Result<Tensor> {
-    Normalize { eps, center }
-        .bwd(x, x, g)?
-        .ok_or_else(|| candle_core::Error::Msg("norm: no input gradient".into()))
 }
 
 fn affine(y: Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -142,7 +132,7 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
-    if let (Some(w), true) = (weight, norm_affine::takes(x, None)) {
+    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
         let spec = Spec {
             eps,
             center: true,
@@ -157,7 +147,7 @@ pub fn layer_norm(
 /// RMS norm over the last dimension (T5's LayerNorm): `x * rsqrt(mean(x^2) + eps) * weight`,
 /// with the statistics computed in f64 on CPU (f32 on other devices) for low-precision inputs.
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    if let (Some(w), true) = (weight, norm_affine::takes(x, None)) {
+    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
         let spec = Spec {
             eps,
             center: false,
@@ -182,8 +172,7 @@ pub fn group_norm(
 }
 
 /// [`group_norm`] followed by `act` (the UNet's and VAE's `silu(norm(x))`), one op with a
-/// weight (on the CPU; on CUDA for SiLU): the graph keeps the input alone, not the normalised,
-/// scaled, shifted values.
+/// weight: the graph keeps the input alone, not the normalised, scaled, shifted values.
 pub fn group_norm_act(
     x: &Tensor,
     num_groups: usize,
@@ -208,7 +197,7 @@ fn grouped(
             "group_norm: {num_groups} groups do not divide the channels of {dims:?}"
         );
     }
-    if let (Some(w), true) = (weight, norm_affine::takes(x, act)) {
+    if let (Some(w), true) = (weight, norm_affine::takes(x)) {
         let spec = Spec {
             eps,
             center: true,
@@ -228,24 +217,4 @@ fn grouped(
         Some(a) => activate(&y, a),
         None => Ok(y),
     }
-}
-
-/// The gradients (input, weight, bias) of the one-op norm's backward as CUDA composes it
-/// (`norm_affine`'s device path), run on any device: lets the CPU tests check that
-/// composition against the CPU's op, which no GPU-less machine could otherwise run.
-#[doc(hidden)]
-pub fn composed_gradients(
-    x: &Tensor,
-    (weight, bias): (&Tensor, Option<&Tensor>),
-    (groups, center, eps): (Option<usize>, bool, f64),
-    act: Option<Activation>,
-    g: &Tensor,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let spec = Spec {
-        eps,
-        center,
-        groups,
-        act,
-    };
-    norm_affine::device_grads(spec, x, &weight.flatten_all()?, bias, g)
 }

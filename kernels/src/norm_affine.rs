@@ -23,10 +23,9 @@
 //! weight's and bias's sums are made per task of rows and added in the tasks' order, so they do
 //! not depend on the number of threads.
 //!
-//! CPU: f32, f64, bf16 and f16. CUDA (f32, bf16, f16; no activation or SiLU): the forward is
-//! `cuda/norm_affine.cu`, rounded at the same places (checked within the dtype's precision, not
-//! to the bit); the backward is composed on the device from the normalisation's kernels and
-//! candle's ops (its temporaries live during the op's backward only). Elsewhere
+//! CPU: f32, f64, bf16 and f16. CUDA (f32, bf16, f16): `cuda/norm_affine.cu`, the forward rounded at the same places
+//! (checked within the dtype's precision, not to the bit), the backward the input's gradient a
+//! row a block and the parameters' sums a channel a block, in a fixed order. Elsewhere
 //! [`crate::norm`] composes its normalisation with candle's ops.
 
 use std::sync::{Arc, Mutex};
@@ -355,8 +354,13 @@ impl NormAffine {
         b: Option<&Tensor>,
         g: &Tensor,
     ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-        if !x.device().is_cpu() {
-            return device_grads(self.0, x, w, b, g);
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let geo = Geometry::of(x.dims(), self.0.groups)?;
+            let rows = cuda_rows(x.layout(), geo);
+            let g = g.to_dtype(x.dtype())?.contiguous()?;
+            let spec = (self.0.eps, self.0.center);
+            return crate::cuda::norm_affine_backward(x, &g, w, b, &rows, spec, self.0.act);
         }
         let wide = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>();
         let sums = Arc::new(Mutex::new(None));
@@ -483,17 +487,14 @@ impl CustomOp3 for NormAffine {
     }
 }
 
-/// Whether `x` takes the op followed by `act`, rather than [`crate::norm`]'s composition: on
-/// the CPU always, on CUDA where the own kernels run (`crate::has_kernel`) with no activation or
-/// SiLU (the device backward composes SiLU's derivative alone). `FT_NORM_OP=0` turns it off,
-/// for a before-and-after measurement (as `FT_BATCH_NORM_OP`; the plans' formulas then
-/// undercount the tensors the composition keeps).
-pub(crate) fn takes(x: &Tensor, act: Option<Activation>) -> bool {
+/// Whether `x` takes the op, rather than [`crate::norm`]'s composition: on the CPU always, on
+/// CUDA where the own kernels run (`crate::has_kernel`). `FT_NORM_OP=0` turns it off, for a
+/// before-and-after measurement (as `FT_BATCH_NORM_OP`; the plans' formulas then undercount the
+/// tensors the composition keeps).
+pub(crate) fn takes(x: &Tensor) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("FT_NORM_OP").map_or(true, |v| v != "0"));
-    let here = x.device().is_cpu()
-        || (crate::has_kernel(x) && matches!(act, None | Some(Activation::Silu)));
-    on && here
+    on && crate::has_kernel(x)
 }
 
 /// The kernel's rows of `l`'s shape in the op's geometry.
@@ -514,56 +515,6 @@ fn same_dtypes(d: &[DType]) -> Result<()> {
         bail!("norm: the input and its parameters differ in dtype ({d:?})");
     }
     Ok(())
-}
-
-/// The gradients off the CPU (CUDA), composed: the normalised values again (one op), the
-/// affine part, SiLU's derivative and the parameters' sums in f32 from candle's ops, the
-/// input's gradient through the normalisation's backward. The operands are detached first, so
-/// that no gradient keeps a graph alive.
-pub(crate) fn device_grads(
-    spec: Spec,
-    x: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    g: &Tensor,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let (x, w, b) = (x.detach(), w.detach(), b.map(|b| b.detach()));
-    let geo = Geometry::of(x.dims(), spec.groups)?;
-    let (rows, c) = (x.elem_count() / geo.cols.max(1), geo.channels());
-    // [samples, channels, values a channel]: the channel the middle dimension.
-    let per_channel = (rows / geo.groups.max(1), c, geo.inner.max(1));
-    let xr = x.reshape((rows, geo.cols))?;
-    let xhat = crate::norm::normalize(&xr, spec.eps, spec.center)?
-        .reshape(per_channel)?
-        .to_dtype(DType::F32)?;
-    let wide = |t: &Tensor| t.reshape((1, c, 1))?.to_dtype(DType::F32);
-    let wv = wide(&w)?;
-    let g = g.reshape(per_channel)?.to_dtype(DType::F32)?;
-    let dz = match spec.act {
-        None => g,
-        Some(Activation::Silu) => {
-            let mut z = xhat.broadcast_mul(&wv)?;
-            if let Some(b) = &b {
-                z = z.broadcast_add(&wide(b)?)?;
-            }
-            // silu'(z) = s (1 + z (1 - s)), s the sigmoid of z.
-            let s = (z.neg()?.exp()? + 1.0)?.recip()?;
-            let d = ((&z * s.affine(-1.0, 1.0)?)? + 1.0)?;
-            (g * (s * d)?)?
-        }
-        Some(a) => bail!("norm: {a:?} after a norm has no device backward (SiLU or none)"),
-    };
-    let dw = (&dz * &xhat)?.sum((0, 2))?.to_dtype(w.dtype())?;
-    let db = b
-        .as_ref()
-        .map(|b| dz.sum((0, 2))?.to_dtype(b.dtype()))
-        .transpose()?;
-    let dxh = dz
-        .broadcast_mul(&wv)?
-        .to_dtype(x.dtype())?
-        .reshape((rows, geo.cols))?;
-    let dx = crate::norm::normalize_backward(&xr, &dxh, spec.eps, spec.center)?;
-    Ok((dx.reshape(x.dims())?, dw, db))
 }
 
 /// The normalisation of `x`, scaled by `weight`, shifted by `bias` when given, and activated,

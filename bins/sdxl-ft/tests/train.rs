@@ -753,7 +753,7 @@ fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
             "--offload-optimizer` |",
         ),
         (
-            "| 1024 | 8GiB | `--checkpointing budget:1265MiB",
+            "| 1024 | 8GiB | `--checkpointing budget:1543MiB",
             "--optim adamw8bit --offload-optimizer` |",
         ),
     ] {

@@ -21,7 +21,7 @@
 //! | `rounding` | fp32 -> bf16 stochastic rounding | `crate::rounding` |
 //! | `dropout` | inverted dropout, mask drawn from a hash | `crate::dropout` |
 //! | `gated` | `act(gate) * value`, forward and backward | `crate::gated` |
-//! | `norm_affine` | a norm with its weight, bias and activation, forward | `crate::norm_affine` |
+//! | `norm_affine` | a norm with its weight, bias and activation, forward and backward | `crate::norm_affine` |
 
 mod adafactor;
 mod adamw;
@@ -54,7 +54,7 @@ pub use grad_norm::{sum_squares, sum_squares_each, unscale_check};
 pub use launch::{launches, launches_of};
 pub use norm::norm_backward;
 pub(crate) use norm::norm_forward;
-pub(crate) use norm_affine::{norm_affine_forward, NormRows};
+pub(crate) use norm_affine::{norm_affine_backward, norm_affine_forward, NormRows};
 pub(crate) use nvrtc::has_mma;
 pub use nvrtc::{kernel_arch, ptx, SOURCES};
 pub(crate) use pool::pool_forward;

@@ -1,16 +1,18 @@
 //! A norm with its affine part and activation as one op (`norm_affine.cu`): the forward, one
-//! block per row. The backward is composed on the device (`crate::norm_affine`): the
-//! normalised values again (`norm.cu`), the activation's gradient from candle's ops, the
-//! parameters' sums, and the input's gradient through `norm.cu`'s backward.
+//! block per row; the backward in two kernels, the input's gradient a row a block (keeping the
+//! rows' statistics), then the weight's and bias's a channel a block, in a fixed order. The
+//! backward holds the input's gradient, two floats a row and the parameters' f32 sums.
 //!
 //! - CPU reference: `crate::norm_affine` (its CPU passes).
 //! - GPU check: `tests/cuda/ops.rs` (`norm_affine_matches_the_cpu`); logic without a GPU:
 //!   `tests/emulated` (`norm_affine_case`).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, Layout, Result};
+use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
 
-use super::launch::{dptr, launch, out_ptr, output, row_block, suffix, Arg};
+use super::launch::{
+    device_of, dptr, into_tensor, launch, out_ptr, output, row_block, suffix, tensor_ptr, Arg,
+};
 use crate::activation::Activation;
 
 /// Rows of `cols` values; the channel of column `j` of row `r` is
@@ -21,6 +23,29 @@ pub(crate) struct NormRows {
     pub groups: usize,
     pub per_group: usize,
     pub inner: usize,
+}
+
+impl NormRows {
+    fn check(&self) -> Result<()> {
+        if self.rows > i32::MAX as usize || self.cols > i32::MAX as usize {
+            candle_core::bail!(
+                "norm: {} rows of {} values exceed the kernels' grid or index",
+                self.rows,
+                self.cols
+            );
+        }
+        Ok(())
+    }
+
+    /// The geometry's arguments, as the kernels take them after their pointers.
+    fn args(&self) -> [Arg; 4] {
+        [
+            Arg::I32(self.cols as i32),
+            Arg::I32(self.groups as i32),
+            Arg::I32(self.per_group as i32),
+            Arg::I32(self.inner.max(1) as i32),
+        ]
+    }
 }
 
 /// `act(norm(x) * w + b)` over `rows`, a fresh contiguous output; `w` and `b` contiguous,
@@ -34,13 +59,7 @@ pub(crate) fn norm_affine_forward(
     act: Option<Activation>,
 ) -> Result<CudaStorage> {
     let dt = xs.dtype();
-    if rows.rows > u32::MAX as usize || rows.cols > i32::MAX as usize {
-        candle_core::bail!(
-            "norm: {} rows of {} values exceed the kernel's grid or index",
-            rows.rows,
-            rows.cols
-        );
-    }
+    rows.check()?;
     let out = output(&xs.device, dt, rows.rows * rows.cols)?;
     if rows.rows == 0 || rows.cols == 0 {
         return Ok(out);
@@ -56,14 +75,80 @@ pub(crate) fn norm_affine_forward(
             Arg::Ptr(ptr(w)?),
             Arg::Ptr(ptr(b)?),
             Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(rows.cols as i32),
-            Arg::I32(rows.groups as i32),
-            Arg::I32(rows.per_group as i32),
-            Arg::I32(rows.inner.max(1) as i32),
+        ]
+        .into_iter()
+        .chain(rows.args())
+        .chain([
             Arg::F32(eps as f32),
             Arg::I32(center as i32),
             Arg::I32(act.map_or(-1, super::gated::code)),
-        ],
+        ])
+        .collect::<Vec<_>>(),
     )?;
     Ok(out)
+}
+
+/// The gradients of the input, the weight and (with `b`) the bias for the output's gradient
+/// `g`: contiguous tensors on one device, `x` and `g` of `rows`' shape, `w` and `b` of its
+/// channels, all of one dtype.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn norm_affine_backward(
+    x: &Tensor,
+    g: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    rows: &NormRows,
+    (eps, center): (f64, bool),
+    act: Option<Activation>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    rows.check()?;
+    let (dev, dt) = (device_of(x)?, x.dtype());
+    let channels = rows.groups * rows.per_group;
+    let dx = output(&dev, dt, rows.rows * rows.cols)?;
+    let stats = output(&dev, DType::F32, 2 * rows.rows)?;
+    let dw = output(&dev, DType::F32, channels)?;
+    let db = b.map(|_| output(&dev, DType::F32, channels)).transpose()?;
+    let ptrs = [
+        tensor_ptr(x)?,
+        tensor_ptr(g)?,
+        tensor_ptr(w)?,
+        b.map_or(Ok(0), tensor_ptr)?,
+    ];
+    let act = Arg::I32(act.map_or(-1, super::gated::code));
+    if rows.rows > 0 && rows.cols > 0 {
+        let mut args: Vec<Arg> = ptrs.iter().map(|p| Arg::Ptr(*p)).collect();
+        args.extend([Arg::Ptr(out_ptr(&dx)?), Arg::Ptr(out_ptr(&stats)?)]);
+        args.extend(rows.args());
+        args.extend([Arg::F32(eps as f32), Arg::I32(center as i32), act]);
+        let name = format!("norm_affine_bwd_x_{}", suffix(dt)?);
+        launch(
+            &dev,
+            &name,
+            (rows.rows as u32, 1),
+            row_block(rows.cols),
+            &args,
+        )?;
+    }
+    if channels > 0 {
+        let mut args: Vec<Arg> = ptrs.iter().map(|p| Arg::Ptr(*p)).collect();
+        args.push(Arg::Ptr(out_ptr(&stats)?));
+        args.push(Arg::Ptr(out_ptr(&dw)?));
+        args.push(Arg::Ptr(db.as_ref().map_or(Ok(0), out_ptr)?));
+        args.push(Arg::I32(rows.rows as i32));
+        args.extend(rows.args());
+        args.push(act);
+        let name = format!("norm_affine_bwd_params_{}", suffix(dt)?);
+        launch(&dev, &name, (channels as u32, 1), 256, &args)?;
+    }
+    let param = |s: CudaStorage, like: &Tensor| {
+        into_tensor(s, channels)
+            .to_dtype(like.dtype())?
+            .reshape(like.shape())
+    };
+    let dw = param(dw, w)?;
+    let db = match (db, b) {
+        (Some(s), Some(b)) => Some(param(s, b)?),
+        _ => None,
+    };
+    Ok((into_tensor(dx, x.shape().clone()), dw, db))
 }

@@ -26,6 +26,8 @@ fn kernels_compile_with_nvrtc() {
                     "gated_fwd_bf16",
                     "gated_bwd_f32",
                     "norm_affine_fwd_bf16",
+                    "norm_affine_bwd_x_f16",
+                    "norm_affine_bwd_params_f32",
                     "sum_squares_bf16",
                     "attn_fwd_tc_bf16",
                     "adafactor_apply_f16_bf16",
@@ -217,8 +219,8 @@ fn gated_matches_the_cpu() -> Result<()> {
     Ok(())
 }
 
-/// The norms with their weight and bias (and group norm with SiLU) as one op: the CUDA forward
-/// kernel and the composed device backward against the CPU's op.
+/// The norms with their weight and bias (and group norm with an activation) as one op: the CUDA
+/// forward and backward kernels against the CPU's op.
 #[test]
 fn norm_affine_matches_the_cpu() -> Result<()> {
     use ft_kernels::activation::Activation;
@@ -236,6 +238,21 @@ fn norm_affine_matches_the_cpu() -> Result<()> {
         &dev,
         &[r(&[1, 8, 20, 35], 84)?, r(&[8], 85)?],
         |t| norm::group_norm_act(&t[0], 2, Some(&t[1]), None, 1e-5, Activation::Silu),
+    )?;
+    compare(
+        "group_norm_act gelu",
+        &dev,
+        &[r(&[2, 16, 5, 6], 91)?, r(&[16], 92)?, r(&[16], 93)?],
+        |t| {
+            norm::group_norm_act(
+                &t[0],
+                4,
+                Some(&t[1]),
+                Some(&t[2]),
+                1e-5,
+                Activation::GeluErf,
+            )
+        },
     )?;
     compare(
         "rms_norm, 700 wide",

@@ -49,23 +49,6 @@ impl Target {
         !self.cpu_op(dtype)
     }
 
-    /// What the backward of a norm over `n` elements holds besides its gradients, in elements of
-    /// `dtype`: nothing on the CPU (one pass writes the input's gradient); on CUDA the backward
-    /// is composed from candle's ops in f32 (`ft_kernels::norm_affine`'s `device_grads`),
-    /// holding at most seven f32 tensors of the input's size with SiLU (the normalised values,
-    /// the gradient, the pre-activation, its sigmoid and the derivative's factors, the
-    /// product) and four without. Counted with a block's other backward temporaries where it
-    /// is their largest (`SegmentBytes::score_temporaries`).
-    pub(crate) fn norm_backward(self, n: u64, silu: bool, dtype: DType) -> u64 {
-        match self {
-            Target::Cpu => 0,
-            Target::Cuda => {
-                let tensors = if silu { 7 } else { 4 };
-                tensors * n * 4 / dtype.size_in_bytes() as u64
-            }
-        }
-    }
-
     /// Whether the convolution adds its bias in the same op and batch norm is one op
     /// (`ft_kernels::conv::bias_in_op`, `ft_kernels::batch_norm`): the CPU in f32 and f64.
     pub(crate) fn cpu_op(self, dtype: DType) -> bool {

@@ -100,9 +100,7 @@ impl Walk<'_> {
         t.new_tensor(bld); // residual
                            // Its leaves: the input, the stack's attention bias, and the encoder's output.
         let inputs = bld + bias + cross.map_or(0, |ls| b * ls * d);
-        // Its norms' backward on CUDA, if more than the scores' (one runs at a time).
-        let norms = self.target.norm_backward(bld, false, self.dtype);
-        let scores = std::mem::take(&mut self.score_temporaries).max(norms);
+        let scores = std::mem::take(&mut self.score_temporaries);
         self.segments
             .push(t.segment(self.dtype, bld, inputs, scores));
         self.outer.new_tensor(bld);

@@ -33,8 +33,7 @@ struct Walk<'a> {
 
 impl Walk<'_> {
     /// A segment of `t` with `output` elements, copying `inputs` elements as its leaves, with
-    /// `scores` elements of backward's temporaries through its attention scores or its norms
-    /// (the larger: they are not alive at once).
+    /// `scores` elements of backward's temporaries through its attention scores.
     fn segment(&mut self, t: Tally, output: u64, inputs: u64, scores: u64) {
         self.segments
             .push(t.segment(self.dtype, output, inputs, scores));
@@ -56,11 +55,8 @@ impl Walk<'_> {
             t.conv(b * cout * hw, self.bias_op); // 1x1 shortcut
         }
         t.new_tensor(b * cout * hw); // residual sum
-        let norms = self
-            .target
-            .norm_backward(b * cin.max(cout) * hw, true, self.dtype);
-        // Its leaves: the input and the time embedding.
-        self.segment(t, b * cout * hw, b * cin * hw + b * self.temb, norms);
+                                     // Its leaves: the input and the time embedding.
+        self.segment(t, b * cout * hw, b * cin * hw + b * self.temb, 0);
     }
 
     /// An attention sub-layer of a transformer block: projections, attention, output. Returns
@@ -98,8 +94,7 @@ impl Walk<'_> {
         t.norm(bnd);
         // The two attentions' backward runs one after the other: the block holds the larger
         // one's score temporaries.
-        let norms = self.target.norm_backward(bnd, false, self.dtype);
-        let mut scores = norms.max(self.attn(&mut t, d, n, n, d, heads));
+        let mut scores = self.attn(&mut t, d, n, n, d, heads);
         t.new_tensor(bnd); // residual
         t.norm(bnd);
         scores = scores.max(self.attn(
