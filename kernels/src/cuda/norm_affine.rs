@@ -27,11 +27,13 @@ pub(crate) struct NormRows {
 
 impl NormRows {
     fn check(&self) -> Result<()> {
-        if self.rows > i32::MAX as usize || self.cols > i32::MAX as usize {
+        let big = |n: usize| n > i32::MAX as usize;
+        if big(self.rows) || big(self.cols) || big(self.groups * self.per_group) {
             candle_core::bail!(
-                "norm: {} rows of {} values exceed the kernels' grid or index",
+                "norm: {} rows of {} values ({} channels) exceed the kernels' grid or index",
                 self.rows,
-                self.cols
+                self.cols,
+                self.groups * self.per_group
             );
         }
         Ok(())
@@ -104,6 +106,16 @@ pub(crate) fn norm_affine_backward(
     rows.check()?;
     let (dev, dt) = (device_of(x)?, x.dtype());
     let channels = rows.groups * rows.per_group;
+    // The kernels read every operand at these sizes: a mismatch would read out of bounds.
+    let params_fit = w.elem_count() == channels && b.is_none_or(|b| b.elem_count() == channels);
+    if g.dims() != x.dims() || x.elem_count() != rows.rows * rows.cols || !params_fit {
+        candle_core::bail!(
+            "norm backward: gradient {:?} for input {:?}, weight {:?} for {channels} channels",
+            g.dims(),
+            x.dims(),
+            w.dims()
+        );
+    }
     let dx = output(&dev, dt, rows.rows * rows.cols)?;
     let stats = output(&dev, DType::F32, 2 * rows.rows)?;
     let dw = output(&dev, DType::F32, channels)?;

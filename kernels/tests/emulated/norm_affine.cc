@@ -79,8 +79,10 @@ static void norm_affine_form(const char* dtype, const char* what, int n, int c, 
   check(name, back(y), want, tol);
   // The gradients: sums over a row or a channel, so a few units of the dtype's rounding.
   check(name + " dx", back(dx), want_dx, 4 * tol);
-  check(name + " dw", dw, want_dw, 4 * tol);
-  if (has_b) check(name + " db", db, want_db, 4 * tol);
+  // dw and db are f32 sums of values the reference rounds as the kernel does: tight in every
+  // dtype (a rounded x-hat swapped for the unrounded one would show in bf16 and f16).
+  check(name + " dw", dw, want_dw, 1e-4);
+  if (has_b) check(name + " db", db, want_db, 1e-4);
 }
 
 template <typename T, typename... K>
@@ -94,6 +96,8 @@ static void norm_affine_dtype(const char* dtype, double tol, K... k) {
   // Rows of 640 values, more than a block's 512 threads.
   norm_affine_form<T>(dtype, "group", 1, 8, 160, 2, 1, true, 2, tol, k...);
   norm_affine_form<T>(dtype, "layer", 5, 96, 1, 1, 1, true, -1, tol, k...);
+  // 300 rows: the parameters' kernel walks more values a channel than its 256 threads.
+  norm_affine_form<T>(dtype, "layer, 300 rows", 300, 8, 1, 1, 1, true, 2, tol, k...);
   norm_affine_form<T>(dtype, "rms", 4, 700, 1, 1, 0, false, -1, tol, k...);
 }
 
