@@ -4,7 +4,8 @@
 //! kernel against a double-precision reference, one file per family (`tests/emulated/*.cc`):
 //! softmax, norms, upsample, pooling, attention forward and backward with and without bias or
 //! masks, AdamW and 8-bit AdamW (with its code search on exact ties), Adafactor (factored and
-//! full, in place), unscale, stochastic rounding, dropout, the gated feed-forward. Skips, saying
+//! full, in place), unscale, stochastic rounding, dropout, the gated feed-forward, the norm with
+//! its weight, bias and activation (forward and both backward kernels). Skips, saying
 //! so, where no C++ compiler (`$CXX`, default `g++`) runs. Real-GPU numerics are checked by
 //! `tests/cuda/`.
 
