@@ -6,6 +6,7 @@
 //! - CPU reference: `crate::norm_affine` (its CPU passes).
 //! - GPU check: `tests/cuda/ops.rs` (`norm_affine_matches_the_cpu`); logic without a GPU:
 //!   `tests/emulated` (`norm_affine_case`).
+//! - Timing: `cargo run --release --features cuda -p ft-kernels --example time_norm_affine`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
