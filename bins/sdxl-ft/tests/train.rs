@@ -746,7 +746,7 @@ fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
     for (row, turned) in [
         (
             "| 1024 | 24GiB | `--optim adamw8bit --offload-optimizer` |",
-            "--offload-optimizer` |",
+            "| 19.86 GiB |",
         ),
         (
             "| 1024 | 16GiB | `--checkpointing budget:",

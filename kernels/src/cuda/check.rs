@@ -3,7 +3,7 @@
 //! llm.c's `benchmark_kernel` loop (a warm-up run, then `iters` runs between two stream
 //! synchronisations).
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor, Var};
 
 /// The first CUDA device, or `None` (said on stderr: the caller skips) where none opens. With
 /// `FT_REQUIRE_GPU=1` (as `scripts/gpu-bench.sh` runs the checks) a missing device panics, so a
@@ -53,4 +53,42 @@ pub fn report(case: &str, us: f64, bytes: Option<u64>) {
         ),
         None => println!("{case:<40} {us:>10.1} us"),
     }
+}
+
+/// `f` on `inputs` (each made a variable) and the gradients of `sum(y)` for each: what the
+/// timing examples check against the CPU and then time.
+pub fn forward_backward(
+    inputs: &[Tensor],
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<Result<_>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts)?;
+    let g = y.sum_all()?.backward()?;
+    let grads = ts
+        .iter()
+        .map(|t| {
+            g.get(t)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))
+        })
+        .collect::<Result<_>>()?;
+    Ok((y, grads))
+}
+
+/// Panics naming `case` unless the output and every gradient of `got` are within `tol` (max
+/// relative difference) of `want`'s.
+pub fn assert_matches(
+    case: &str,
+    got: &(Tensor, Vec<Tensor>),
+    want: &(Tensor, Vec<Tensor>),
+    tol: f64,
+) -> Result<()> {
+    let err = max_rel_diff(&got.0, &want.0)?;
+    assert!(err < tol, "{case} forward: {err:.2e}");
+    for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+        let err = max_rel_diff(g, w)?;
+        assert!(err < tol, "{case} gradient {i}: {err:.2e}");
+    }
+    Ok(())
 }
