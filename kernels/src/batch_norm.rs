@@ -39,14 +39,14 @@ pub struct BatchStats {
 
 /// Geometry of [N, C, H, W]: planes of `hw` values, `c` channels.
 #[derive(Clone, Copy)]
-struct Planes {
-    n: usize,
-    c: usize,
-    hw: usize,
+pub(crate) struct Planes {
+    pub(crate) n: usize,
+    pub(crate) c: usize,
+    pub(crate) hw: usize,
 }
 
 impl Planes {
-    fn of(shape: &Shape) -> Result<Self> {
+    pub(crate) fn of(shape: &Shape) -> Result<Self> {
         let dims = shape.dims();
         if dims.len() < 2 {
             bail!("batch norm expects [N, C, ...], got {dims:?}");
@@ -73,7 +73,7 @@ impl Planes {
 }
 
 /// A float the passes read and write (f32 or f64); sums are f64 either way.
-trait Float: Copy + Send + Sync + candle_core::WithDType {
+pub(crate) trait Float: Copy + Send + Sync + candle_core::WithDType {
     fn f64(self) -> f64;
     fn of(v: f64) -> Self;
 }
@@ -97,7 +97,7 @@ impl Float for f64 {
 }
 
 /// Per channel: the mean and the biased variance of `x`, two passes in f64.
-fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
+pub(crate) fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
     let m = p.m().max(1) as f64;
     let (mean, var) = (0..p.c)
         .into_par_iter()
@@ -124,16 +124,30 @@ fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
 }
 
 /// `1 / sqrt(var + eps)` per channel.
-fn rstd(s: &BatchStats, eps: f64) -> Vec<f64> {
+pub(crate) fn rstd(s: &BatchStats, eps: f64) -> Vec<f64> {
     s.var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect()
 }
 
 /// Per channel, `a` and `b` of the forward's `y = x * a + b`: the fused ReLU's backward finds
 /// where `y > 0` with these same values, so its mask is the forward's, bit for bit.
-fn scale_shift(s: &BatchStats, r: &[f64], gamma: &[f64], beta: &[f64]) -> (Vec<f64>, Vec<f64>) {
+pub(crate) fn scale_shift(
+    s: &BatchStats,
+    r: &[f64],
+    gamma: &[f64],
+    beta: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
     let a: Vec<f64> = r.iter().zip(gamma).map(|(r, g)| r * g).collect();
     let b = (0..a.len()).map(|c| beta[c] - s.mean[c] * a[c]).collect();
     (a, b)
+}
+
+/// One plane's `x * a + b` into `out` (and `max(_, 0)` with `relu`), rounded once: the values
+/// of the forward, which the fused pooling (`crate::batch_norm_pool`) recomputes bit for bit.
+pub(crate) fn normalise<T: Float>(x: &[T], a: f64, b: f64, relu: bool, out: &mut [T]) {
+    for (o, v) in out.iter_mut().zip(x) {
+        let y = v.f64() * a + b;
+        *o = T::of(if relu { y.max(0.0) } else { y });
+    }
 }
 
 /// The forward: `y = (x - mean) * rstd * gamma + beta` (then `max(y, 0)` with `relu`), its
@@ -144,7 +158,7 @@ struct Forward {
     stats: Arc<Mutex<BatchStats>>,
 }
 
-fn slice<'a, T: candle_core::WithDType>(
+pub(crate) fn slice<'a, T: candle_core::WithDType>(
     s: &'a CpuStorage,
     l: &Layout,
     what: &str,
@@ -157,38 +171,60 @@ fn slice<'a, T: candle_core::WithDType>(
 
 impl Forward {
     fn run<T: Float>(&self, x: &[T], p: Planes, gamma: &[T], beta: &[T]) -> Result<Vec<T>> {
-        if gamma.len() != p.c || beta.len() != p.c {
-            bail!(
-                "batch norm: {} channels, weight of {} and bias of {}",
-                p.c,
-                gamma.len(),
-                beta.len()
-            );
-        }
-        let s = stats(x, p);
-        let r = rstd(&s, self.eps);
-        // Per channel: y = x * a + b.
-        let wide = |v: &[T]| v.iter().map(|g| g.f64()).collect::<Vec<f64>>();
-        let (a, b) = scale_shift(&s, &r, &wide(gamma), &wide(beta));
+        let (s, a, b) = affine(x, p, gamma, beta, self.eps)?;
         let mut y = vec![T::of(0.0); x.len()];
-        let relu = self.relu;
         if p.hw > 0 {
             y.par_chunks_mut(p.hw).enumerate().for_each(|(plane, out)| {
                 let c = plane % p.c;
-                let (ac, bc) = (a[c], b[c]);
                 let at = plane * p.hw;
-                for (o, v) in out.iter_mut().zip(&x[at..at + p.hw]) {
-                    let y = v.f64() * ac + bc;
-                    *o = T::of(if relu { y.max(0.0) } else { y });
-                }
+                normalise(&x[at..at + p.hw], a[c], b[c], self.relu, out);
             });
         }
-        *self
-            .stats
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))? = s;
+        put(&self.stats, s)?;
         Ok(y)
     }
+}
+
+/// The batch statistics of `x` and, per channel, `a` and `b` of the forward's `y = x * a + b`.
+pub(crate) type Affine = (BatchStats, Vec<f64>, Vec<f64>);
+
+/// [`Affine`] of `x` with the weight `gamma` and bias `beta` (one value per channel, checked).
+pub(crate) fn affine<T: Float>(
+    x: &[T],
+    p: Planes,
+    gamma: &[T],
+    beta: &[T],
+    eps: f64,
+) -> Result<Affine> {
+    if gamma.len() != p.c || beta.len() != p.c {
+        bail!(
+            "batch norm: {} channels, weight of {} and bias of {}",
+            p.c,
+            gamma.len(),
+            beta.len()
+        );
+    }
+    let s = stats(x, p);
+    let r = rstd(&s, eps);
+    let wide = |v: &[T]| v.iter().map(|g| g.f64()).collect::<Vec<f64>>();
+    let (a, b) = scale_shift(&s, &r, &wide(gamma), &wide(beta));
+    Ok((s, a, b))
+}
+
+/// Leaves a forward's statistics where its caller and its backward read them.
+pub(crate) fn put(slot: &Mutex<BatchStats>, s: BatchStats) -> Result<()> {
+    *slot
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))? = s;
+    Ok(())
+}
+
+/// A forward's statistics.
+pub(crate) fn taken(slot: &Mutex<BatchStats>) -> Result<BatchStats> {
+    Ok(slot
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))?
+        .clone())
 }
 
 impl CustomOp3 for Forward {
@@ -236,36 +272,51 @@ impl CustomOp3 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let stats = self
-            .stats
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))?
-            .clone();
-        let sums = Arc::new(Mutex::new((Vec::new(), Vec::new())));
-        let wide = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
-        let (r, g) = (rstd(&stats, self.eps), wide(gamma)?);
-        let relu = if self.relu {
-            Some(scale_shift(&stats, &r, &g, &wide(beta)?))
-        } else {
-            None
-        };
-        let op = Backward {
-            rstd: r,
-            mean: stats.mean,
-            gamma: g,
-            relu,
-            sums: sums.clone(),
-        };
-        let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &op)?;
-        let (dgamma, dbeta) = sums
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("batch norm: sums poisoned".into()))?
-            .clone();
-        let back = |v: Vec<f64>| -> Result<Tensor> {
-            Tensor::from_vec(v, gamma.shape(), gamma.device())?.to_dtype(gamma.dtype())
-        };
-        Ok((Some(dx), Some(back(dgamma)?), Some(back(dbeta)?)))
+        let stats = taken(&self.stats)?;
+        let (dx, dgamma, dbeta) = backward(x, gamma, beta, dy, stats, self.eps, self.relu)?;
+        Ok((Some(dx), Some(dgamma), Some(dbeta)))
     }
+}
+
+/// The gradients of the input, the weight and the bias from the output's, `dy` (with `relu`,
+/// the gradient after the ReLU: it passes where the forward's `x * a + b` was positive).
+pub(crate) fn backward(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    dy: &Tensor,
+    stats: BatchStats,
+    eps: f64,
+    relu: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let sums = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+    let (r, g) = (rstd(&stats, eps), wide(gamma)?);
+    let relu = if relu {
+        Some(scale_shift(&stats, &r, &g, &wide(beta)?))
+    } else {
+        None
+    };
+    let op = Backward {
+        rstd: r,
+        mean: stats.mean,
+        gamma: g,
+        relu,
+        sums: sums.clone(),
+    };
+    let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &op)?;
+    let (dgamma, dbeta) = sums
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("batch norm: sums poisoned".into()))?
+        .clone();
+    let back = |v: Vec<f64>| -> Result<Tensor> {
+        Tensor::from_vec(v, gamma.shape(), gamma.device())?.to_dtype(gamma.dtype())
+    };
+    Ok((dx, back(dgamma)?, back(dbeta)?))
+}
+
+/// A [C] tensor's values in f64.
+pub(crate) fn wide(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_dtype(DType::F64)?.to_vec1::<f64>()
 }
 
 /// The backward's passes: per channel sum(dy) and sum(dy * xhat) (left in `sums` as dgamma and
@@ -414,7 +465,7 @@ fn train(
     eps: f64,
     relu: bool,
 ) -> Result<(Tensor, BatchStats)> {
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && op_enabled() {
+    if takes(x) {
         let stats = Arc::new(Mutex::new(BatchStats::default()));
         let op = Forward {
             eps,
@@ -426,14 +477,15 @@ fn train(
             &bias.to_dtype(x.dtype())?.contiguous()?,
             op,
         )?;
-        let s = stats
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("batch norm: statistics poisoned".into()))?
-            .clone();
-        return Ok((y, s));
+        return Ok((y, taken(&stats)?));
     }
     let (y, s) = composed(x, weight, bias, eps)?;
     Ok((if relu { y.relu()? } else { y }, s))
+}
+
+/// Whether `x` takes the op: f32 or f64 on the CPU, unless turned off ([`op_enabled`]).
+pub(crate) fn takes(x: &Tensor) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && op_enabled()
 }
 
 /// Whether the CPU takes the op: `FT_BATCH_NORM_OP=0` turns it off (the composition then runs,

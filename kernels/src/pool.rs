@@ -20,13 +20,48 @@ enum Kind {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Pool {
+pub(crate) struct Pool {
     kind: Kind,
     kernel: (usize, usize),
     stride: (usize, usize),
 }
 
+/// One thread's buffers for [`Pool::plane_backward`].
+pub(crate) struct PlaneScratch<T> {
+    /// Overlapping windows' sums, a plane's (empty for disjoint windows).
+    acc: Vec<f64>,
+    /// The forward's outputs and, for max pooling, their sources.
+    out: Vec<T>,
+    arg: Vec<usize>,
+}
+
 impl Pool {
+    /// Max pooling with `kernel` and `stride`.
+    pub(crate) fn max(kernel: (usize, usize), stride: (usize, usize)) -> Self {
+        Pool {
+            kind: Kind::Max,
+            kernel,
+            stride,
+        }
+    }
+
+    /// Whether windows overlap (their gradients then add up).
+    fn overlaps(&self) -> bool {
+        self.stride.0 < self.kernel.0 || self.stride.1 < self.kernel.1
+    }
+
+    /// Buffers for [`Self::plane_backward`] over `h` x `w` planes (`out_hw` checked).
+    pub(crate) fn scratch<T: WithDType>(&self, h: usize, w: usize) -> PlaneScratch<T> {
+        let (kh, kw) = self.kernel;
+        let (sh, sw) = self.stride;
+        let outs = ((h - kh) / sh + 1) * ((w - kw) / sw + 1);
+        PlaneScratch {
+            acc: vec![0f64; if self.overlaps() { h * w } else { 0 }],
+            out: vec![T::zero(); outs],
+            arg: vec![0usize; outs],
+        }
+    }
+
     #[cfg(feature = "cuda")]
     fn spec(&self) -> crate::cuda::PoolSpec {
         crate::cuda::PoolSpec {
@@ -39,7 +74,7 @@ impl Pool {
         }
     }
 
-    fn out_hw(&self, h: usize, w: usize) -> Result<(usize, usize)> {
+    pub(crate) fn out_hw(&self, h: usize, w: usize) -> Result<(usize, usize)> {
         let (kh, kw) = self.kernel;
         let (sh, sw) = self.stride;
         if kh == 0 || kw == 0 || sh == 0 || sw == 0 || kh > h || kw > w {
@@ -55,7 +90,13 @@ impl Pool {
     /// Forward on one [H, W] plane of width `w` into `out` (`oh * ow` outputs); `arg` receives
     /// the plane index of each output's source (max) when given. Max compares in the dtype
     /// itself (exact); average sums in f64 and rounds once.
-    fn plane<T: WithDType>(&self, x: &[T], w: usize, out: &mut [T], arg: Option<&mut [usize]>) {
+    pub(crate) fn plane<T: WithDType>(
+        &self,
+        x: &[T],
+        w: usize,
+        out: &mut [T],
+        arg: Option<&mut [usize]>,
+    ) {
         let (kh, kw) = self.kernel;
         let (sh, sw) = self.stride;
         let ow = (w - kw) / sw + 1;
@@ -114,8 +155,7 @@ impl Pool {
     }
 
     /// The input's gradient: each output's gradient to the first maximum of its window (max) or
-    /// spread evenly over it (average). Windows that overlap sum their shares in f64 before the
-    /// one rounding to `T`; disjoint windows write theirs directly (the same value).
+    /// spread evenly over it (average), planes in parallel.
     fn backward<T: WithDType>(
         &self,
         x: &[T],
@@ -124,56 +164,67 @@ impl Pool {
     ) -> Result<Vec<T>> {
         let (n, c, h, w) = dims;
         let (oh, ow) = self.out_hw(h, w)?;
-        let (kh, kw) = self.kernel;
-        let (sh, sw) = self.stride;
-        let overlap = sh < kh || sw < kw;
-        let share = 1.0 / (kh * kw) as f64;
         let mut dx = vec![T::zero(); n * c * h * w];
         dx.par_chunks_mut(h * w)
             .zip(x.par_chunks(h * w))
             .zip(g.par_chunks(oh * ow))
             .for_each_init(
-                || {
-                    let acc = vec![0f64; if overlap { h * w } else { 0 }];
-                    (acc, vec![T::zero(); oh * ow], vec![0usize; oh * ow])
-                },
-                |(acc, out, arg), ((dxp, xp), gp)| {
-                    // Each input index and the gradient share it receives.
-                    let mut add = |i: usize, v: f64| {
-                        if overlap {
-                            acc[i] += v;
-                        } else {
-                            dxp[i] = T::from_f64(v);
-                        }
-                    };
-                    match self.kind {
-                        Kind::Max => {
-                            self.plane(xp, w, out, Some(arg));
-                            for (&a, go) in arg.iter().zip(gp) {
-                                add(a, go.to_f64());
-                            }
-                        }
-                        Kind::Avg => {
-                            for (o, go) in gp.iter().enumerate() {
-                                let (oy, ox) = (o / ow, o % ow);
-                                let v = go.to_f64() * share;
-                                for dy in 0..kh {
-                                    for dxx in 0..kw {
-                                        add((oy * sh + dy) * w + ox * sw + dxx, v);
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    if overlap {
-                        for (d, a) in dxp.iter_mut().zip(acc.iter_mut()) {
-                            *d = T::from_f64(*a);
-                            *a = 0.0;
-                        }
-                    }
-                },
+                || self.scratch(h, w),
+                |scratch, ((dxp, xp), gp)| self.plane_backward(xp, w, gp, dxp, scratch),
             );
         Ok(dx)
+    }
+
+    /// One plane's input gradient into `dxp`, zero on entry, from the plane `xp` (width `w`)
+    /// and its outputs' gradient `gp`. Windows that overlap sum their shares in f64 before the
+    /// one rounding to `T`; disjoint windows write theirs directly (the same value).
+    pub(crate) fn plane_backward<T: WithDType>(
+        &self,
+        xp: &[T],
+        w: usize,
+        gp: &[T],
+        dxp: &mut [T],
+        scratch: &mut PlaneScratch<T>,
+    ) {
+        let (kh, kw) = self.kernel;
+        let (sh, sw) = self.stride;
+        let ow = (w - kw) / sw + 1;
+        let overlap = self.overlaps();
+        let PlaneScratch { acc, out, arg } = scratch;
+        // Each input index and the gradient share it receives.
+        let mut add = |i: usize, v: f64| {
+            if overlap {
+                acc[i] += v;
+            } else {
+                dxp[i] = T::from_f64(v);
+            }
+        };
+        match self.kind {
+            Kind::Max => {
+                self.plane(xp, w, out, Some(arg));
+                for (&a, go) in arg.iter().zip(gp) {
+                    add(a, go.to_f64());
+                }
+            }
+            Kind::Avg => {
+                let share = 1.0 / (kh * kw) as f64;
+                for (o, go) in gp.iter().enumerate() {
+                    let (oy, ox) = (o / ow, o % ow);
+                    let v = go.to_f64() * share;
+                    for dy in 0..kh {
+                        for dxx in 0..kw {
+                            add((oy * sh + dy) * w + ox * sw + dxx, v);
+                        }
+                    }
+                }
+            }
+        }
+        if overlap {
+            for (d, a) in dxp.iter_mut().zip(acc.iter_mut()) {
+                *d = T::from_f64(*a);
+                *a = 0.0;
+            }
+        }
     }
 }
 

@@ -191,3 +191,32 @@ fn protonet_scores_are_negative_squared_distances() -> anyhow::Result<()> {
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
     Ok(())
 }
+
+#[test]
+fn evaluation_without_a_graph_gives_the_evaluation_loss() -> anyhow::Result<()> {
+    for (kind, method) in [
+        (BackboneKind::Conv4, Method::FsctCosine),
+        (BackboneKind::ResNet10, Method::ProtoNet),
+    ] {
+        let (m, _, store) = build(kind, method, 32, false)?;
+        let ep = episode(32, 5)?;
+        // Running statistics away from their start, as after training.
+        m.scores(&ep, true, &Checkpointer::default())?;
+        let (_, stats) = store
+            .all()
+            .into_iter()
+            .find(|(n, _)| n.ends_with("running_mean"))
+            .expect("a batch norm");
+        let before = stats.sum_all()?.to_scalar::<f32>()?;
+        let (want, right) = m.summed_loss(&ep, false, &Checkpointer::default())?;
+        assert!(
+            want.track_op(),
+            "summed_loss keeps its graph for a gradient"
+        );
+        let (loss, correct) = m.evaluate(&ep)?;
+        assert_eq!(loss, want.to_scalar::<f32>()?, "{kind:?} {method:?}");
+        assert_eq!(correct, right);
+        assert_eq!(stats.sum_all()?.to_scalar::<f32>()?, before);
+    }
+    Ok(())
+}

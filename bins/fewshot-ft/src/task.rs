@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use ft_models::fewshot::{Episode, FewShotModel};
-use ft_params::checkpoint::Checkpointer;
 use ft_params::ParamStore;
 use ft_trainer::ledger::Ledger;
 use ft_trainer::train::{Epochs, StepCtx, Task, TaskResult};
@@ -85,10 +84,8 @@ impl FewShotTask {
                 self.eval_images,
                 &self.device,
             )?;
-            let (l, correct) = self
-                .model
-                .summed_loss(&ep, false, &Checkpointer::default())?;
-            loss += l.to_scalar::<f32>()? as f64 / queries;
+            let (l, correct) = self.model.evaluate(&ep)?;
+            loss += l as f64 / queries;
             accs.push(100.0 * correct as f64 / queries);
         }
         let n = accs.len().max(1) as f64;

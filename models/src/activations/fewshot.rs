@@ -78,39 +78,63 @@ impl Walk {
         y
     }
 
+    /// conv, batch norm, ReLU, zero padding by `pad` and a `k` x `k` max pool of stride `s`,
+    /// and the elements of backward's temporaries a factor of the graph cannot follow. On the
+    /// CPU the four after the conv are one op (`ft_kernels::batch_norm_pool`), which keeps the
+    /// pooled map alone and in its backward forms two maps of the conv's output size (the
+    /// gradient at the ReLU's output, then the input's beside it); otherwise the batch norm, the
+    /// ReLU, each padded copy (one dimension and then the other) and the pool's output, all in
+    /// the graph.
+    fn conv_bn_relu_pool(
+        &self,
+        t: &mut Tally,
+        conv: &Conv2d,
+        x: Map,
+        (k, s, pad): (u64, u64, u64),
+    ) -> (Map, u64) {
+        let y = if self.cpu_op {
+            let y = conv_out(conv, x);
+            t.conv(self.elems(y), false);
+            y
+        } else {
+            let y = self.conv_bn_relu(t, conv, x);
+            if pad > 0 {
+                t.new_tensor(self.elems(Map {
+                    h: y.h + 2 * pad,
+                    ..y
+                }));
+                t.new_tensor(self.elems(Map {
+                    h: y.h + 2 * pad,
+                    w: y.w + 2 * pad,
+                    ..y
+                }));
+            }
+            y
+        };
+        let pooled = Map {
+            h: (y.h + 2 * pad - k) / s + 1,
+            w: (y.w + 2 * pad - k) / s + 1,
+            ..y
+        };
+        t.new_tensor(self.elems(pooled));
+        let extra = if self.cpu_op { 2 * self.elems(y) } else { 0 };
+        (pooled, extra)
+    }
+
     fn conv_block(&mut self, b: &ConvBlock, x: Map) -> Map {
         let mut t = Tally::default();
-        let mut y = self.conv_bn_relu(&mut t, &b.conv, x);
-        if b.pool {
-            y = Map {
-                h: y.h / 2,
-                w: y.w / 2,
-                ..y
-            };
-            t.new_tensor(self.elems(y));
-        }
-        self.segment(t, x, y)
+        let (y, extra) = if b.pool {
+            self.conv_bn_relu_pool(&mut t, &b.conv, x, (2, 2, 0))
+        } else {
+            (self.conv_bn_relu(&mut t, &b.conv, x), 0)
+        };
+        self.segment(t, x, y, extra)
     }
 
     fn stem(&mut self, b: &Stem, x: Map) -> Map {
         let mut t = Tally::default();
-        let y = self.conv_bn_relu(&mut t, &b.conv, x);
-        // Zero padding by one on each side, one dimension and then the other, and the 3x3
-        // stride-2 max pool.
-        let padded = Map { h: y.h + 2, ..y };
-        t.new_tensor(self.elems(padded));
-        let padded = Map {
-            w: y.w + 2,
-            ..padded
-        };
-        t.new_tensor(self.elems(padded));
-        let y = Map {
-            h: (padded.h - 3) / 2 + 1,
-            w: (padded.w - 3) / 2 + 1,
-            ..y
-        };
-        t.new_tensor(self.elems(y));
-        self.segment(t, x, y)
+        let (y, extra) = self.conv_bn_relu_pool(&mut t, &b.conv, x, (3, 2, 1));
+        self.segment(t, x, y, extra)
     }
 
     fn basic_block(&mut self, b: &BasicBlock, x: Map) -> Map {
@@ -126,18 +150,19 @@ impl Walk {
         }
         // The residual sum and ReLU: one op on the CPU (`ft_kernels::add_relu`).
         t.new_tensor(if self.cpu_op { 1 } else { 2 } * self.elems(y));
-        self.segment(t, x, y)
+        self.segment(t, x, y, 0)
     }
 
-    /// A block of `t` from `x` to `y`. Its leaf is a copy of `x`, except for the first block,
-    /// whose input is the episode's images (no gradient).
-    fn segment(&mut self, t: Tally, x: Map, y: Map) -> Map {
+    /// A block of `t` from `x` to `y`, with `extra` elements of backward's temporaries. Its
+    /// leaf is a copy of `x`, except for the first block, whose input is the episode's images
+    /// (no gradient).
+    fn segment(&mut self, t: Tally, x: Map, y: Map, extra: u64) -> Map {
         let inputs = if self.segments.is_empty() {
             0
         } else {
             self.elems(x)
         };
-        let s = t.segment(self.dtype, self.elems(y), inputs, 0);
+        let s = t.segment(self.dtype, self.elems(y), inputs, extra);
         self.segments.push(s);
         y
     }
@@ -225,24 +250,30 @@ impl FewShotModel {
 }
 
 /// Backward's temporaries through a Conv4/Conv6 block, in thousandths of its graph (measured:
-/// `trainer/tests/backward_temporaries.rs`). Its graph is small (the conv's output, the batch
-/// norm's with its ReLU inside, the pool's) next to the gradients in flight through it: the
-/// conv's input and weight gradients (its column buffers are one image's, or a small group's), the pool's and
-/// batch norm's, each a map of the block's size. (Measured again on 2026-11-28, when the ReLU
-/// went inside the batch norm's op: 2770, 3010, 3030 before; and when the pool's backward
-/// stopped converting its input and gradient to f64: 2420, 2810, 2820 before.)
+/// `trainer/tests/backward_temporaries.rs`), besides the two maps of the conv's output size
+/// that the batch norm + pooling op forms in its backward (`op_temporaries`, counted apart).
+/// Its graph is small (the conv's output and the pooled map) next to the gradients in flight
+/// through it: the conv's input and weight gradients (its column buffers are one image's, or a
+/// small group's), candle's sum for the conv output's gradient. (Measured again when the batch
+/// norm, ReLU and pooling became one op: the rows within 0.1%; 2010, 2470, 2490 before, of a
+/// graph that kept the normalised map; 2770, 3010, 3030 before the ReLU went inside the batch
+/// norm's op; 2420, 2810, 2820 before the pool's backward stopped converting to f64.)
 const CONV_TEMPORARIES: Temporaries = Temporaries {
-    whole: 2010,
-    kept: 2470,
-    recomputed: 2490,
+    whole: 1255,
+    kept: 2245,
+    recomputed: 2280,
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
-/// [`CONV_TEMPORARIES`]; 1675, 2060, 1895 before the fused ReLUs).
+/// [`CONV_TEMPORARIES`], -7.2% to +7.2% on its 16 rows). One factor serves the stem (whose
+/// graph is now its conv's output and the pooled map, with the op's two maps apart) and the
+/// basic blocks (two convs, two batch norms, the residual's sum and ReLU), whose shares of the
+/// peak change with the image size and the episode: it follows neither exactly. (1435, 2200, 1745 before the stem's batch norm, ReLU, padding and pooling became one op;
+/// 1675, 2060, 1895 before the fused ReLUs.)
 const RESNET_TEMPORARIES: Temporaries = Temporaries {
-    whole: 1435,
-    kept: 2200,
-    recomputed: 1745,
+    whole: 2860,
+    kept: 4800,
+    recomputed: 2950,
 };
 
 /// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.

@@ -99,14 +99,14 @@ impl Tally {
 
     /// This tally as a checkpoint segment's: its graph, its `output`, the copies of its
     /// `inputs` (the ones whose gradient is needed) that are its leaves, and its backward's
-    /// `score_temporaries`, all in elements of `dtype`.
-    pub fn segment(&self, dtype: DType, output: u64, inputs: u64, scores: u64) -> SegmentBytes {
+    /// `extra` temporaries ([`SegmentBytes::op_temporaries`]), all in elements of `dtype`.
+    pub fn segment(&self, dtype: DType, output: u64, inputs: u64, extra: u64) -> SegmentBytes {
         let s = dtype.size_in_bytes() as u64;
         SegmentBytes {
             graph: self.bytes(dtype),
             output: output * s,
             inputs: inputs * s,
-            score_temporaries: scores * s,
+            op_temporaries: extra * s,
         }
     }
 

@@ -211,10 +211,10 @@ mod tests {
         // One attention's scores (no chunks at this size), in f32 bytes.
         let scores = 4 * b * h * l * l;
         let decoder = &p.segments[cfg.num_layers];
-        assert_eq!(decoder.score_temporaries, SCORE_TEMPORARIES * scores / 1000);
+        assert_eq!(decoder.op_temporaries, SCORE_TEMPORARIES * scores / 1000);
         let encoder = &p.segments[0];
         assert_eq!(
-            encoder.score_temporaries,
+            encoder.op_temporaries,
             (SCORE_TEMPORARIES + BIAS_TEMPORARIES) * scores / 1000
         );
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use candle_core::{Tensor, Var, D};
-use ft_kernels::pool;
+use ft_kernels::batch_norm_pool::MaxPool;
 use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::{Init, ParamBuilder};
 
@@ -88,11 +88,12 @@ pub(crate) struct BasicBlock {
 
 impl ConvBlock {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.bn.forward_relu(&self.conv.forward(x)?, mode)?;
+        let h = self.conv.forward(x)?;
         if self.pool {
-            pool::max_pool2d(&h, (2, 2), (2, 2))
+            self.bn
+                .forward_relu_max_pool(&h, mode, MaxPool::square(2, 2, 0))
         } else {
-            Ok(h)
+            self.bn.forward_relu(&h, mode)
         }
     }
 
@@ -136,11 +137,10 @@ pub(crate) struct Stem {
 
 impl Stem {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.bn.forward_relu(&self.conv.forward(x)?, mode)?;
         // 3x3 stride-2 max pool with padding 1: after ReLU every value is >= 0, so zero
         // padding gives the result of PyTorch's -inf padding.
-        let h = h.pad_with_zeros(2, 1, 1)?.pad_with_zeros(3, 1, 1)?;
-        pool::max_pool2d(&h, (3, 3), (2, 2))
+        self.bn
+            .forward_relu_max_pool(&self.conv.forward(x)?, mode, MaxPool::square(3, 2, 1))
     }
 
     fn tensors(&self) -> Vec<Tensor> {
@@ -296,6 +296,25 @@ impl Backbone {
         self.blocks.iter().map(|(b, _)| b.tensors()).collect()
     }
 
+    /// Features [N, feat_dim] of images [N, 3, S, S] in evaluation, with no graph: each
+    /// block's output detached (the blocks' maps freed one block after another).
+    pub fn infer(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = x.detach();
+        for (block, _) in &self.blocks {
+            h = block.forward(&h, BnMode::Infer)?.detach();
+        }
+        self.features(h)
+    }
+
+    /// The last block's map as features: flattened, or averaged over its positions.
+    fn features(&self, h: Tensor) -> Result<Tensor> {
+        Ok(if self.flatten {
+            h.flatten_from(1)?
+        } else {
+            h.flatten_from(2)?.mean(D::Minus1)?
+        })
+    }
+
     /// Features [N, feat_dim] of images [N, 3, S, S]; each block a segment of `ck`.
     pub fn forward(&self, x: &Tensor, train: bool, ck: &Checkpointer) -> Result<Tensor> {
         let mut h = x.clone();
@@ -314,10 +333,6 @@ impl Backbone {
             });
             h = ck.run(f, &[&h], vars)?;
         }
-        Ok(if self.flatten {
-            h.flatten_from(1)?
-        } else {
-            h.flatten_from(2)?.mean(D::Minus1)?
-        })
+        self.features(h)
     }
 }

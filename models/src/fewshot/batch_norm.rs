@@ -12,6 +12,9 @@
 pub enum BnMode {
     /// Running statistics (evaluation).
     Eval,
+    /// Running statistics, and no graph: an evaluation no gradient will go through
+    /// (`Backbone::infer`); the batch norm, ReLU and pooling then run as one op.
+    Infer,
     /// Batch statistics, and the running ones updated (a training forward).
     Train,
     /// Batch statistics, running ones left alone (a segment's recomputation in backward).
@@ -19,6 +22,11 @@ pub enum BnMode {
 }
 
 impl BnMode {
+    /// Whether the batch's statistics normalise (training and its recomputation).
+    fn batch_statistics(self) -> bool {
+        matches!(self, BnMode::Train | BnMode::Recompute)
+    }
+
     /// `Train` or `Eval`.
     pub fn of(train: bool) -> Self {
         if train {
@@ -30,6 +38,8 @@ impl BnMode {
 }
 
 use candle_core::{Tensor, Var};
+use ft_kernels::batch_norm::BatchStats;
+use ft_kernels::batch_norm_pool::{affine_relu_max_pool, batch_norm_relu_max_pool_train, MaxPool};
 use ft_params::{Init, ParamBuilder};
 
 use crate::error::Result;
@@ -75,31 +85,68 @@ impl BatchNorm2d {
         self.normalise(x, mode, true)
     }
 
+    /// [`Self::forward_relu`], zero padding and max pooling: with batch statistics one op on the
+    /// CPU ([`ft_kernels::batch_norm_pool`]), whose graph keeps its input and the pooled output,
+    /// not the normalised map between them.
+    pub fn forward_relu_max_pool(
+        &self,
+        x: &Tensor,
+        mode: BnMode,
+        pool: MaxPool,
+    ) -> candle_core::Result<Tensor> {
+        if mode.batch_statistics() {
+            return self.with_batch_statistics(x, mode, |x, w, b, eps| {
+                batch_norm_relu_max_pool_train(x, w, b, eps, pool)
+            });
+        }
+        if mode == BnMode::Infer {
+            let (scale, shift) = self.running_affine()?;
+            return affine_relu_max_pool(x, &scale, &shift, pool);
+        }
+        let h = self.normalise(x, mode, true)?;
+        let h = match pool.pad {
+            0 => h,
+            p => h.pad_with_zeros(2, p, p)?.pad_with_zeros(3, p, p)?,
+        };
+        ft_kernels::pool::max_pool2d(&h, pool.kernel, pool.stride)
+    }
+
+    /// `op` of `x` with the batch statistics, which under [`BnMode::Train`] also move the
+    /// running ones.
+    fn with_batch_statistics(
+        &self,
+        x: &Tensor,
+        mode: BnMode,
+        op: impl FnOnce(&Tensor, &Tensor, &Tensor, f64) -> candle_core::Result<(Tensor, BatchStats)>,
+    ) -> candle_core::Result<Tensor> {
+        let (n, _, h, w) = x.dims4()?;
+        let (y, stats) = op(x, &self.weight, &self.bias, self.eps)?;
+        if mode == BnMode::Train {
+            let device = self.running_mean.device();
+            let mean = Tensor::new(stats.mean.as_slice(), device)?;
+            let var = Tensor::new(stats.var.as_slice(), device)?;
+            self.update_running(&mean, &var, (n * h * w) as f64)?;
+        }
+        Ok(y)
+    }
+
     fn normalise(&self, x: &Tensor, mode: BnMode, relu: bool) -> candle_core::Result<Tensor> {
-        let (n, c, h, w) = x.dims4()?;
-        if mode != BnMode::Eval {
+        let c = x.dim(1)?;
+        if mode.batch_statistics() {
             use ft_kernels::batch_norm::{batch_norm_relu_train, batch_norm_train};
             let op = if relu {
                 batch_norm_relu_train
             } else {
                 batch_norm_train
             };
-            let (y, stats) = op(x, &self.weight, &self.bias, self.eps)?;
-            if mode == BnMode::Train {
-                let device = self.running_mean.device();
-                let mean = Tensor::new(stats.mean.as_slice(), device)?;
-                let var = Tensor::new(stats.var.as_slice(), device)?;
-                self.update_running(&mean, &var, (n * h * w) as f64)?;
-            }
-            return Ok(y);
+            return self.with_batch_statistics(x, mode, op);
         }
         // With running statistics the normalisation is an affine map per channel: its scale
         // and shift are computed on [C] vectors, so the input's size is read once and written
         // twice (four maps of it and the ReLU's fifth as a chain over the whole input). The
         // weight and bias stay in the graph, so a gradient through an evaluation is still right.
         let shape = (1, c, 1, 1);
-        let scale = (&self.weight / (self.running_var.as_tensor() + self.eps)?.sqrt()?)?;
-        let shift = (&self.bias - (self.running_mean.as_tensor() * &scale)?)?;
+        let (scale, shift) = self.running_affine()?;
         let y = x
             .broadcast_mul(&scale.reshape(shape)?)?
             .broadcast_add(&shift.reshape(shape)?)?;
@@ -108,6 +155,13 @@ impl BatchNorm2d {
         } else {
             Ok(y)
         }
+    }
+
+    /// The running statistics' per-channel scale and shift: `y = x * scale + shift`.
+    fn running_affine(&self) -> candle_core::Result<(Tensor, Tensor)> {
+        let scale = (&self.weight / (self.running_var.as_tensor() + self.eps)?.sqrt()?)?;
+        let shift = (&self.bias - (self.running_mean.as_tensor() * &scale)?)?;
+        Ok((scale, shift))
     }
 
     /// Moves the running statistics towards this batch's (momentum 0.1, unbiased variance).

@@ -160,6 +160,11 @@ impl FewShotModel {
     /// run as segments of `ck` (the head is small and runs plain).
     pub fn scores(&self, ep: &Episode, train: bool, ck: &Checkpointer) -> Result<Tensor> {
         let z = self.backbone.forward(&ep.images, train, ck)?;
+        self.head_scores(&z, ep)
+    }
+
+    /// The head's class scores from the episode's features `z` [N, d].
+    fn head_scores(&self, z: &Tensor, ep: &Episode) -> Result<Tensor> {
         let d = z.dim(1)?;
         let z = z.reshape((ep.n_way, ep.k_shot + ep.n_query, d))?;
         let support = z.narrow(1, 0, ep.k_shot)?;
@@ -183,22 +188,39 @@ impl FewShotModel {
         train: bool,
         ck: &Checkpointer,
     ) -> Result<(Tensor, usize)> {
-        let scores = self.scores(ep, train, ck)?.to_dtype(DType::F32)?;
-        let targets: Vec<u32> = (0..ep.n_way)
-            .flat_map(|c| std::iter::repeat_n(c as u32, ep.n_query))
-            .collect();
-        let correct = scores
-            .argmax(D::Minus1)?
-            .to_vec1::<u32>()?
-            .iter()
-            .zip(&targets)
-            .filter(|(a, b)| a == b)
-            .count();
-        let t = Tensor::new(targets.as_slice(), scores.device())?;
-        let logp = softmax::log_softmax_last_dim(&scores)?;
-        let loss = logp.gather(&t.unsqueeze(1)?, 1)?.sum_all()?.neg()?;
-        Ok((loss, correct))
+        loss_of(&self.scores(ep, train, ck)?, ep)
     }
+
+    /// [`Self::summed_loss`] in evaluation, with no graph: each backbone block's output is
+    /// detached, so the block's maps are freed as the next one runs (a graph kept for a
+    /// backward that never comes would hold every map of the episode: more than a training
+    /// step's peak once the training ops keep less). The same values as `summed_loss(ep,
+    /// false, _)`, which keeps the graph for a gradient through evaluation.
+    pub fn evaluate(&self, ep: &Episode) -> Result<(f32, usize)> {
+        let z = self.backbone.infer(&ep.images)?;
+        let (loss, correct) = loss_of(&self.head_scores(&z, ep)?.detach(), ep)?;
+        Ok((loss.to_scalar::<f32>()?, correct))
+    }
+}
+
+/// Cross-entropy summed over the episode's queries from their `scores`, and how many were
+/// classified right.
+fn loss_of(scores: &Tensor, ep: &Episode) -> Result<(Tensor, usize)> {
+    let scores = scores.to_dtype(DType::F32)?;
+    let targets: Vec<u32> = (0..ep.n_way)
+        .flat_map(|c| std::iter::repeat_n(c as u32, ep.n_query))
+        .collect();
+    let correct = scores
+        .argmax(D::Minus1)?
+        .to_vec1::<u32>()?
+        .iter()
+        .zip(&targets)
+        .filter(|(a, b)| a == b)
+        .count();
+    let t = Tensor::new(targets.as_slice(), scores.device())?;
+    let logp = softmax::log_softmax_last_dim(&scores)?;
+    let loss = logp.gather(&t.unsqueeze(1)?, 1)?.sum_all()?.neg()?;
+    Ok((loss, correct))
 }
 
 impl Fsct {

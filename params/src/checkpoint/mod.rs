@@ -68,11 +68,13 @@ pub struct SegmentBytes {
     /// graph is; without segments (`none`) there are none. T5's encoder blocks copy the
     /// per-example attention bias this way, one score tensor a block.
     pub inputs: u64,
-    /// Backward's temporaries through the attention scores the segment forms, in bytes, on top
-    /// of those proportional to its graph ([`Temporaries`]): where a model's blocks split
-    /// between scores (growing with the sequence length squared) and the rest, one factor of
-    /// the graph cannot follow both. Set by a model's formulas; 0 when measured.
-    pub score_temporaries: u64,
+    /// Backward's temporaries through ops whose share of them one factor of the graph
+    /// ([`Temporaries`]) cannot follow, in bytes, on top of that factor's: the attention scores
+    /// a block forms (growing with the sequence length squared, where the rest grows with it),
+    /// the maps of its input's size a fused op forms in its backward but its graph does not
+    /// keep (the batch norm's with the pooling after it). Set by a model's formulas; 0 when
+    /// measured.
+    pub op_temporaries: u64,
 }
 
 impl SegmentBytes {

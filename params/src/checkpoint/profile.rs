@@ -29,7 +29,8 @@
 //! graph, so they are estimated, not counted: a model's formulas give, per strategy class, how
 //! many times a segment's graph its backward needs beyond that graph ([`Temporaries`], measured
 //! on the CPU by `trainer/tests/backward_temporaries.rs`), plus, where the formulas set it, a
-//! segment's temporaries through its attention scores ([`SegmentBytes::score_temporaries`]).
+//! segment's temporaries through ops one factor cannot follow (attention scores, a fused op's
+//! maps its graph does not keep: [`SegmentBytes::op_temporaries`]).
 //! [`ActivationProfile::held`] walks backward from the last segment to the first, each with the kept graphs of the segments
 //! before it (those after it are freed by then), and takes the most.
 //!
@@ -290,10 +291,10 @@ impl ActivationProfile {
         let it = self.segments.iter().enumerate();
         it.map(|(i, s)| {
             let g = s.kept();
-            let of = |permille, g| of(permille, g) + s.score_temporaries;
+            let of = |permille, g| of(permille, g) + s.op_temporaries;
             match strategy {
                 Strategy::None => {
-                    whole + Temporaries::of(t.whole, s.unsegmented()) + s.score_temporaries
+                    whole + Temporaries::of(t.whole, s.unsegmented()) + s.op_temporaries
                 }
                 _ if keep[i] => kept_before[i] + g + of(t.kept, g),
                 _ => kept_before[i] + g + of(t.recomputed, g),
