@@ -11,17 +11,18 @@
 //! the input and the (4x smaller) output. The backward normalises each plane again (the same
 //! per-channel `a` and `b`, so the same values bit for bit), finds each window's first maximum
 //! in it as the pool does, writes the input-side gradient, and runs the batch norm's backward
-//! on it: the gradients are the separate ops' exactly (tested), with the normalised map never
-//! kept and no zero tensor to add into.
+//! on it: the gradients are the separate ops' bit for bit (tested; the sum into a zero tensor
+//! this skips changes no bits: the gradient candle hands an op is itself such a sum, never a
+//! negative zero), with the normalised map never kept and no zero tensor to add into.
 //!
 //! [`affine_relu_max_pool`] is evaluation's form (running statistics, no graph): the same pass
 //! with a given per-channel scale and shift, computed in the dtype as the separate ops compute
-//! them, so the values are theirs bit for bit; one map written where they write four (five
+//! them, so the values are theirs bit for bit; one map written where they write four (six
 //! with padding), each a fresh allocation.
 //!
 //! CPU, f32 and f64, where the batch norm's op runs ([`crate::batch_norm`]);
-//! `FT_BN_POOL_OP=0` runs the separate ops (for a before-and-after measurement), as do other
-//! devices and dtypes.
+//! `FT_BN_POOL_OP=0` (or the batch norm's `FT_BATCH_NORM_OP=0`) runs the separate ops (for a
+//! before-and-after measurement), as do other devices and dtypes.
 
 use std::sync::{Arc, Mutex};
 
@@ -134,6 +135,10 @@ pub fn affine_relu_max_pool(
     pool::max_pool2d(&y, pool.kernel, pool.stride)
 }
 
+/// The ops' names in their errors.
+const TRAIN: &str = "batch norm + max pool";
+const INFER: &str = "affine + max pool";
+
 /// `FT_BN_POOL_OP=0` turns the op off.
 fn op_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -157,9 +162,9 @@ struct Frame {
 }
 
 impl Frame {
-    fn of(pool: &MaxPool, p: &Pool, dims: &[usize]) -> Result<Self> {
+    fn of(pool: &MaxPool, p: &Pool, dims: &[usize], op: &str) -> Result<Self> {
         let [_, _, h, w] = *dims else {
-            bail!("batch norm + max pool expects [N, C, H, W], got {dims:?}");
+            bail!("{op} expects [N, C, H, W], got {dims:?}");
         };
         let (hp, wp) = (h + 2 * pool.pad, w + 2 * pool.pad);
         let (oh, ow) = p.out_hw(hp, wp)?;
@@ -231,7 +236,7 @@ impl Forward {
     fn run<T: Float>(&self, x: &[T], dims: &[usize], gamma: &[T], beta: &[T]) -> Result<Vec<T>> {
         let p = Planes::of(&Shape::from(dims))?;
         let pool = Pool::max(self.pool.kernel, self.pool.stride);
-        let f = Frame::of(&self.pool, &pool, dims)?;
+        let f = Frame::of(&self.pool, &pool, dims, TRAIN)?;
         let (s, a, b) = affine(x, p, gamma, beta, self.eps)?;
         let out = f.pooled(x, p, &pool, |c, x, y| normalise(x, a[c], b[c], true, y));
         batch_norm::put(&self.stats, s)?;
@@ -258,6 +263,7 @@ impl CustomOp3 for Forward {
             &self.pool,
             &Pool::max(self.pool.kernel, self.pool.stride),
             dims,
+            TRAIN,
         )?;
         let y = match xs {
             CpuStorage::F32(_) => CpuStorage::F32(self.run(
@@ -316,7 +322,7 @@ impl Unpool {
     fn run<T: Float>(&self, x: &[T], g: &[T], dims: &[usize]) -> Result<Vec<T>> {
         let p = Planes::of(&Shape::from(dims))?;
         let pool = Pool::max(self.pool.kernel, self.pool.stride);
-        let f = Frame::of(&self.pool, &pool, dims)?;
+        let f = Frame::of(&self.pool, &pool, dims, TRAIN)?;
         if g.len() != p.n * p.c * f.pooled {
             bail!(
                 "batch norm + max pool backward: gradient of {} values for {}x{}x{}x{}",
@@ -408,10 +414,7 @@ impl Inference {
     ) -> Result<Vec<T>> {
         let p = Planes::of(&Shape::from(dims))?;
         let pool = Pool::max(self.0.kernel, self.0.stride);
-        let f = Frame::of(&self.0, &pool, dims)?;
-        if scale.len() != p.c || shift.len() != p.c {
-            bail!("affine + max pool: the scale or shift is not one value a channel");
-        }
+        let f = Frame::of(&self.0, &pool, dims, INFER)?;
         Ok(f.pooled(x, p, &pool, |c, x, y| {
             let (a, b) = (scale[c], shift[c]);
             for (o, &v) in y.iter_mut().zip(x) {
@@ -437,7 +440,12 @@ impl CustomOp3 for Inference {
         hl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = xl.dims();
-        let f = Frame::of(&self.0, &Pool::max(self.0.kernel, self.0.stride), dims)?;
+        let f = Frame::of(
+            &self.0,
+            &Pool::max(self.0.kernel, self.0.stride),
+            dims,
+            INFER,
+        )?;
         let y = match xs {
             CpuStorage::F32(_) => CpuStorage::F32(self.run(
                 slice::<f32>(xs, xl, "the input")?,

@@ -12,8 +12,10 @@
 pub enum BnMode {
     /// Running statistics (evaluation).
     Eval,
-    /// Running statistics, and no graph: an evaluation no gradient will go through
-    /// (`Backbone::infer`); the batch norm, ReLU and pooling then run as one op.
+    /// Running statistics in an evaluation no gradient will go through (`Backbone::infer`,
+    /// which detaches each block's output): a batch norm with the ReLU and pooling after it is
+    /// then one op with no graph on the CPU (f32, f64), so it must not be used where a gradient
+    /// is wanted; the others compute as under `Eval`.
     Infer,
     /// Batch statistics, and the running ones updated (a training forward).
     Train,
@@ -131,7 +133,7 @@ impl BatchNorm2d {
     }
 
     fn normalise(&self, x: &Tensor, mode: BnMode, relu: bool) -> candle_core::Result<Tensor> {
-        let c = x.dim(1)?;
+        let (_, c, _, _) = x.dims4()?;
         if mode.batch_statistics() {
             use ft_kernels::batch_norm::{batch_norm_relu_train, batch_norm_train};
             let op = if relu {
