@@ -248,3 +248,31 @@ fn full_host_copies_a_shared_input_once() -> anyhow::Result<()> {
     assert!(on_host == full, "full-host's gradients are not full's");
     Ok(())
 }
+
+/// `Checkpointer::inference`: the plain forward's values bit for bit, with no graph behind the
+/// output, where the plain forward keeps every segment's (what an evaluation would hold).
+#[test]
+fn inference_gives_the_plain_values_and_keeps_no_graph() -> anyhow::Result<()> {
+    use ft_params::checkpoint::graph_bytes;
+    let (_store, layers) = stack(6, 24)?;
+    let x = Tensor::randn(0f32, 1., (5, 24), &Device::Cpu)?;
+    let forward = |ck: &Checkpointer| -> anyhow::Result<Tensor> {
+        let mut h = x.clone();
+        for l in &layers {
+            h = ck.run(layer_fn(l), &[&h], &l.params)?;
+        }
+        Ok(h)
+    };
+    let plain = forward(&Checkpointer::new(false))?;
+    let ours = forward(&Checkpointer::inference())?;
+    assert_eq!(bits(&ours)?, bits(&plain)?);
+    assert!(!ours.track_op(), "the output has a graph");
+    assert_eq!(graph_bytes(&ours), 0);
+    // Each layer keeps about seven tensors of the activations' size: six layers' worth.
+    assert!(
+        graph_bytes(&plain) >= 6 * 5 * 24 * 4,
+        "{}",
+        graph_bytes(&plain)
+    );
+    Ok(())
+}

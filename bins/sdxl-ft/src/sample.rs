@@ -49,7 +49,8 @@ impl SdxlTask {
         let ids = Tensor::new(&[ph, pw, 0.0, 0.0, ph, pw], dev)?
             .to_dtype(self.dtype)?
             .unsqueeze(0)?;
-        let ck = Checkpointer::new(false);
+        // Each UNet block's graph freed as the block returns (no gradient comes here).
+        let ck = Checkpointer::inference();
         let (hs, pooled) = texts.text(p.caption, self.dtype, dev)?;
         let (ctx, pool, tid) = if guided {
             let (uh, up) = if self.pipeline.force_zeros_for_empty_prompt {

@@ -236,9 +236,9 @@ impl SdxlTask {
                 self.seed ^ 0xE7A1 ^ batch[0] as u64,
                 0,
                 false,
-                &Checkpointer::new(false),
+                &Checkpointer::inference(),
             )?;
-            // Only the value: dropping the graph here frees the forward's activations.
+            // Only the value (each block's graph was freed as it returned).
             total += l.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         }
         Ok(total / n.max(1) as f64)

@@ -544,10 +544,10 @@ impl T5 {
         self.head_loss(&hidden, &batch.labels, false)
     }
 
-    /// [`Self::summed_loss`] for evaluation: nothing is kept for a backward (the decoder's graph
-    /// is cut before the head, and the head computes no gradients).
+    /// [`Self::summed_loss`] for evaluation: nothing is kept for a backward (each block's graph
+    /// freed as it returns, [`Checkpointer::inference`]; the head computes no gradients).
     pub fn eval_summed_loss(&self, batch: &T5Batch) -> Result<Tensor> {
-        let ck = Checkpointer::new(false);
+        let ck = Checkpointer::inference();
         let hidden = self.hidden(batch, &DropoutCtx::eval(), &ck)?.detach();
         self.head_loss(&hidden, &batch.labels, true)
     }
@@ -573,7 +573,7 @@ impl T5 {
         max_len: usize,
     ) -> Result<Vec<Vec<u32>>> {
         let drop = DropoutCtx::eval();
-        let ck = Checkpointer::new(false);
+        let ck = Checkpointer::inference();
         let enc = self.encode(input_ids, attention_mask, &drop, &ck)?.detach();
         let b = input_ids.dim(0)?;
         let mut seqs: Vec<Vec<u32>> = vec![vec![self.cfg.decoder_start()]; b];

@@ -96,6 +96,9 @@ pub struct Checkpointer {
     sink: GradSink,
     strategy: Strategy,
     progress: Arc<Mutex<Progress>>,
+    /// [`Self::inference`]: every segment runs on detached inputs and hands out a detached
+    /// output.
+    inference: bool,
 }
 
 impl Checkpointer {
@@ -117,6 +120,19 @@ impl Checkpointer {
 
     pub fn strategy(&self) -> Strategy {
         self.strategy
+    }
+
+    /// For a forward no gradient will go through (evaluation, sampling, generation): each
+    /// segment runs on detached inputs and its output is detached, so a segment's graph (its
+    /// ops reach the trainable weights, which are variables) is freed as soon as it returns,
+    /// where a plain forward keeps every segment's until its result is dropped: the whole
+    /// training graph of `none`, whatever the run's checkpointing. The same values as a plain
+    /// forward.
+    pub fn inference() -> Self {
+        Checkpointer {
+            inference: true,
+            ..Default::default()
+        }
     }
 
     /// Records what every kept segment holds from each forward on ([`Self::measured`]): the
@@ -199,6 +215,10 @@ impl Checkpointer {
     /// output stay alive; `params` are the trainable parameters `f` uses, whose gradients go to
     /// the sink when the segment is recomputed in backward.
     pub fn run(&self, f: SegmentFn, inputs: &[&Tensor], params: &[Var]) -> Result<Tensor> {
+        if self.inference {
+            let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+            return Ok(f(&detached)?.detach());
+        }
         let (index, recompute, sizes) = {
             let mut p = locked(&self.progress);
             let index = p.next;
