@@ -296,16 +296,6 @@ impl Backbone {
         self.blocks.iter().map(|(b, _)| b.tensors()).collect()
     }
 
-    /// Features [N, feat_dim] of images [N, 3, S, S] in evaluation, with no graph: each
-    /// block's output detached (the blocks' maps freed one block after another).
-    pub fn infer(&self, x: &Tensor) -> Result<Tensor> {
-        let mut h = x.detach();
-        for (block, _) in &self.blocks {
-            h = block.forward(&h, BnMode::Infer)?.detach();
-        }
-        self.features(h)
-    }
-
     /// The last block's map as features: flattened, or averaged over its positions.
     fn features(&self, h: Tensor) -> Result<Tensor> {
         Ok(if self.flatten {
@@ -323,8 +313,10 @@ impl Backbone {
             // The first run of a training segment moves the running statistics; a
             // recomputation in backward reads the same batch and leaves them.
             let first = Arc::new(AtomicBool::new(true));
+            let infer = ck.is_inference();
             let f: SegmentFn = Arc::new(move |xs: &[Tensor]| {
                 let mode = match (train, first.swap(false, Ordering::Relaxed)) {
+                    (false, _) if infer => BnMode::Infer,
                     (false, _) => BnMode::Eval,
                     (true, true) => BnMode::Train,
                     (true, false) => BnMode::Recompute,

@@ -160,11 +160,6 @@ impl FewShotModel {
     /// run as segments of `ck` (the head is small and runs plain).
     pub fn scores(&self, ep: &Episode, train: bool, ck: &Checkpointer) -> Result<Tensor> {
         let z = self.backbone.forward(&ep.images, train, ck)?;
-        self.head_scores(&z, ep)
-    }
-
-    /// The head's class scores from the episode's features `z` [N, d].
-    fn head_scores(&self, z: &Tensor, ep: &Episode) -> Result<Tensor> {
         let d = z.dim(1)?;
         let z = z.reshape((ep.n_way, ep.k_shot + ep.n_query, d))?;
         let support = z.narrow(1, 0, ep.k_shot)?;
@@ -191,14 +186,15 @@ impl FewShotModel {
         loss_of(&self.scores(ep, train, ck)?, ep)
     }
 
-    /// [`Self::summed_loss`] in evaluation, with no graph: each backbone block's output is
-    /// detached, so the block's maps are freed as the next one runs (a graph kept for a
-    /// backward that never comes would hold every map of the episode: more than a training
-    /// step's peak once the training ops keep less). The same values as `summed_loss(ep,
-    /// false, _)`, which keeps the graph for a gradient through evaluation.
+    /// [`Self::summed_loss`] in evaluation, with no graph: the backbone's blocks run under
+    /// [`Checkpointer::inference`] (each block's maps freed as the next one runs, and its
+    /// batch norm and pooling as one op with no backward, [`super::batch_norm::BnMode::Infer`]);
+    /// a graph kept for a backward that never comes would hold every map of the episode, more
+    /// than a training step's peak once the training ops keep less. The same values as
+    /// `summed_loss(ep, false, _)`, which keeps the graph for a gradient through evaluation.
     pub fn evaluate(&self, ep: &Episode) -> Result<(f32, usize)> {
-        let z = self.backbone.infer(&ep.images)?;
-        let (loss, correct) = loss_of(&self.head_scores(&z, ep)?.detach(), ep)?;
+        let scores = self.scores(ep, false, &Checkpointer::inference())?;
+        let (loss, correct) = loss_of(&scores.detach(), ep)?;
         Ok((loss.to_scalar::<f32>()?, correct))
     }
 }

@@ -135,6 +135,11 @@ impl Checkpointer {
         }
     }
 
+    /// Whether this is [`Self::inference`]'s: a model may then take ops with no backward.
+    pub fn is_inference(&self) -> bool {
+        self.inference
+    }
+
     /// Records what every kept segment holds from each forward on ([`Self::measured`]): the
     /// measurement that models' activation formulas are tested against, and that a probe step
     /// reads.
