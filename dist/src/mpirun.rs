@@ -31,12 +31,33 @@ pub fn mpirun(np: usize) -> Result<Option<Command>> {
         cmd.arg("--oversubscribe")
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        if std::env::var_os("OMPI_MCA_orte_tmpdir_base").is_none() {
+            // Jobs started at the same moment (tests in parallel) each make the per-host
+            // session directory `ompi.HOST.UID` under the temp folder, and Open MPI 4 fails
+            // the one whose `mkdir` finds it made ("File exists", orte_init failed): each job
+            // gets a base folder of its own.
+            let base = session_base()?;
+            cmd.env("OMPI_MCA_orte_tmpdir_base", &base)
+                .env("PRTE_MCA_prte_tmpdir_base", &base);
+        }
     }
     if std::env::var_os("MPIEXEC_TIMEOUT").is_none() {
         cmd.env("MPIEXEC_TIMEOUT", TIMEOUT_S.to_string());
     }
     cmd.args(["-np", &np.to_string()]);
     Ok(Some(cmd))
+}
+
+/// A fresh folder for one job's Open MPI session directories: under the temp folder, named by
+/// this process and a count.
+fn session_base() -> Result<std::path::PathBuf> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("ft-ompi-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| DistError::Launch(format!("cannot make {} for mpirun: {e}", dir.display())))?;
+    Ok(dir)
 }
 
 /// `program` started as `np` ranks: by itself for one, under [`mpirun`] for more (`None`
