@@ -107,9 +107,16 @@ impl CustomOp2 for AddRelu {
         y: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let d = g.contiguous()?.apply_op2_no_bwd(y, &Backward)?;
+        let d = masked(g, y)?;
         Ok((Some(d.clone()), Some(d)))
     }
+}
+
+/// `g` where `y > 0`, else 0: the ReLU's backward from its output (the join's, and the fused
+/// batch norm's in `crate::batch_norm_add`). CPU, f32 and f64, `g` and `y` of one shape.
+pub(crate) fn masked(g: &Tensor, y: &Tensor) -> Result<Tensor> {
+    g.contiguous()?
+        .apply_op2_no_bwd(&y.contiguous()?, &Backward)
 }
 
 /// The backward: the gradient where the output is positive.

@@ -466,21 +466,27 @@ fn train(
     relu: bool,
 ) -> Result<(Tensor, BatchStats)> {
     if takes(x) {
-        let stats = Arc::new(Mutex::new(BatchStats::default()));
-        let op = Forward {
-            eps,
-            relu,
-            stats: stats.clone(),
-        };
-        let y = x.contiguous()?.apply_op3(
-            &weight.to_dtype(x.dtype())?.contiguous()?,
-            &bias.to_dtype(x.dtype())?.contiguous()?,
-            op,
-        )?;
-        return Ok((y, taken(&stats)?));
+        return with_statistics(x, weight, bias, |stats| Forward { eps, relu, stats });
     }
     let (y, s) = composed(x, weight, bias, eps)?;
     Ok((if relu { y.relu()? } else { y }, s))
+}
+
+/// `op` (made around the slot its forward leaves the batch statistics in) applied to `x`, the
+/// weight and the bias in `x`'s dtype; its output and those statistics.
+pub(crate) fn with_statistics<O: CustomOp3 + Send + Sync + 'static>(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    op: impl FnOnce(Arc<Mutex<BatchStats>>) -> O,
+) -> Result<(Tensor, BatchStats)> {
+    let stats = Arc::new(Mutex::new(BatchStats::default()));
+    let y = x.contiguous()?.apply_op3(
+        &weight.to_dtype(x.dtype())?.contiguous()?,
+        &bias.to_dtype(x.dtype())?.contiguous()?,
+        op(stats.clone()),
+    )?;
+    Ok((y, taken(&stats)?))
 }
 
 /// Whether `x` takes the op: f32 or f64 on the CPU, unless turned off ([`op_enabled`]).

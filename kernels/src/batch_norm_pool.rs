@@ -67,18 +67,10 @@ pub fn batch_norm_relu_max_pool_train(
     if !(batch_norm::takes(x) && op_enabled()) {
         return separate(x, weight, bias, eps, pool);
     }
-    let stats = Arc::new(Mutex::new(BatchStats::default()));
-    let op = Forward {
-        eps,
+    batch_norm::with_statistics(x, weight, bias, |stats| Forward {
         pool,
-        stats: stats.clone(),
-    };
-    let y = x.contiguous()?.apply_op3(
-        &weight.to_dtype(x.dtype())?.contiguous()?,
-        &bias.to_dtype(x.dtype())?.contiguous()?,
-        op,
-    )?;
-    Ok((y, batch_norm::taken(&stats)?))
+        map: Map::Batch { eps, stats },
+    })
 }
 
 /// The separate ops the op replaces: the batch norm's op with its ReLU, the zero padding, the
@@ -118,7 +110,10 @@ pub fn affine_relu_max_pool(
         return x.detach().contiguous()?.apply_op3_no_bwd(
             &flat(scale)?,
             &flat(shift)?,
-            &Inference(pool),
+            &Forward {
+                pool,
+                map: Map::Given,
+            },
         );
     }
     let shape = (1, x.dim(1)?, 1, 1);
@@ -225,61 +220,101 @@ impl Frame {
     }
 }
 
-/// The forward: statistics, then each plane normalised into a thread's buffer and pooled.
+/// The forward: each plane through its channel's affine map and the ReLU into a thread's
+/// buffer, and pooled there.
 struct Forward {
-    eps: f64,
     pool: MaxPool,
-    stats: Arc<Mutex<BatchStats>>,
+    map: Map,
+}
+
+/// Where the per-channel affine map comes from.
+enum Map {
+    /// Training: the batch statistics (left in `stats` for the caller and the backward), with
+    /// the op's second and third inputs the weight and bias; `x * a + b` in f64, rounded once,
+    /// as the batch norm's op computes it.
+    Batch {
+        eps: f64,
+        stats: Arc<Mutex<BatchStats>>,
+    },
+    /// Evaluation: the second and third inputs are the scale and shift themselves; `x * scale`
+    /// then `+ shift` in the dtype, as candle's broadcast multiply and add round. No backward.
+    Given,
 }
 
 impl Forward {
-    fn run<T: Float>(&self, x: &[T], dims: &[usize], gamma: &[T], beta: &[T]) -> Result<Vec<T>> {
+    fn name(&self) -> &'static str {
+        match self.map {
+            Map::Batch { .. } => TRAIN,
+            Map::Given => INFER,
+        }
+    }
+
+    fn run<T: Float>(&self, x: &[T], dims: &[usize], p1: &[T], p2: &[T]) -> Result<Vec<T>> {
         let p = Planes::of(&Shape::from(dims))?;
         let pool = Pool::max(self.pool.kernel, self.pool.stride);
-        let f = Frame::of(&self.pool, &pool, dims, TRAIN)?;
-        let (s, a, b) = affine(x, p, gamma, beta, self.eps)?;
-        let out = f.pooled(x, p, &pool, |c, x, y| normalise(x, a[c], b[c], true, y));
-        batch_norm::put(&self.stats, s)?;
-        Ok(out)
+        let f = Frame::of(&self.pool, &pool, dims, self.name())?;
+        match &self.map {
+            Map::Batch { eps, stats } => {
+                let (s, a, b) = affine(x, p, p1, p2, *eps)?;
+                let out = f.pooled(x, p, &pool, |c, x, y| normalise(x, a[c], b[c], true, y));
+                batch_norm::put(stats, s)?;
+                Ok(out)
+            }
+            Map::Given if p1.len() != p.c || p2.len() != p.c => {
+                bail!(
+                    "{INFER}: {} channels, scale of {}, shift of {}",
+                    p.c,
+                    p1.len(),
+                    p2.len()
+                )
+            }
+            Map::Given => Ok(f.pooled(x, p, &pool, |c, x, y| {
+                let (a, b) = (p1[c], p2[c]);
+                for (o, &v) in y.iter_mut().zip(x) {
+                    let v = v * a + b;
+                    *o = if v > T::zero() { v } else { T::zero() };
+                }
+            })),
+        }
     }
 }
 
 impl CustomOp3 for Forward {
     fn name(&self) -> &'static str {
-        "ft-batch-norm-relu-max-pool"
+        match self.map {
+            Map::Batch { .. } => "ft-batch-norm-relu-max-pool",
+            Map::Given => "ft-affine-relu-max-pool",
+        }
     }
 
     fn cpu_fwd(
         &self,
         xs: &CpuStorage,
         xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-        bs: &CpuStorage,
-        bl: &Layout,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = xl.dims();
-        let f = Frame::of(
-            &self.pool,
-            &Pool::max(self.pool.kernel, self.pool.stride),
-            dims,
-            TRAIN,
-        )?;
+        let pool = Pool::max(self.pool.kernel, self.pool.stride);
+        let f = Frame::of(&self.pool, &pool, dims, Forward::name(self))?;
         let y = match xs {
             CpuStorage::F32(_) => CpuStorage::F32(self.run(
                 slice::<f32>(xs, xl, "the input")?,
                 dims,
-                slice(ws, wl, "the weight")?,
-                slice(bs, bl, "the bias")?,
+                slice(s1, l1, "the weight or scale")?,
+                slice(s2, l2, "the bias or shift")?,
             )?),
             CpuStorage::F64(_) => CpuStorage::F64(self.run(
                 slice::<f64>(xs, xl, "the input")?,
                 dims,
-                slice(ws, wl, "the weight")?,
-                slice(bs, bl, "the bias")?,
+                slice(s1, l1, "the weight or scale")?,
+                slice(s2, l2, "the bias or shift")?,
             )?),
             other => bail!(
-                "batch norm + max pool: {:?} input (f32 or f64)",
+                "{}: {:?} input (f32 or f64)",
+                Forward::name(self),
                 other.dtype()
             ),
         };
@@ -294,8 +329,11 @@ impl CustomOp3 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let stats = batch_norm::taken(&self.stats)?;
-        let r = batch_norm::rstd(&stats, self.eps);
+        let Map::Batch { eps, stats } = &self.map else {
+            bail!("{}: evaluation's op has no backward", Forward::name(self));
+        };
+        let (eps, stats) = (*eps, batch_norm::taken(stats)?);
+        let r = batch_norm::rstd(&stats, eps);
         let wide = batch_norm::wide;
         let (a, b) = batch_norm::scale_shift(&stats, &r, &wide(gamma)?, &wide(beta)?);
         // The gradient at the ReLU's output, then the batch norm's backward (with its ReLU).
@@ -305,7 +343,7 @@ impl CustomOp3 for Forward {
             pool: self.pool,
         };
         let dh = x.apply_op2_no_bwd(&dy.contiguous()?, &unpool)?;
-        let (dx, dgamma, dbeta) = batch_norm::backward(x, gamma, beta, &dh, stats, self.eps, true)?;
+        let (dx, dgamma, dbeta) = batch_norm::backward(x, gamma, beta, &dh, stats, eps, true)?;
         Ok((Some(dx), Some(dgamma), Some(dbeta)))
     }
 }
@@ -397,70 +435,5 @@ impl CustomOp2 for Unpool {
             ),
         };
         Ok((dh, xl.shape().clone()))
-    }
-}
-
-/// Evaluation's pass: each value times its channel's scale, plus its shift, in the dtype (as
-/// candle's broadcast multiply and add round), the ReLU, padding and pooling; no backward.
-struct Inference(MaxPool);
-
-impl Inference {
-    fn run<T: WithDType>(
-        &self,
-        x: &[T],
-        dims: &[usize],
-        scale: &[T],
-        shift: &[T],
-    ) -> Result<Vec<T>> {
-        let p = Planes::of(&Shape::from(dims))?;
-        let pool = Pool::max(self.0.kernel, self.0.stride);
-        let f = Frame::of(&self.0, &pool, dims, INFER)?;
-        Ok(f.pooled(x, p, &pool, |c, x, y| {
-            let (a, b) = (scale[c], shift[c]);
-            for (o, &v) in y.iter_mut().zip(x) {
-                let v = v * a + b;
-                *o = if v > T::zero() { v } else { T::zero() };
-            }
-        }))
-    }
-}
-
-impl CustomOp3 for Inference {
-    fn name(&self) -> &'static str {
-        "ft-affine-relu-max-pool"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ss: &CpuStorage,
-        sl: &Layout,
-        hs: &CpuStorage,
-        hl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = xl.dims();
-        let f = Frame::of(
-            &self.0,
-            &Pool::max(self.0.kernel, self.0.stride),
-            dims,
-            INFER,
-        )?;
-        let y = match xs {
-            CpuStorage::F32(_) => CpuStorage::F32(self.run(
-                slice::<f32>(xs, xl, "the input")?,
-                dims,
-                slice(ss, sl, "the scale")?,
-                slice(hs, hl, "the shift")?,
-            )?),
-            CpuStorage::F64(_) => CpuStorage::F64(self.run(
-                slice::<f64>(xs, xl, "the input")?,
-                dims,
-                slice(ss, sl, "the scale")?,
-                slice(hs, hl, "the shift")?,
-            )?),
-            other => bail!("affine + max pool: {:?} input (f32 or f64)", other.dtype()),
-        };
-        Ok((y, Shape::from((dims[0], dims[1], f.oh, f.ow))))
     }
 }

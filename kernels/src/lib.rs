@@ -11,6 +11,7 @@ pub mod add_relu;
 pub mod arch;
 pub mod attention;
 pub mod batch_norm;
+pub mod batch_norm_add;
 pub mod batch_norm_pool;
 pub mod conv;
 mod cpu;

@@ -49,8 +49,10 @@ fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
             &["--backbone", "resnet10"],
             // At 0.7 --fit once took the fused backward with `budget:19MiB`, 3% over the
             // budget: the optimizer's step inside the fused backward was not in the plan. It
-            // is now (`OptimSpec::step_bytes`, counted where each segment steps).
-            &[1.3, 0.8, 0.74],
+            // is now (`OptimSpec::step_bytes`, counted where each segment steps). 0.74 was
+            // the tightest budget that fits until the blocks' joins became one op (the
+            // smallest plan now needs 0.741 of the plain one's, with the reserve).
+            &[1.3, 0.8, 0.75],
         ),
     ];
     let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, fewshot_ft::run::plan)?;

@@ -107,12 +107,12 @@ impl ConvBlock {
 impl BasicBlock {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
         let h = self.bn1.forward_relu(&self.c1.forward(x)?, mode)?;
-        let h = self.bn2.forward(&self.c2.forward(&h)?, mode)?;
         let s = match &self.shortcut {
             Some((c, bn)) => bn.forward(&c.forward(x)?, mode)?,
             None => x.clone(),
         };
-        ft_kernels::add_relu::add_relu(&h, &s)
+        // The second batch norm, the join and its ReLU: one op on the CPU.
+        self.bn2.forward_add_relu(&self.c2.forward(&h)?, &s, mode)
     }
 
     fn tensors(&self) -> Vec<Tensor> {

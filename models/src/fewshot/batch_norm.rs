@@ -41,6 +41,7 @@ impl BnMode {
 
 use candle_core::{Tensor, Var};
 use ft_kernels::batch_norm::BatchStats;
+use ft_kernels::batch_norm_add::batch_norm_add_relu_train;
 use ft_kernels::batch_norm_pool::{affine_relu_max_pool, batch_norm_relu_max_pool_train, MaxPool};
 use ft_params::{Init, ParamBuilder};
 
@@ -111,6 +112,23 @@ impl BatchNorm2d {
             p => h.pad_with_zeros(2, p, p)?.pad_with_zeros(3, p, p)?,
         };
         ft_kernels::pool::max_pool2d(&h, pool.kernel, pool.stride)
+    }
+
+    /// `relu(self.forward(x) + residual)`, a ResNet block's end: with batch statistics one op
+    /// on the CPU ([`ft_kernels::batch_norm_add`]), whose graph keeps the input, the residual
+    /// and the output, not the normalised map.
+    pub fn forward_add_relu(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        mode: BnMode,
+    ) -> candle_core::Result<Tensor> {
+        if mode.batch_statistics() {
+            return self.with_batch_statistics(x, mode, |x, w, b, eps| {
+                batch_norm_add_relu_train(x, w, b, eps, residual)
+            });
+        }
+        ft_kernels::add_relu::add_relu(&self.normalise(x, mode, false)?, residual)
     }
 
     /// `op` of `x` with the batch statistics, which under [`BnMode::Train`] also move the
