@@ -26,6 +26,6 @@ pub use cudarc;
 pub use element::Element;
 pub use error::{DistError, Result};
 pub use launch::Launch;
-pub use mpirun::{mpirun, ranks_of};
+pub use mpirun::{mpirun, ranks_of, RanksCommand};
 #[cfg(feature = "nccl")]
 pub use nccl_backend::Nccl;

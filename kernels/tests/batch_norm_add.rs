@@ -1,6 +1,6 @@
 //! Batch norm, a residual and the ReLU as one op (a ResNet block's end): values, statistics and
 //! the gradients of the input, weight, bias and residual the separate ops' bit for bit (ReLU
-//! zeros and ties included) in f32 and f64; finite differences; bad shapes one error; other
+//! zeros and sums of exactly zero included) in f32 and f64; finite differences; bad shapes one error; other
 //! dtypes the separate ops.
 
 mod common;
@@ -36,6 +36,7 @@ fn coarse(shape: &[usize], seed: u64) -> Result<Tensor> {
 #[test]
 fn values_statistics_and_gradients_are_the_separate_ops_bit_for_bit() -> Result<()> {
     the_op_is_on();
+    let mut exact_zeros = 0.0;
     // The first has more planes than threads.
     for (i, shape) in [[16usize, 3, 5, 5], [3, 5, 7, 9], [2, 2, 1, 1]]
         .iter()
@@ -46,14 +47,23 @@ fn values_statistics_and_gradients_are_the_separate_ops_bit_for_bit() -> Result<
             let var = |t: Tensor| Var::from_tensor(&t.to_dtype(dtype)?);
             let x = var(coarse(shape, seed)?)?;
             let r = var(coarse(shape, seed + 1)?)?;
-            let w = var((rand(&[shape[1]], seed + 2)? + 1.5)?)?;
-            let b = var((rand(&[shape[1]], seed + 3)? * 0.5)?)?;
+            // Channel 0's weight is 0 and its bias -1/4: its normalised values are exactly
+            // -1/4, so the sum with the quarter-step residual lands on zero (the ReLU's edge).
+            let c = shape[1];
+            let first = |v: f64, rest: Tensor| -> Result<Tensor> {
+                Tensor::cat(&[&Tensor::new(&[v], rest.device())?, &rest], 0)
+            };
+            let w = first(0.0, (rand(&[c - 1], seed + 2)? + 1.5)?)?;
+            let b = first(-0.25, (rand(&[c - 1], seed + 3)? * 0.5)?)?;
+            let (w, b) = (var(w)?, var(b)?);
             let (ours, s) = batch_norm_add_relu_train(&x, &w, &b, BN_EPS, &r)?;
             let (want, t) = separate(&x, &w, &b, BN_EPS, &r)?;
             let case = format!("{shape:?} {dtype:?}");
             assert!(same_bits(&ours, &want)?, "{case}: values");
             assert_eq!(s, t, "{case}: statistics");
             assert!(zeros_in(&ours)? > 0.0, "{case}: the ReLU cut nothing");
+            let sums = ((x.narrow(1, 0, 1)?.zeros_like()? - 0.25)? + r.narrow(1, 0, 1)?)?;
+            exact_zeros += zeros_in(&sums)?;
             let probe = rand(shape, seed + 4)?.to_dtype(dtype)?;
             let grads = |y: &Tensor| probed_gradients(y, &probe, &[&x, &w, &b, &r]);
             let (g, h) = (grads(&ours)?, grads(&want)?);
@@ -63,6 +73,7 @@ fn values_statistics_and_gradients_are_the_separate_ops_bit_for_bit() -> Result<
             }
         }
     }
+    assert!(exact_zeros > 0.0, "no sum of exactly zero");
     Ok(())
 }
 

@@ -272,11 +272,13 @@ const CONV_TEMPORARIES: Temporaries = Temporaries {
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
-/// [`CONV_TEMPORARIES`], -7.2% to +7.2% on its 16 rows). One factor serves the stem (whose
-/// graph is now its conv's output and the pooled map, with the op's two maps apart) and the
-/// basic blocks (two convs, two batch norms, the residual's sum and ReLU), whose shares of the
-/// peak change with the image size and the episode: it follows neither exactly. (1435, 2200, 1745 before the stem's batch norm, ReLU, padding and pooling became one op;
-/// 1675, 2060, 1895 before the fused ReLUs.)
+/// [`CONV_TEMPORARIES`], -7.4% to +7.5% on its 16 rows). One factor serves the stem (whose
+/// graph is its conv's output and the pooled map, with the op's two maps apart) and the basic
+/// blocks (two convs, the first batch norm with its ReLU, the shortcut's, and the second batch
+/// norm with the residual and the ReLU as one op), whose shares of the peak change with the
+/// image size and the episode: it follows neither exactly. (2860, 4800, 2950 before the blocks'
+/// joins went into the batch norm's op; 1435, 2200, 1745 before the stem's batch norm, ReLU,
+/// padding and pooling became one op; 1675, 2060, 1895 before the fused ReLUs.)
 const RESNET_TEMPORARIES: Temporaries = Temporaries {
     whole: 2860,
     kept: 5300,

@@ -307,6 +307,12 @@ impl Backbone {
 
     /// Features [N, feat_dim] of images [N, 3, S, S]; each block a segment of `ck`.
     pub fn forward(&self, x: &Tensor, train: bool, ck: &Checkpointer) -> Result<Tensor> {
+        if train && ck.is_inference() {
+            // It would move the running statistics and hand out no gradient.
+            return Err(ModelError::Invalid(
+                "a training forward under Checkpointer::inference".into(),
+            ));
+        }
         let mut h = x.clone();
         for (block, vars) in &self.blocks {
             let b = block.clone();

@@ -13,9 +13,9 @@ pub enum BnMode {
     /// Running statistics (evaluation).
     Eval,
     /// Running statistics in an evaluation no gradient will go through (a backbone run under
-    /// `Checkpointer::inference`, which detaches each block's output): a batch norm with the ReLU and pooling after it is
-    /// then one op with no graph on the CPU (f32, f64), so it must not be used where a gradient
-    /// is wanted; the others compute as under `Eval`.
+    /// `Checkpointer::inference`, which detaches each block's output): a batch norm with the
+    /// ReLU and pooling after it is then one op with no graph on the CPU (f32, f64), so it
+    /// must not be used where a gradient is wanted; the others compute as under `Eval`.
     Infer,
     /// Batch statistics, and the running ones updated (a training forward).
     Train,
