@@ -377,19 +377,7 @@ impl Runner<'_> {
             .forward(&s)?
             .transpose(1, 2)?
             .reshape((b, c, h, w))?;
-        Ok(self.cut((out + x)?))
-    }
-
-    /// Under [`Checkpointer::inference`], `t` detached: the ops between the segments (the
-    /// transformers' projections, the resampling convolutions, `conv_in`) also reach trainable
-    /// weights, and their graphs would otherwise stay with the skip connections until the up
-    /// path is done with them.
-    fn cut(&self, t: Tensor) -> Tensor {
-        if self.ck.is_inference() {
-            t.detach()
-        } else {
-            t
-        }
+        Ok(self.ck.cut((out + x)?))
     }
 }
 
@@ -625,7 +613,7 @@ impl UNet {
             temb: &temb,
             ctx: context,
         };
-        let mut h = run.cut(self.conv_in.forward(x)?);
+        let mut h = ck.cut(self.conv_in.forward(x)?);
         let mut skips = vec![h.clone()];
         for lv in &self.down {
             for (j, r) in lv.resnets.iter().enumerate() {
@@ -636,7 +624,7 @@ impl UNet {
                 skips.push(h.clone());
             }
             if let Some(c) = &lv.resample {
-                h = run.cut(c.forward(&h)?);
+                h = ck.cut(c.forward(&h)?);
                 skips.push(h.clone());
             }
         }
@@ -654,7 +642,7 @@ impl UNet {
                 }
             }
             if let Some(c) = &lv.resample {
-                h = run.cut(c.forward(&upsample::upsample_nearest2x(&h)?)?);
+                h = ck.cut(c.forward(&upsample::upsample_nearest2x(&h)?)?);
             }
         }
         Ok(self.conv_out.forward(&self.norm_out.forward_silu(&h)?)?)

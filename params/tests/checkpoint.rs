@@ -267,6 +267,9 @@ fn inference_gives_the_plain_values_and_keeps_no_graph() -> anyhow::Result<()> {
     let ours = forward(&Checkpointer::inference())?;
     assert_eq!(bits(&ours)?, bits(&plain)?);
     assert!(!ours.track_op(), "the output has a graph");
+    // `cut`, for ops between segments: detached under inference only.
+    assert!(!Checkpointer::inference().cut(plain.clone()).track_op());
+    assert!(Checkpointer::new(false).cut(plain.clone()).track_op());
     assert_eq!(graph_bytes(&ours), 0);
     // Each layer keeps about seven tensors of the activations' size: six layers' worth.
     assert!(

@@ -135,6 +135,17 @@ impl Checkpointer {
         }
     }
 
+    /// `t` detached under [`Self::inference`], else `t`: for a model's ops between its
+    /// segments, whose graphs (they reach trainable weights too) would otherwise stay with
+    /// whatever keeps `t`, a skip connection say.
+    pub fn cut(&self, t: Tensor) -> Tensor {
+        if self.inference {
+            t.detach()
+        } else {
+            t
+        }
+    }
+
     /// Whether this is [`Self::inference`]'s: a model may then take ops with no backward.
     pub fn is_inference(&self) -> bool {
         self.inference
