@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use ft_kernels::activation::Activation;
-use ft_kernels::cuda::check::{assert_matches, forward_backward, gpu, report, time_us};
+use ft_kernels::cuda::check::{check_and_time, gpu};
 use ft_kernels::gated::{gated, gated_halves};
 use ft_kernels::gradcheck::random_tensor;
 
@@ -43,23 +43,9 @@ fn main() -> Result<()> {
                 gated(&t[0], &t[1], act)
             }
         };
-        let want = forward_backward(&inputs, &f)?;
-        for dt in [DType::F32, DType::BF16] {
-            let xs: Vec<Tensor> = inputs
-                .iter()
-                .map(|t| t.to_dtype(dt)?.to_device(&dev))
-                .collect::<Result<_>>()?;
-            let got = forward_backward(&xs, &f)?;
-            let tol = if dt == DType::F32 { 1e-4 } else { 2e-2 };
-            assert_matches(&format!("{name} {dt:?}"), &got, &want, tol)?;
-            // Bytes moved: the forward reads both operands and writes the product; forward and
-            // backward together also read the gradient and both operands and write two.
-            let n = got.0.elem_count() * dt.size_in_bytes();
-            let us = time_us(&dev, 20, || f(&xs).map(|_| ()))?;
-            report(&format!("{name} fwd {dt:?}"), us, Some(3 * n as u64));
-            let us = time_us(&dev, 20, || forward_backward(&xs, &f).map(|_| ()))?;
-            report(&format!("{name} fwd+bwd {dt:?}"), us, Some(8 * n as u64));
-        }
+        // Bytes moved: the forward reads both operands and writes the product; forward and
+        // backward together also read the gradient and both operands and write two.
+        check_and_time(&dev, name, &inputs, &f, 2e-2, (3, 8))?;
     }
     Ok(())
 }

@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use ft_kernels::activation::Activation;
-use ft_kernels::cuda::check::{assert_matches, forward_backward, gpu, report, time_us};
+use ft_kernels::cuda::check::{check_and_time, gpu};
 use ft_kernels::gradcheck::random_tensor;
 use ft_kernels::norm::{group_norm_act, rms_norm};
 
@@ -41,24 +41,10 @@ fn main() -> Result<()> {
         if with_bias {
             inputs.push(random_tensor(&[channels], 7, &Device::Cpu)?.to_dtype(DType::F32)?);
         }
-        let want = forward_backward(&inputs, &f)?;
-        for dt in [DType::F32, DType::BF16] {
-            let xs: Vec<Tensor> = inputs
-                .iter()
-                .map(|t| t.to_dtype(dt)?.to_device(&dev))
-                .collect::<Result<_>>()?;
-            let got = forward_backward(&xs, &f)?;
-            let tol = if dt == DType::F32 { 1e-4 } else { 3e-2 };
-            assert_matches(&format!("{name} {dt:?}"), &got, &want, tol)?;
-            // Bytes moved: the forward reads the input twice (statistics, values) and writes
-            // the output; the backward reads the input and the gradient three times (two
-            // passes a row, one a channel) and writes the input's gradient.
-            let n = got.0.elem_count() * dt.size_in_bytes();
-            let us = time_us(&dev, 20, || f(&xs).map(|_| ()))?;
-            report(&format!("{name} fwd {dt:?}"), us, Some(3 * n as u64));
-            let us = time_us(&dev, 20, || forward_backward(&xs, &f).map(|_| ()))?;
-            report(&format!("{name} fwd+bwd {dt:?}"), us, Some(11 * n as u64));
-        }
+        // Bytes moved: the forward reads the input twice (statistics, values) and writes the
+        // output; the backward reads the input and the gradient three times (two passes a row,
+        // one a channel) and writes the input's gradient.
+        check_and_time(&dev, name, &inputs, &f, 3e-2, (3, 11))?;
     }
     Ok(())
 }

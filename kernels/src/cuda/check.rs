@@ -92,3 +92,33 @@ pub fn assert_matches(
     }
     Ok(())
 }
+
+/// What an op's timing example does at one shape: `f` on `inputs` (f32, on the CPU) as the
+/// reference, then on `dev` in f32 and bf16 checked against it ([`assert_matches`]: 1e-4 in
+/// f32, `bf16_tol` in bf16) and timed, forward and forward plus backward, each reported with
+/// the bytes it moves as a multiple of the output's (`moves`: forward, both).
+pub fn check_and_time(
+    dev: &Device,
+    name: &str,
+    inputs: &[Tensor],
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    bf16_tol: f64,
+    moves: (u64, u64),
+) -> Result<()> {
+    let want = forward_backward(inputs, f)?;
+    for dt in [DType::F32, DType::BF16] {
+        let xs: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| t.to_dtype(dt)?.to_device(dev))
+            .collect::<Result<_>>()?;
+        let got = forward_backward(&xs, f)?;
+        let tol = if dt == DType::F32 { 1e-4 } else { bf16_tol };
+        assert_matches(&format!("{name} {dt:?}"), &got, &want, tol)?;
+        let n = (got.0.elem_count() * dt.size_in_bytes()) as u64;
+        let us = time_us(dev, 20, || f(&xs).map(|_| ()))?;
+        report(&format!("{name} fwd {dt:?}"), us, Some(moves.0 * n));
+        let us = time_us(dev, 20, || forward_backward(&xs, f).map(|_| ()))?;
+        report(&format!("{name} fwd+bwd {dt:?}"), us, Some(moves.1 * n));
+    }
+    Ok(())
+}
