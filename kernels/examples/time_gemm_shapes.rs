@@ -1,26 +1,49 @@
 //! `cargo run --release -p ft-kernels --example time_gemm_shapes`: GFLOP/s of the `gemm` crate's
-//! f32 product on one thread and on its own rayon threads, at the shapes the convolution runs
-//! (an FSCT ResNet10 episode's layers, a part of a weight gradient, a UNet layer) and a large
+//! f32 product on one thread, on its own rayon threads, and cut into one block a thread by
+//! `ft_kernels::gemm_blocks::product`, at the shapes the convolution and the linear layers run
+//! (an FSCT ResNet10 episode's layers, a part of a weight gradient, UNet layers) and a large
 //! one. The measurement behind `conv`'s choice of putting small products on rayon's threads one
-//! each (`TASK_MACS`) rather than splitting each over gemm's threads.
+//! each (`TASK_MACS`) rather than splitting each over gemm's threads, and behind `gemm_blocks`.
 
 use std::time::Instant;
 
+use ft_kernels::gemm_blocks::{product, Mat};
+
+/// How a product uses the threads.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// One thread.
+    One,
+    /// gemm's own rayon threads.
+    GemmThreads,
+    /// `ft_kernels::gemm_blocks::product`: the long output axis in blocks, one a rayon task.
+    Blocks,
+}
+
 /// GFLOP/s of `m x k` by `k x n` into `m x n` (row-major), best of three rounds of ~1 GFLOP.
-fn gflops(m: usize, n: usize, k: usize, threads: bool) -> f64 {
+fn gflops(m: usize, n: usize, k: usize, mode: Mode) -> f64 {
     let a = vec![0.5f32; m * k];
     let b = vec![0.25f32; k * n];
     let mut c = vec![0f32; m * n];
     let reps = (1e9 / (2.0 * (m * n * k) as f64)).ceil() as usize;
-    let parallelism = if threads {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
-    let mut run = || {
+    let mut run = || match mode {
+        Mode::One | Mode::Blocks => {
+            let threads = matches!(mode, Mode::Blocks);
+            product(
+                &mut c,
+                Mat::new(&a, false),
+                Mat::new(&b, false),
+                m,
+                n,
+                k,
+                true,
+                threads,
+            )
+            .expect("operand lengths match the shape");
+        }
         // SAFETY: a, b and c hold m*k, k*n and m*n values, addressed with these row-major
         // strides; c does not alias a or b.
-        unsafe {
+        Mode::GemmThreads => unsafe {
             gemm::gemm(
                 m,
                 n,
@@ -28,7 +51,7 @@ fn gflops(m: usize, n: usize, k: usize, threads: bool) -> f64 {
                 c.as_mut_ptr(),
                 1,
                 n as isize,
-                false,
+                true,
                 a.as_ptr(),
                 1,
                 k as isize,
@@ -40,9 +63,9 @@ fn gflops(m: usize, n: usize, k: usize, threads: bool) -> f64 {
                 false,
                 false,
                 false,
-                parallelism,
+                gemm::Parallelism::Rayon(0),
             )
-        }
+        },
     };
     run();
     (0..3)
@@ -62,20 +85,30 @@ fn main() {
         "gemm f32, GFLOP/s (best of 3), {} rayon threads\n",
         rayon::current_num_threads()
     );
-    println!("| m x n x k | what | one thread | gemm's threads |");
-    println!("|---|---|---|---|");
+    println!("| m x n x k | what | one thread | gemm's threads | `gemm_blocks::product` |");
+    println!("|---|---|---|---|---|");
     for (m, n, k, what) in [
         (64, 441, 576, "ResNet10 stage 1 forward, one image"),
         (64, 64, 441, "stage 1 weight gradient, one part, one image"),
         (128, 363, 1152, "stage 2 forward, a group of 3 images"),
         (512, 261, 4608, "stage 4 forward, a group of 29 images"),
         (320, 256, 2880, "UNet 3x3 conv at 16 x 16, one image"),
+        (64, 1024, 576, "bench UNet, 64 channels at 32 x 32"),
+        (128, 256, 1152, "bench UNet, 128 channels at 16 x 16"),
+        (256, 64, 2304, "bench UNet, 256 channels at 8 x 8"),
+        (
+            576,
+            1024,
+            64,
+            "bench UNet 32 x 32: input gradient's columns",
+        ),
         (512, 512, 2048, "large"),
     ] {
         println!(
-            "| {m} x {n} x {k} | {what} | {:.0} | {:.0} |",
-            gflops(m, n, k, false),
-            gflops(m, n, k, true)
+            "| {m} x {n} x {k} | {what} | {:.0} | {:.0} | {:.0} |",
+            gflops(m, n, k, Mode::One),
+            gflops(m, n, k, Mode::GemmThreads),
+            gflops(m, n, k, Mode::Blocks)
         );
     }
 }

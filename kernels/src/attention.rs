@@ -2,7 +2,7 @@
 
 use candle_core::{Result, Tensor};
 
-use crate::{linear::matmul, softmax::softmax_last_dim};
+use crate::{batched, linear::matmul, softmax::softmax_last_dim};
 
 /// `softmax(q k^T * scale + bias) v` for q [B, H, Lq, D], k [B, H, Lk, D], v [B, H, Lk, Dv];
 /// `bias` broadcasts to [B, H, Lq, Lk] (a trainable relative position bias gets its gradient;
@@ -15,24 +15,68 @@ pub fn sdpa(
     bias: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    scores_times_v(q, &k.transpose(2, 3)?, v, bias, scale)
+    scores_times_v(q, &Keys::of(q, k)?, v, bias, scale)
 }
 
-/// `softmax(q kt * scale + bias) v` with `kt` the transposed keys.
+/// The keys as the score product reads them: as they are, read transposed by the batched op
+/// ([`crate::batched`], on the CPU), or transposed for candle's matmul, made contiguous once
+/// when several query chunks read them.
+enum Keys {
+    /// [.., Lk, D], contiguous.
+    Rows(Tensor),
+    /// [.., D, Lk]: `k^T`.
+    Transposed(Tensor),
+}
+
+impl Keys {
+    fn of(q: &Tensor, k: &Tensor) -> Result<Self> {
+        let r = k.rank();
+        Ok(if batched::is_one_op(q, k) {
+            Keys::Rows(k.contiguous()?)
+        } else {
+            Keys::Transposed(k.transpose(r.saturating_sub(2), r.saturating_sub(1))?)
+        })
+    }
+
+    /// Made contiguous, for reading by several chunks.
+    fn contiguous(self) -> Result<Self> {
+        Ok(match self {
+            Keys::Rows(k) => Keys::Rows(k.contiguous()?),
+            Keys::Transposed(kt) => Keys::Transposed(kt.contiguous()?),
+        })
+    }
+}
+
+/// `softmax(q k^T * scale + bias) v`: the scores and the output as batched products on the CPU
+/// (the scale inside the first), candle's matmul and a multiply elsewhere.
 fn scores_times_v(
     q: &Tensor,
-    kt: &Tensor,
+    keys: &Keys,
     v: &Tensor,
     bias: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    let s = matmul(q, kt)?;
-    let s = if scale != 1.0 { (s * scale)? } else { s };
+    let s = match keys {
+        Keys::Rows(k) => batched::batched_matmul(q, k, false, true, scale)?,
+        Keys::Transposed(kt) => {
+            let s = matmul(q, kt)?;
+            if scale != 1.0 {
+                (s * scale)?
+            } else {
+                s
+            }
+        }
+    };
     let s = match bias {
         Some(b) => s.broadcast_add(b)?,
         None => s,
     };
-    matmul(&softmax_last_dim(&s)?, v)
+    let p = softmax_last_dim(&s)?;
+    if batched::is_one_op(&p, v) {
+        batched::batched_matmul(&p, v, false, false, 1.0)
+    } else {
+        matmul(&p, v)
+    }
 }
 
 /// The attention the models call: on CUDA with 64-dim heads (SDXL, CLIP, T5) the
@@ -82,9 +126,9 @@ pub fn sdpa_query_chunks(
     if rows >= lq {
         return sdpa(q, k, v, bias, scale);
     }
-    // Transposed keys and values made contiguous once, not once per chunk (under autograd each
-    // chunk's copy would be kept for the backward).
-    let kt = k.transpose(2, 3)?.contiguous()?;
+    // Keys (transposed where candle's matmul reads them) and values made contiguous once, not
+    // once per chunk (under autograd each chunk's copy would be kept for the backward).
+    let keys = Keys::of(q, k)?.contiguous()?;
     let v = v.contiguous()?;
     // The bias as rank 4, so that its query dimension (when it has one) can be cut with q's.
     let bias = match bias {
@@ -106,7 +150,7 @@ pub fn sdpa_query_chunks(
         };
         outs.push(scores_times_v(
             &q.narrow(2, start, n)?,
-            &kt,
+            &keys,
             &v,
             bc.as_ref(),
             scale,

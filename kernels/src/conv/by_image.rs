@@ -3,89 +3,12 @@
 //! output (the bias in it), and the backward's two products per image or group, the weight
 //! gradient summed in group order; no input gradient for an input outside the graph.
 
-use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
 use super::geometry::{ColsAt, Geometry};
 use crate::cpu;
-
-/// A float the image-by-image path multiplies with gemm: f32 and f64.
-pub(super) trait GemmFloat: WithDType + Send + Sync {}
-impl GemmFloat for f32 {}
-impl GemmFloat for f64 {}
-
-/// A row-major matrix operand: its values and whether they hold it transposed (the row-major
-/// storage of its transpose).
-struct Mat<'a, T> {
-    data: &'a [T],
-    transposed: bool,
-}
-
-impl<'a, T> Mat<'a, T> {
-    fn new(data: &'a [T], transposed: bool) -> Self {
-        Mat { data, transposed }
-    }
-}
-
-/// `dst` (m x n, row-major) = `lhs` (m x k) x `rhs` (k x n), or `dst +=` it with `accumulate`;
-/// on gemm's threads when the product is large and `threads` allows it (not when the caller
-/// already runs on rayon's threads, one image each). Lengths are checked before gemm reads them.
-#[allow(clippy::too_many_arguments)]
-fn gemm_into<T: GemmFloat>(
-    dst: &mut [T],
-    lhs: Mat<T>,
-    rhs: Mat<T>,
-    m: usize,
-    n: usize,
-    k: usize,
-    accumulate: bool,
-    threads: bool,
-) -> Result<()> {
-    if dst.len() < m * n || lhs.data.len() < m * k || rhs.data.len() < k * n {
-        candle_core::bail!(
-            "conv2d: a {m}x{k} by {k}x{n} product with {}, {} and {} values",
-            lhs.data.len(),
-            rhs.data.len(),
-            dst.len()
-        );
-    }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    // (row stride, column stride) of each operand.
-    let (lrs, lcs) = if lhs.transposed { (1, m) } else { (k, 1) };
-    let (rrs, rcs) = if rhs.transposed { (1, k) } else { (n, 1) };
-    let parallelism = if threads && m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the three slices hold at least the m x n, m x k and k x n values the strides above
-    // address (checked above); `dst` is borrowed mutably and does not alias the operands.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lcs as isize,
-            lrs as isize,
-            rhs.data.as_ptr(),
-            rcs as isize,
-            rrs as isize,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-    Ok(())
-}
+pub(super) use crate::gemm_blocks::GemmFloat;
+use crate::gemm_blocks::{product as gemm_into, Mat};
 
 /// The image-by-image forward: each group of images ([`Geometry::group`]; one image unless they
 /// are small) unfolded side by side into one reused buffer and multiplied by the weight; a lone

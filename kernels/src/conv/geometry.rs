@@ -276,7 +276,8 @@ pub(super) const PAR_ELEMS: usize = 1 << 16;
 /// (64 x 441 x 576) at 82 GFLOP/s against 148 on one thread, and a UNet layer's (320 x 256 x
 /// 2880, 236 million) at 294 against 176 each for two side by side; from 512 x 512 x 2048
 /// (2^29) on, gemm's threads (322) are about as fast as two products at once, and keep one
-/// column buffer.
+/// column buffer. (Such a product now runs in `crate::gemm_blocks`' blocks, one a thread,
+/// rather than on gemm's threads.)
 pub(super) const TASK_MACS: usize = 1 << 29;
 
 /// Column values that the groups' buffers on rayon's threads may hold together (64 MiB in f32).

@@ -16,7 +16,7 @@
 //! groups go on rayon's threads, one each with its product on one thread, for the forward and
 //! the input gradient: on two cores gemm's own threads ran such products at half the speed of
 //! one thread each. A lone large image is unfolded and folded over rayon's threads and
-//! multiplied on gemm's. The weight gradient is computed in up to eight parts of its columns
+//! multiplied in blocks, one a thread (`crate::gemm_blocks`). The weight gradient is computed in up to eight parts of its columns
 //! fixed by the shape (each part unfolding only its rows), on rayon's threads, each summing the
 //! groups in order: no result depends on the threads. Nothing of the size of all the images' columns is ever made (at 84 px, Conv4's second
 //! layer: 345 MB of columns, and as many again of their gradient in f64 twice over, each a fresh

@@ -230,7 +230,7 @@ impl FewShotModel {
                 outer.new_tensor(2 * queries * ways * d); // differences, squared
                 outer.new_tensor(2 * queries * ways); // summed, negated
             }
-            Some(f) => fsct(&mut outer, f, ways, k, queries, d),
+            Some(f) => fsct(&mut outer, f, (ways, k, queries, d), !w.cpu_op),
         }
         // The loss in f32: the scores converted (when they are not f32), log-softmax, the
         // targets' entries, their sum and its negation.
@@ -285,8 +285,9 @@ const RESNET_TEMPORARIES: Temporaries = Temporaries {
     recomputed: 2950,
 };
 
-/// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions.
-fn fsct(t: &mut Tally, f: &Fsct, ways: u64, k: u64, queries: u64, d: u64) {
+/// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions, its
+/// linear layers' biases added by a second op when `bias_op`.
+fn fsct(t: &mut Tally, f: &Fsct, (ways, k, queries, d): (u64, u64, u64, u64), bias_op: bool) {
     let (heads, dh) = (f.heads as u64, f.dim_head as u64);
     let inner = heads * dh;
     let mlp = f.ffn1.weight.dims()[0] as u64;
@@ -310,23 +311,23 @@ fn fsct(t: &mut Tally, f: &Fsct, ways: u64, k: u64, queries: u64, d: u64) {
     // Weights times values (the values made contiguous), heads merged back, the output
     // projection, the residual from the prototypes.
     t.new_tensor(heads * queries * dh + hqn * dh + qn * inner);
-    t.linear(qn, inner, d, true, false);
+    t.linear(qn, inner, d, bias_op, false);
     t.new_tensor(qn * d);
     // Feed-forward with its residual.
     t.norm(qn * d);
-    t.linear(qn, d, mlp, true, false);
+    t.linear(qn, d, mlp, bias_op, false);
     t.new_tensor(qn * mlp); // GELU
-    t.linear(qn, mlp, d, true, false);
+    t.linear(qn, mlp, d, bias_op, false);
     t.new_tensor(qn * d);
     // Output norm and projection to dim_head.
     t.norm(qn * d);
-    t.linear(qn, d, dh, true, false);
+    t.linear(qn, d, dh, bias_op, false);
     if f.cosine {
         // The input normalised over classes (square; sum, sqrt and + eps per query; divide),
         // the weight-normed vector (square, sum, sqrt, g / norm, v * that), the product,
         // times 2.
         t.new_tensor(2 * qn * dh + 3 * queries * dh + dh + 3 + dh + 2 * qn);
     } else {
-        t.linear(qn, dh, 1, true, false);
+        t.linear(qn, dh, 1, bias_op, false);
     }
 }

@@ -44,13 +44,16 @@ impl Target {
         self == Target::Cuda && head_dim == 64
     }
 
-    /// Whether a convolution's bias (when it has one) is a second op after it.
+    /// Whether a convolution's or a linear layer's bias (when it has one) is a second op after
+    /// it (`ft_kernels::linear::is_one_op`).
     pub(crate) fn bias_op(self, dtype: DType) -> bool {
         !self.cpu_op(dtype)
     }
 
-    /// Whether the convolution adds its bias in the same op and batch norm is one op
-    /// (`ft_kernels::conv::bias_in_op`, `ft_kernels::batch_norm`): the CPU in f32 and f64.
+    /// Whether the convolution adds its bias in the same op, batch norm and a linear layer are
+    /// one op and attention's products are batched ops (`ft_kernels::conv::bias_in_op`,
+    /// `ft_kernels::batch_norm`, `ft_kernels::linear`, `ft_kernels::batched`): the CPU in f32
+    /// and f64.
     pub(crate) fn cpu_op(self, dtype: DType) -> bool {
         self == Target::Cpu && matches!(dtype, DType::F32 | DType::F64)
     }
@@ -123,10 +126,11 @@ impl Tally {
         self.elems += n;
     }
 
-    /// `ft_kernels::linear::linear` over `rows` rows: the product, the bias sum, and a copy of
-    /// an input that is a non-contiguous view (`din` wide).
-    pub fn linear(&mut self, rows: u64, din: u64, dout: u64, bias: bool, view_input: bool) {
-        self.elems += rows * dout * (1 + bias as u64) + if view_input { rows * din } else { 0 };
+    /// `ft_kernels::linear::linear` over `rows` rows: the product, the bias sum when the bias
+    /// is added by a second op (`bias_op`: there is a bias and the layer is not one op,
+    /// [`Target::bias_op`]), and a copy of an input that is a non-contiguous view (`din` wide).
+    pub fn linear(&mut self, rows: u64, din: u64, dout: u64, bias_op: bool, view_input: bool) {
+        self.elems += rows * dout * (1 + bias_op as u64) + if view_input { rows * din } else { 0 };
     }
 
     /// `ft_kernels::conv::conv2d` with `out` output elements: the convolution, and the bias sum
@@ -143,13 +147,13 @@ impl Tally {
     }
 
     /// `ft_kernels::attention::attend`.
-    pub fn attention(&mut self, a: Attention, target: Target) {
-        self.attention_in_chunks(a, target, MAX_SCORES as u64)
+    pub fn attention(&mut self, a: Attention, target: Target, dtype: DType) {
+        self.attention_in_chunks(a, target, dtype, MAX_SCORES as u64)
     }
 
     /// [`Self::attention`] with the score-forming version taking query rows in chunks of at
     /// most `max_scores` scores (`attend` uses `MAX_SCORES`).
-    fn attention_in_chunks(&mut self, a: Attention, target: Target, max_scores: u64) {
+    fn attention_in_chunks(&mut self, a: Attention, target: Target, dtype: DType, max_scores: u64) {
         let inner = a.heads * a.head_dim;
         let (q, kv, out) = (a.b * a.lq * inner, a.b * a.lk * inner, a.b * a.lq * inner);
         if a.q_view {
@@ -163,10 +167,13 @@ impl Tally {
             return;
         }
         let scores = a.b * a.heads * a.lq * a.lk;
-        // Transposed keys (always a copy), values when a view, the scores, their scaled and
-        // biased versions, the softmax, the output.
+        // Transposed keys (always a copy; on the CPU in f32/f64 the keys as they are, a copy of
+        // their view, `ft_kernels::batched`), values when a view, the scores, their scaled
+        // version (not on the CPU in f32/f64: the scale is inside the product) and biased
+        // version, the softmax, the output.
+        let scale_op = a.scaled && !target.cpu_op(dtype);
         self.elems += kv + if a.v_view { kv } else { 0 };
-        self.elems += scores * (2 + a.scaled as u64 + (a.bias > 0) as u64) + out;
+        self.elems += scores * (2 + scale_op as u64 + (a.bias > 0) as u64) + out;
         // Query rows in chunks of at most MAX_SCORES scores: the chunks' outputs and their
         // concatenation.
         if a.chunk_rows(max_scores) < a.lq {
@@ -211,7 +218,7 @@ mod tests {
                     scaled: scale != 1.0,
                     bias: if with_bias { (h * lq * lk) as u64 } else { 0 },
                 };
-                t.attention_in_chunks(a, Target::Cpu, max_scores as u64);
+                t.attention_in_chunks(a, Target::Cpu, DType::F32, max_scores as u64);
                 assert_eq!(
                     t.bytes(DType::F32),
                     graph_bytes(&y),

@@ -47,7 +47,7 @@ impl Walk<'_> {
         t.norm(b * cin * hw); // with its SiLU
         t.conv(b * cout * hw, self.bias_op);
         t.new_tensor(b * self.temb); // silu of the time embedding
-        t.linear(b, self.temb, cout, true, false);
+        t.linear(b, self.temb, cout, self.bias_op, false);
         t.new_tensor(b * cout * hw); // + time embedding
         t.norm(b * cout * hw); // with its SiLU
         t.conv(b * cout * hw, self.bias_op);
@@ -61,7 +61,8 @@ impl Walk<'_> {
 
     /// An attention sub-layer of a transformer block: projections, attention, output. Returns
     /// its backward's temporaries through the scores, in elements (0 where the attention does
-    /// not form them): [`UNET_SCORE_TEMPORARIES`] of the scores of one query chunk.
+    /// not form them): [`UNET_SCORE_TEMPORARIES`] of the scores of one query chunk
+    /// ([`SEPARATE_SCORE_TEMPORARIES`] where the products and the scale are candle's ops).
     fn attn(&self, t: &mut Tally, d: u64, n: u64, lk: u64, ctx_dim: u64, heads: u64) -> u64 {
         let b = self.b;
         t.linear(b * n, d, d, false, false); // q
@@ -78,13 +79,18 @@ impl Walk<'_> {
             scaled: true,
             bias: 0,
         };
-        t.attention(a, self.target);
+        t.attention(a, self.target, self.dtype);
         t.new_tensor(b * n * d); // heads merged back
-        t.linear(b * n, d, d, true, false); // out
+        t.linear(b * n, d, d, self.bias_op, false); // out
         if self.target.fused_attention(a.head_dim) {
             return 0;
         }
-        UNET_SCORE_TEMPORARIES * b * heads * lk * a.chunk_rows(MAX_SCORES as u64) / 1000
+        let permille = if self.bias_op {
+            SEPARATE_SCORE_TEMPORARIES
+        } else {
+            UNET_SCORE_TEMPORARIES
+        };
+        permille * b * heads * lk * a.chunk_rows(MAX_SCORES as u64) / 1000
     }
 
     /// A transformer block of width `d` over `n` tokens.
@@ -107,9 +113,9 @@ impl Walk<'_> {
         ));
         t.new_tensor(bnd); // residual
         t.norm(bnd);
-        t.linear(b * n, d, 8 * d, true, false); // GEGLU in
+        t.linear(b * n, d, 8 * d, self.bias_op, false); // GEGLU in
         t.new_tensor(4 * bnd); // value times the gate's GELU, one op
-        t.linear(b * n, 4 * d, d, true, false); // out
+        t.linear(b * n, 4 * d, d, self.bias_op, false); // out
         t.new_tensor(bnd); // residual
                            // Its leaves: the input (the text states are data, no gradient).
         self.segment(t, bnd, bnd, scores);
@@ -119,12 +125,12 @@ impl Walk<'_> {
     fn transformer(&mut self, c: u64, hw: u64, level: usize) {
         let n = self.b * c * hw;
         self.outer.norm(n);
-        self.outer.linear(self.b * hw, c, c, true, true);
+        self.outer.linear(self.b * hw, c, c, self.bias_op, true);
         let heads = self.cfg.heads(level) as u64;
         for _ in 0..self.cfg.layers(level) {
             self.transformer_block(c, hw, heads);
         }
-        self.outer.linear(self.b * hw, c, c, true, false);
+        self.outer.linear(self.b * hw, c, c, self.bias_op, false);
         self.outer.new_tensor(n); // back to [B, C, H, W]
         self.outer.new_tensor(n); // residual
     }
@@ -143,18 +149,37 @@ fn halved(x: usize) -> usize {
 /// UNet at 64 px, whose transformer blocks see 64 tokens. One factor of the graph could not
 /// serve both: a rebuilt block needed 3.1-3.5 graphs on top in the first and 1.6-1.7 in the
 /// second (the `--fit` runs of the demo were 14% over their plans under `full`). With the
-/// scores apart, fitted by hand on those 20 runs (2026-11-29, after the norms became one op):
-/// predicted peaks 2.1% under to 6.2% over the measured ones. On a GPU the attention of 64-wide
-/// heads forms no scores, so the factors of the graph alone count there (not measured on a
+/// scores apart, fitted by hand on those 20 runs (2026-11-29, after the norms became one op;
+/// again after the linear layers and attention's products became one op each on the CPU):
+/// predicted peaks 1.3% to 5.6% over the measured ones on the first UNet, 7.9% under to 4.2%
+/// over on the demo's (its `every:2` row at batch 2 measured 9.52, 10.46 and 9.91 MiB in
+/// three runs of one build: rayon's tasks allocate in either order). On a GPU the attention of
+/// 64-wide heads forms no scores, so the factors of the graph alone count there, and the linear
+/// layers are candle's matmul and bias add: [`SEPARATE_BIAS_TEMPORARIES`] (not measured on a
 /// GPU yet).
 const UNET_TEMPORARIES: Temporaries = Temporaries {
+    whole: 500,
+    kept: 500,
+    recomputed: 250,
+};
+
+/// [`UNET_TEMPORARIES`] where the linear layers and convolutions add their bias by a second op
+/// and attention's products are candle's matmul (`Target::bias_op`: CUDA, and bf16 anywhere):
+/// the factors measured on the CPU while it ran those ops too (rows within -2.1% to +6.2%
+/// then). With the one-op layers, these overshot `none` by 6-11% and `full` by up to 24%.
+const SEPARATE_BIAS_TEMPORARIES: Temporaries = Temporaries {
     whole: 1000,
     kept: 250,
     recomputed: 250,
 };
 
-/// See [`UNET_TEMPORARIES`]; T5's fit finds 7.5 to 8 ([`super::t5`]).
-const UNET_SCORE_TEMPORARIES: u64 = 8000;
+/// See [`UNET_TEMPORARIES`]; T5's fit (no scale) found 7.5 with candle's products and 8.5 with
+/// the batched op ([`super::t5`]). Less here than with a separate scale (no scaled copy and no
+/// gradient of it).
+const UNET_SCORE_TEMPORARIES: u64 = 6000;
+
+/// [`UNET_SCORE_TEMPORARIES`] with candle's products and a separate scale, as measured with them.
+const SEPARATE_SCORE_TEMPORARIES: u64 = 8000;
 
 impl UNetConfig {
     /// What one forward at `shape` keeps for its backward, in `dtype`, with attention as it
@@ -182,19 +207,19 @@ impl UNetConfig {
             segments: Vec::new(),
         };
         // Time embedding (two linears around a silu), and SDXL's added embedding summed in.
-        w.outer.linear(b, ch[0], temb, true, false);
+        let bias_op = w.bias_op;
+        w.outer.linear(b, ch[0], temb, bias_op, false);
         w.outer.new_tensor(b * temb);
-        w.outer.linear(b, temb, temb, true, false);
+        w.outer.linear(b, temb, temb, bias_op, false);
         if self.addition_embed_type.is_some() {
             let pin = self.projection_class_embeddings_input_dim.unwrap_or(0) as u64;
-            w.outer.linear(b, pin, temb, true, false);
+            w.outer.linear(b, pin, temb, bias_op, false);
             w.outer.new_tensor(b * temb);
-            w.outer.linear(b, temb, temb, true, false);
+            w.outer.linear(b, temb, temb, bias_op, false);
             w.outer.new_tensor(b * temb);
         }
         let (mut h, mut wd) = (shape.height, shape.width);
         let px = |h: usize, w: usize| (h * w) as u64;
-        let bias_op = w.bias_op;
         w.outer.conv(b * ch[0] * px(h, wd), bias_op);
         let mut skips = vec![ch[0]];
         let mut cin = ch[0];
@@ -245,7 +270,11 @@ impl UNetConfig {
             outer: w.outer.bytes(dtype),
             segments: w.segments,
             op_held: 0,
-            temporaries: UNET_TEMPORARIES,
+            temporaries: if bias_op {
+                SEPARATE_BIAS_TEMPORARIES
+            } else {
+                UNET_TEMPORARIES
+            },
         }
     }
 }

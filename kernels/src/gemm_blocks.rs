@@ -1,0 +1,180 @@
+//! Matrix products on the CPU (f32, f64) split into blocks of the output, one block a rayon
+//! task with its product on one thread.
+//!
+//! gemm's own threads split a product over both output axes with a plan that changes from call
+//! to call; at the shapes a UNet's and a transformer's layers run (one axis short: 64 to 256
+//! channels against 1,024 positions or tokens) they reach 120-230 GFLOP/s on this VM's two
+//! cores where the same product in two blocks of its long axis, each on one thread, reaches
+//! 200-310 (`cargo run --release -p ft-kernels --example time_gemm_shapes`). Here the long
+//! output axis is cut into one block a thread ([`blocks`]), each block's product runs on one
+//! thread, and the blocks go on rayon's threads. gemm sums the inner axis in an order
+//! fixed by its length (its `kc` depends on `k` only) and never splits it, so every value is
+//! the same however the output is cut and whatever the thread count.
+
+use candle_core::{Result, WithDType};
+
+/// A float gemm multiplies here: f32 and f64.
+pub trait GemmFloat: WithDType + Send + Sync {}
+impl GemmFloat for f32 {}
+impl GemmFloat for f64 {}
+
+/// A row-major matrix operand: its values and whether they hold it transposed (the row-major
+/// storage of its transpose).
+#[derive(Clone, Copy)]
+pub struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub transposed: bool,
+}
+
+impl<'a, T> Mat<'a, T> {
+    pub fn new(data: &'a [T], transposed: bool) -> Self {
+        Mat { data, transposed }
+    }
+
+    /// (row stride, column stride) of this `rows x cols` operand.
+    fn strides(&self, rows: usize, cols: usize) -> (usize, usize) {
+        if self.transposed {
+            (1, rows)
+        } else {
+            (cols, 1)
+        }
+    }
+}
+
+/// Multiply-adds a block has at least: below 2^21 (64 x 64 x 441, a ResNet weight gradient's
+/// part) a product cut in two ran slower than on one thread.
+const BLOCK_MACS: usize = 1 << 21;
+
+/// How a `m x n` output (inner length `k`) is cut for `threads` threads: along rows (`true`) or
+/// columns, whichever is longer, into at most one block a thread of at least [`BLOCK_MACS`],
+/// and the block length along that axis, a multiple of 16 (the last block may be shorter).
+/// More blocks than threads ran slower (eight blocks on two threads: 180-220 GFLOP/s against
+/// two blocks' 175-260).
+fn blocks(m: usize, n: usize, k: usize, threads: usize) -> (bool, usize) {
+    let count = (m * n * k / BLOCK_MACS).clamp(1, threads.max(1));
+    let rows = m >= n;
+    let long = if rows { m } else { n };
+    (rows, long.div_ceil(count).next_multiple_of(16).max(16))
+}
+
+/// A pointer shared by the blocks of one product, each of which writes its own part of it.
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+// SAFETY: the blocks of `product` write disjoint parts of the output and only read the
+// operands; the pointer outlives the scope they run in.
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// The pointer (a method, so that a closure captures the `Send` wrapper, not its field).
+    fn at(self, offset: usize) -> *mut T {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// `dst` (m x n, row-major) = `lhs` (m x k) x `rhs` (k x n), or `dst +=` it with `accumulate`.
+/// On rayon's threads, a block each, when `threads` allows it (not when the caller already runs
+/// on rayon's threads, one product each) and the product is large enough to cut; the values do
+/// not depend on either. Lengths are checked before gemm reads them.
+#[allow(clippy::too_many_arguments)]
+pub fn product<T: GemmFloat>(
+    dst: &mut [T],
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    threads: bool,
+) -> Result<()> {
+    scaled_product(dst, lhs, rhs, m, n, k, T::one(), accumulate, threads)
+}
+
+/// [`product`] of `scale` times the operands' product: gemm's own factor on each sum, one
+/// rounding (the same bits as multiplying the finished product, for `k` within gemm's one
+/// inner block of at least 512).
+#[allow(clippy::too_many_arguments)]
+pub fn scaled_product<T: GemmFloat>(
+    dst: &mut [T],
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    m: usize,
+    n: usize,
+    k: usize,
+    scale: T,
+    accumulate: bool,
+    threads: bool,
+) -> Result<()> {
+    if dst.len() < m * n || lhs.data.len() < m * k || rhs.data.len() < k * n {
+        candle_core::bail!(
+            "matrix product: a {m}x{k} by {k}x{n} product with {}, {} and {} values",
+            lhs.data.len(),
+            rhs.data.len(),
+            dst.len()
+        );
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(T::zero());
+        }
+        return Ok(());
+    }
+    let (lrs, lcs) = lhs.strides(m, k);
+    let (rrs, rcs) = rhs.strides(k, n);
+    let (by_rows, len) = blocks(m, n, k, rayon::current_num_threads());
+    let (out, a, b) = (
+        Shared(dst.as_mut_ptr()),
+        Shared(lhs.data.as_ptr() as *mut T),
+        Shared(rhs.data.as_ptr() as *mut T),
+    );
+    // Rows (or columns) `start..start + len` of the output.
+    let block = |start: usize, len: usize| {
+        let (bm, bn, dst_at, lhs_at, rhs_at) = if by_rows {
+            let rows = len.min(m - start);
+            (rows, n, start * n, start * lrs, 0)
+        } else {
+            let cols = len.min(n - start);
+            (m, cols, start, 0, start * rcs)
+        };
+        // SAFETY: the lengths were checked above against the m x n, m x k and k x n values
+        // these strides address; a block covers rows (columns) `start..start + len` of `dst`
+        // and reads only `lhs` and `rhs`, which `dst` does not alias (it is borrowed
+        // mutably), so no two blocks write the same value.
+        unsafe {
+            gemm::gemm(
+                bm,
+                bn,
+                k,
+                out.at(dst_at),
+                1,
+                n as isize,
+                accumulate,
+                a.at(lhs_at) as *const T,
+                lcs as isize,
+                lrs as isize,
+                b.at(rhs_at) as *const T,
+                rcs as isize,
+                rrs as isize,
+                T::one(),
+                scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    };
+    let long = if by_rows { m } else { n };
+    let count = long.div_ceil(len);
+    if threads && count > 1 {
+        use rayon::prelude::*;
+        (0..count).into_par_iter().for_each(|i| block(i * len, len));
+    } else {
+        // One block: the same values (the cut changes no sum), without the blocks' packing.
+        block(0, long);
+    }
+    Ok(())
+}
