@@ -26,7 +26,9 @@ fn op_enabled() -> bool {
 }
 
 /// Whether [`batched_matmul`] of `a` and `b` runs as one op: both on the CPU, both f32 or both
-/// f64, of one rank (at least 2) with equal batch dimensions, the op switched on.
+/// f64, of one rank (at least 2) with equal batch dimensions, the op switched on. (The memory
+/// plans count the op on the CPU in f32 and f64, also under `FT_BATCHED_OP=0`: the switch is
+/// for measurements.)
 pub fn is_one_op(a: &Tensor, b: &Tensor) -> bool {
     let r = a.rank();
     op_enabled()

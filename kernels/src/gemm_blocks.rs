@@ -8,8 +8,9 @@
 //! 200-310 (`cargo run --release -p ft-kernels --example time_gemm_shapes`). Here the long
 //! output axis is cut into one block a thread ([`blocks`]), each block's product runs on one
 //! thread, and the blocks go on rayon's threads. gemm sums the inner axis in an order
-//! fixed by its length (its `kc` depends on `k` only) and never splits it, so every value is
-//! the same however the output is cut and whatever the thread count.
+//! fixed by its length (its `kc` depends on `k` only, on the path every block is kept on:
+//! [`blocks`]) and never splits it, so every value is the same however the output is cut and
+//! whatever the thread count.
 
 use candle_core::{Result, WithDType};
 
@@ -45,16 +46,40 @@ impl<'a, T> Mat<'a, T> {
 /// part) a product cut in two ran slower than on one thread.
 const BLOCK_MACS: usize = 1 << 21;
 
+/// Shortest block along the cut axis: gemm takes another path (and another inner block size,
+/// `kc = min(k, 512)`) for a product whose output sides are both 64 or less, so a block that
+/// short could round differently from the whole product.
+const MIN_BLOCK: usize = 65;
+
 /// How a `m x n` output (inner length `k`) is cut for `threads` threads: along rows (`true`) or
 /// columns, whichever is longer, into at most one block a thread of at least [`BLOCK_MACS`],
-/// and the block length along that axis, a multiple of 16 (the last block may be shorter).
-/// More blocks than threads ran slower (eight blocks on two threads: 180-220 GFLOP/s against
-/// two blocks' 175-260).
+/// and the block length along that axis, a multiple of 16 (the last block may be shorter, but
+/// no block is under [`MIN_BLOCK`]); the whole length where it is not cut. More blocks than
+/// threads ran slower (eight blocks on two threads: 180-220 GFLOP/s against two blocks'
+/// 175-260).
+///
+/// A cut must keep every block on the path gemm takes for the whole product (gemm-common
+/// 0.19's `gemm_basic_generic`), whose inner blocks then depend on `k` alone: not both output
+/// sides 64 or less (`kc = min(k, 512)` instead), not 256 outputs or fewer (a path with
+/// `kc = 1024`), not one row or column (gemv), not `k <= 2`. So a product whose short side is
+/// under 4 or whose `k` is 2 or less is never cut, and neither is one whose blocks would be
+/// under [`MIN_BLOCK`] long (a short side of 4 or more then makes over 256 outputs a block).
 fn blocks(m: usize, n: usize, k: usize, threads: usize) -> (bool, usize) {
-    let count = (m * n * k / BLOCK_MACS).clamp(1, threads.max(1));
     let rows = m >= n;
-    let long = if rows { m } else { n };
-    (rows, long.div_ceil(count).next_multiple_of(16).max(16))
+    let (long, short) = if rows { (m, n) } else { (n, m) };
+    let mut count = (m * n * k / BLOCK_MACS).clamp(1, threads.max(1));
+    if short < 4 || k <= 2 {
+        count = 1;
+    }
+    while count > 1 {
+        let len = long.div_ceil(count).next_multiple_of(16);
+        let last = long - (long.div_ceil(len) - 1) * len;
+        if len >= MIN_BLOCK && last >= MIN_BLOCK {
+            return (rows, len);
+        }
+        count -= 1;
+    }
+    (rows, long.max(1))
 }
 
 /// A pointer shared by the blocks of one product, each of which writes its own part of it.

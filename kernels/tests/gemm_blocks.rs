@@ -1,6 +1,7 @@
 //! The blocked matrix product: the values of one single-threaded gemm call, bit for bit,
 //! however many threads cut the output (pools of 1, 2, 3 and 5 threads), along rows and along
-//! columns, transposed operands, accumulating or not; wrong lengths one error.
+//! columns, transposed operands, accumulating or not, at shapes where a careless cut would put
+//! a block on another of gemm's paths; wrong lengths one error.
 
 use ft_kernels::gemm_blocks::{product, Mat};
 
@@ -22,11 +23,16 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 #[test]
 fn any_cut_gives_the_single_call_values_bit_for_bit() {
     // (m, n, k): cut along columns, along rows, an odd long axis, a long inner axis (gemm's
-    // inner blocks), one too small to cut.
+    // inner blocks), one whose halves would have both sides under 65 (gemm's other inner
+    // block size: not cut), one whose last block would be short (cut in fewer blocks), a short
+    // side of 5, one too small to cut.
     for (i, &(m, n, k)) in [
         (64, 1030, 576),
         (1000, 72, 200),
         (333, 129, 1500),
+        (48, 96, 1000),
+        (70, 150, 600),
+        (5, 900, 700),
         (16, 40, 8),
     ]
     .iter()

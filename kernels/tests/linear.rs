@@ -119,6 +119,7 @@ fn the_op_is_candles_matmul_and_bias_add() -> Result<()> {
     );
     for (i, (xs, dout)) in [
         (vec![2usize, 300, 128], 160usize),
+        (vec![4, 250, 96], 192),
         (vec![700, 48], 40),
         (vec![3, 5], 7),
         (vec![1, 1, 130], 257),

@@ -43,7 +43,9 @@ fn op_enabled() -> bool {
 }
 
 /// Whether `linear(x, weight, bias)` runs as one op: on the CPU, everything f32 or everything
-/// f64, a contiguous [out, in] weight (and bias), the op switched on.
+/// f64, a contiguous [out, in] weight and [out] bias, the op switched on. (The memory plans
+/// count the op wherever these hold, also under `FT_LINEAR_OP=0`: the switch is for
+/// measurements.)
 pub fn is_one_op(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> bool {
     let dtype = x.dtype();
     op_enabled()
@@ -52,7 +54,9 @@ pub fn is_one_op(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> bool {
         && weight.dtype() == dtype
         && weight.rank() == 2
         && weight.is_contiguous()
-        && bias.is_none_or(|b| b.dtype() == dtype && b.is_contiguous())
+        && bias.is_none_or(|b| {
+            b.dtype() == dtype && b.is_contiguous() && b.dims() == [weight.dims()[0]]
+        })
 }
 
 /// `x @ weight^T + bias` for `x` of any rank >= 1 and `weight` of shape [out, in]: one op where

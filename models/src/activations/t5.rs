@@ -58,9 +58,10 @@ impl Walk<'_> {
             // block holds the larger one's temporaries, not both.
             let whole = b * a.heads * lq * lk;
             let chunk = b * a.heads * lk * a.chunk_rows(MAX_SCORES as u64);
-            let mut temporaries = SCORE_TEMPORARIES * chunk / 1000;
+            let factors = self.temporaries();
+            let mut temporaries = factors.scores * chunk / 1000;
             if per_example {
-                temporaries += BIAS_TEMPORARIES * whole / 1000;
+                temporaries += factors.bias * whole / 1000;
             }
             self.score_temporaries = self.score_temporaries.max(temporaries);
         }
@@ -128,30 +129,62 @@ impl Walk<'_> {
     }
 }
 
-/// Backward's temporaries through a T5 block besides its attention scores', in thousandths of
-/// its graph. With the next two, fitted on the CPU to 160 measured forward-and-backward runs
-/// (four T5 sizes, ten shapes from 32 x 16 + 16 to 2 x 2304 + 32 tokens, the last forming its
-/// encoder's scores in query chunks, four strategies) through the plan's walk with the
-/// gradients formed so far (`ActivationProfile::held_with`), an under-prediction weighing
-/// twice: the predicted peaks are 4.6% under to 8.6% over the measured ones. Rerun the fit with
+/// T5's backward temporaries: through a block besides its attention scores (`graph`, in
+/// thousandths of its graph), through the scores of a composed attention (`scores`, in
+/// thousandths of a score tensor per query chunk: the gradients of the probabilities and the
+/// scores) and through a bias with one score per example (`bias`, the encoder's with its padding
+/// mask added, in thousandths of a score tensor: its gradient, summed over the stack's layers).
+#[derive(Clone, Copy)]
+struct T5Temporaries {
+    graph: Temporaries,
+    scores: u64,
+    bias: u64,
+}
+
+/// Fitted on the CPU in f32 to 160 measured forward-and-backward runs (four T5 sizes, ten
+/// shapes from 32 x 16 + 16 to 2 x 2304 + 32 tokens, the last forming its encoder's scores in
+/// query chunks, four strategies) through the plan's walk with the gradients formed so far
+/// (`ActivationProfile::held_with`), an under-prediction weighing twice: the predicted peaks
+/// are 4.6% under to 8.6% over the measured ones. Rerun the fit with
 /// `scripts/fit_t5_temporaries.py` (its docstring has the command) whenever the block's ops
 /// change (last: the linear layers and attention's products as one op each on the CPU,
-/// `ft_kernels::linear`, `ft_kernels::batched`, after which the factors before, 600 / 300 /
-/// 450 and 7500 / 1500, came up to 9.5% over the main test's rows; before those, the norms as
-/// one op). One factor of the graph alone was off by up to 26%: short sequences wanted 1.5
-/// graphs, long ones 3. Measured on the CPU; on a GPU the attention forms no scores and the
-/// backward's temporaries have not been measured.
-const T5_TEMPORARIES: Temporaries = Temporaries {
-    whole: 450,
-    kept: 200,
-    recomputed: 350,
+/// `ft_kernels::linear`, `ft_kernels::batched`, after which [`SEPARATE_OPS`] came up to 9.5%
+/// over the main test's rows; before those, the norms as one op). One factor of the graph alone
+/// was off by up to 26%: short sequences wanted 1.5 graphs, long ones 3.
+const ONE_OP: T5Temporaries = T5Temporaries {
+    graph: Temporaries {
+        whole: 450,
+        kept: 200,
+        recomputed: 350,
+    },
+    scores: 8500,
+    bias: 1000,
 };
-/// Through the scores of a composed attention (the CPU's), in thousandths of a score tensor per
-/// query chunk: the gradients of the probabilities and the scores.
-const SCORE_TEMPORARIES: u64 = 8500;
-/// Through a bias with one score per example (the encoder's, its padding mask added), in
-/// thousandths of a score tensor: its gradient, summed over the stack's layers.
-const BIAS_TEMPORARIES: u64 = 1000;
+
+/// Where the linear layers and attention's products are candle's ops (`Target::cpu_op` false:
+/// bf16, CUDA): the same fit while the CPU ran them too (4.7% under to 9.3% over). On a GPU the
+/// attention of 64-wide heads forms no scores, and the backward's temporaries there have not
+/// been measured.
+const SEPARATE_OPS: T5Temporaries = T5Temporaries {
+    graph: Temporaries {
+        whole: 600,
+        kept: 300,
+        recomputed: 450,
+    },
+    scores: 7500,
+    bias: 1500,
+};
+
+impl Walk<'_> {
+    /// The factors for this walk's target and dtype.
+    fn temporaries(&self) -> T5Temporaries {
+        if self.target.cpu_op(self.dtype) {
+            ONE_OP
+        } else {
+            SEPARATE_OPS
+        }
+    }
+}
 
 impl T5Config {
     /// What one forward of `summed_loss` at `shape` keeps for its backward, in `dtype`, with
@@ -185,11 +218,12 @@ impl T5Config {
         }
         w.outer.f32_elems += 1; // the loss
         let s = dtype.size_in_bytes() as u64;
+        let temporaries = w.temporaries().graph;
         ActivationProfile {
             outer: w.outer.bytes(dtype),
             segments: w.segments,
             op_held: b * lt * d * s + 4 * self.vocab_size as u64 * d,
-            temporaries: T5_TEMPORARIES,
+            temporaries,
         }
     }
 }
@@ -214,11 +248,11 @@ mod tests {
         // One attention's scores (no chunks at this size), in f32 bytes.
         let scores = 4 * b * h * l * l;
         let decoder = &p.segments[cfg.num_layers];
-        assert_eq!(decoder.op_temporaries, SCORE_TEMPORARIES * scores / 1000);
+        assert_eq!(decoder.op_temporaries, ONE_OP.scores * scores / 1000);
         let encoder = &p.segments[0];
         assert_eq!(
             encoder.op_temporaries,
-            (SCORE_TEMPORARIES + BIAS_TEMPORARIES) * scores / 1000
+            (ONE_OP.scores + ONE_OP.bias) * scores / 1000
         );
     }
 }
