@@ -498,7 +498,7 @@ pub(crate) fn takes(x: &Tensor) -> bool {
 /// for a before-and-after measurement), like the CUDA kernels' switches.
 fn op_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FT_BATCH_NORM_OP").map_or(true, |v| v != "0"))
+    crate::switched_on(&ON, "FT_BATCH_NORM_OP")
 }
 
 /// [`batch_norm_train`] as candle's ops over [N, C, H, W] (a mean over one dimension at a time,

@@ -72,7 +72,7 @@ pub fn separate(
 /// `FT_BN_ADD_OP=0` turns the op off.
 fn op_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FT_BN_ADD_OP").map_or(true, |v| v != "0"))
+    crate::switched_on(&ON, "FT_BN_ADD_OP")
 }
 
 const NAME: &str = "batch norm + residual + relu";

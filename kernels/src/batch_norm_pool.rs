@@ -137,7 +137,7 @@ const INFER: &str = "affine + max pool";
 /// `FT_BN_POOL_OP=0` turns the op off.
 fn op_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FT_BN_POOL_OP").map_or(true, |v| v != "0"))
+    crate::switched_on(&ON, "FT_BN_POOL_OP")
 }
 
 /// Sizes of one plane, padded, and of its pooled output.

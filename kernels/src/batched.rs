@@ -12,17 +12,17 @@
 //! products of the same kind, only for the inputs in the graph.
 //! `FT_BATCHED_OP=0` runs candle's ops.
 
-use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu;
 use crate::gemm_blocks::{scaled_product, GemmFloat, Mat};
-use crate::host::with_slice;
+use crate::host::{shaped_like, with_slice};
 
 /// Whether the op runs (`FT_BATCHED_OP=0` turns it off), read once.
 fn op_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FT_BATCHED_OP").map_or(true, |v| v != "0"))
+    crate::switched_on(&ON, "FT_BATCHED_OP")
 }
 
 /// Whether [`batched_matmul`] of `a` and `b` runs as one op: both on the CPU, both f32 or both
@@ -251,11 +251,11 @@ impl CustomOp2 for Batched {
         match a.dtype() {
             candle_core::DType::F32 => {
                 let (da, db) = run::<f32>(self, inputs, want, (batch, m, n, k))?;
-                Ok((gradient(da, a)?, gradient(db, b)?))
+                Ok((shaped_like(da, a)?, shaped_like(db, b)?))
             }
             candle_core::DType::F64 => {
                 let (da, db) = run::<f64>(self, inputs, want, (batch, m, n, k))?;
-                Ok((gradient(da, a)?, gradient(db, b)?))
+                Ok((shaped_like(da, a)?, shaped_like(db, b)?))
             }
             t => bail!("batched matmul backward: {t:?} (f32 or f64)"),
         }
@@ -264,10 +264,3 @@ impl CustomOp2 for Batched {
 
 /// The two inputs' gradients, each where it was formed.
 type Pair<T> = (Option<T>, Option<T>);
-
-/// A gradient's values as a tensor shaped as its input, where it was formed.
-fn gradient<T: WithDType>(values: Option<Vec<T>>, like: &Tensor) -> Result<Option<Tensor>> {
-    values
-        .map(|v| Tensor::from_vec(v, like.shape(), like.device()))
-        .transpose()
-}

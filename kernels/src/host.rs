@@ -294,3 +294,13 @@ pub fn narrowed(t: &Tensor, dtype: DType) -> Option<candle_core::Result<Tensor>>
         _ => None,
     }
 }
+
+/// A gradient's values (where it was formed) as a tensor shaped as its input, on its device.
+pub(crate) fn shaped_like<T: candle_core::WithDType>(
+    values: Option<Vec<T>>,
+    like: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
+    values
+        .map(|v| Tensor::from_vec(v, like.shape(), like.device()))
+        .transpose()
+}

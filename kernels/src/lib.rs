@@ -36,6 +36,12 @@ pub mod softmax;
 pub mod threads;
 pub mod upsample;
 
+/// Whether the environment leaves an op switched on: `VAR=0` turns it off (for before-and-after
+/// measurements), anything else or nothing leaves it on; read once into `cell`.
+pub(crate) fn switched_on(cell: &'static std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
+}
+
 /// Whether `x` runs through this crate's own kernels: always on the CPU, on CUDA for the dtypes
 /// the CUDA kernels are compiled for; elsewhere the ops fall back to compositions of candle ops
 /// whose backward is correct.

@@ -493,7 +493,7 @@ impl CustomOp3 for NormAffine {
 /// tensors the composition keeps).
 pub(crate) fn takes(x: &Tensor) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("FT_NORM_OP").map_or(true, |v| v != "0"));
+    let on = crate::switched_on(&ON, "FT_NORM_OP");
     on && crate::has_kernel(x)
 }
 

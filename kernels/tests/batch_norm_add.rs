@@ -19,15 +19,6 @@ fn the_op_is_on() {
     );
 }
 
-/// Whether `a` and `b` hold the same bits (a zero's sign included), element by element.
-fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let bits = |t: &Tensor| -> Result<Vec<u64>> {
-        let v: Vec<f64> = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        Ok(v.iter().map(|x| x.to_bits()).collect())
-    };
-    Ok(a.dims() == b.dims() && bits(a)? == bits(b)?)
-}
-
 /// An input of few distinct values (steps of 1/4), so that sums land on exactly zero.
 fn coarse(shape: &[usize], seed: u64) -> Result<Tensor> {
     (rand(shape, seed)? * 4.0)?.round()? / 4.0

@@ -50,15 +50,6 @@ fn pools() -> [MaxPool; 6] {
     ]
 }
 
-/// Whether `a` and `b` hold the same bits (a zero's sign included), element by element.
-fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let bits = |t: &Tensor| -> Result<Vec<u64>> {
-        let v: Vec<f64> = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        Ok(v.iter().map(|x| x.to_bits()).collect())
-    };
-    Ok(a.dims() == b.dims() && bits(a)? == bits(b)?)
-}
-
 #[test]
 fn values_statistics_and_gradients_are_the_separate_ops_bit_for_bit() -> Result<()> {
     the_op_is_on();

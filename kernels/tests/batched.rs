@@ -9,15 +9,6 @@ use candle_core::{DType, Result, Tensor, Var};
 use common::*;
 use ft_kernels::batched::{batched_matmul, is_one_op};
 
-/// Whether `a` and `b` hold the same bits, element by element.
-fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let bits = |t: &Tensor| -> Result<Vec<u64>> {
-        let v: Vec<f64> = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        Ok(v.iter().map(|x| x.to_bits()).collect())
-    };
-    Ok(a.dims() == b.dims() && bits(a)? == bits(b)?)
-}
-
 /// The last two axes swapped, made contiguous.
 fn t(x: &Tensor) -> Result<Tensor> {
     let r = x.rank();

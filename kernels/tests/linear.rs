@@ -83,15 +83,6 @@ fn gradients_match_finite_differences() -> Result<()> {
     Ok(())
 }
 
-/// Whether `a` and `b` hold the same bits, element by element.
-fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let bits = |t: &Tensor| -> Result<Vec<u64>> {
-        let v: Vec<f64> = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        Ok(v.iter().map(|x| x.to_bits()).collect())
-    };
-    Ok(a.dims() == b.dims() && bits(a)? == bits(b)?)
-}
-
 /// `x W^T (+ b)` through candle's own ops: the reference the one-op layer is held to.
 fn candle_ops(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let d = x.dims().to_vec();

@@ -307,14 +307,11 @@ pub(super) fn backward_tensors(
         .ok_or_else(|| {
             candle_core::Error::Msg("conv2d backward: tensors not on the CPU".into())
         })??;
-        let db = match (grads.db, bias) {
-            (Some(db), Some(b)) => Some(Tensor::from_vec(db, b.shape(), b.device())?),
-            _ => None,
-        };
-        let dx = match grads.dx {
-            Some(dx) => Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+        let db = match bias {
+            Some(b) => crate::host::shaped_like(grads.db, b)?,
             None => None,
         };
+        let dx = crate::host::shaped_like(grads.dx, x)?;
         Ok((dx, Tensor::from_vec(grads.dw, w.shape(), w.device())?, db))
     }
     match x.dtype() {

@@ -39,7 +39,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// Whether the one-op linear layer runs (`FT_LINEAR_OP=0` turns it off), read once.
 fn op_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FT_LINEAR_OP").map_or(true, |v| v != "0"))
+    crate::switched_on(&ON, "FT_LINEAR_OP")
 }
 
 /// Whether `linear(x, weight, bias)` runs as one op: on the CPU, everything f32 or everything

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use crate::cpu;
 use crate::gemm_blocks::{product, GemmFloat, Mat};
-use crate::host::with_slice;
+use crate::host::{shaped_like, with_slice};
 
 /// Rows (of the output) below which the bias is added on one thread.
 const PAR_ROWS_ELEMS: usize = 1 << 15;
@@ -184,15 +184,11 @@ fn backward_tensors(
         .ok_or_else(|| {
             candle_core::Error::Msg("linear backward: tensors not on the CPU".into())
         })??;
-        let tensor = |v: Option<Vec<T>>, like: &Tensor| match v {
-            Some(v) => Tensor::from_vec(v, like.shape(), like.device()).map(Some),
-            None => Ok(None),
-        };
         let db = match bias {
-            Some(b) => tensor(db, b)?,
+            Some(b) => shaped_like(db, b)?,
             None => None,
         };
-        Ok((tensor(dx, x)?, tensor(dw, w)?, db))
+        Ok((shaped_like(dx, x)?, shaped_like(dw, w)?, db))
     }
     match x.dtype() {
         candle_core::DType::F32 => run::<f32>(x, w, bias, dy, d),

@@ -50,3 +50,12 @@ pub fn zeros_in(t: &Tensor) -> Result<f64> {
         .sum_all()?
         .to_scalar::<f64>()
 }
+
+/// Whether `a` and `b` hold the same bits (a zero's sign included), element by element.
+pub fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let bits = |t: &Tensor| -> Result<Vec<u64>> {
+        let v: Vec<f64> = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        Ok(v.iter().map(|x| x.to_bits()).collect())
+    };
+    Ok(a.dims() == b.dims() && bits(a)? == bits(b)?)
+}
