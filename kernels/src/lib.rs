@@ -24,6 +24,7 @@ mod elem;
 pub mod fastmath;
 pub mod gated;
 pub mod gemm_blocks;
+pub mod grad_tap;
 pub mod gradcheck;
 pub mod host;
 pub mod linear;

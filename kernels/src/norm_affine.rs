@@ -429,7 +429,7 @@ impl CustomOp2 for NormAffine {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = self.grads(x, w, None, g)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((Some(dx), crate::grad_tap::hand_over(w, Some(dw))?))
     }
 }
 
@@ -483,7 +483,8 @@ impl CustomOp3 for NormAffine {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = self.grads(x, w, Some(b), g)?;
-        Ok((Some(dx), Some(dw), db))
+        let tap = crate::grad_tap::hand_over;
+        Ok((Some(dx), tap(w, Some(dw))?, tap(b, db)?))
     }
 }
 

@@ -2,6 +2,7 @@
 //! SDXL-shaped UNet on CPU at 128 and 256 px, with and without checkpointing, next to PyTorch +
 //! diffusers in the same run (when `python3` with torch and diffusers is found; set `BENCH_PYTHON`
 //! to choose one), then the memory plan of the full SDXL UNet from its real config.
+//! `SDXL_BENCH_ONLY="256 full"` runs one row (pixels and `--checkpointing`), for a profiler.
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::unet::{UNet, UNetConfig};
@@ -162,6 +163,7 @@ fn bench() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|");
     // Activation peaks (heap peak minus the gradients) for the plan below.
     let mut act = Vec::new();
+    let only = std::env::var("SDXL_BENCH_ONLY").ok();
     for latent in [16usize, 32] {
         // Each strategy of `--checkpointing`; PyTorch plain after `none`, checkpointed after
         // `full`.
@@ -171,6 +173,12 @@ fn bench() -> anyhow::Result<()> {
             Strategy::Every(2),
             Strategy::Full,
         ] {
+            if only
+                .as_ref()
+                .is_some_and(|o| *o != format!("{} {strategy}", latent * 8))
+            {
+                continue;
+            }
             let r = ours(&cfg, latent, strategy)?;
             let torch_ck = match strategy {
                 Strategy::None => Some(false),
@@ -221,6 +229,9 @@ fn bench() -> anyhow::Result<()> {
         }
     }
     std::fs::remove_file(&path).ok();
+    if only.is_some() {
+        return Ok(());
+    }
 
     // The full SDXL UNet from its real config, counted without allocating it.
     let full_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -28,7 +28,7 @@ use candle_core::{
     CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 
-use crate::cpu;
+use crate::{cpu, grad_tap};
 
 mod by_image;
 mod geometry;
@@ -131,7 +131,7 @@ impl CustomOp2 for Conv2d {
         let (l, ck) = g.cols();
         if matches!(x.dtype(), DType::F32 | DType::F64) {
             let (dx, dw, _) = backward_tensors(x, w, None, dy, &g, o)?;
-            return Ok((dx, Some(dw)));
+            return Ok((dx, grad_tap::hand_over(w, Some(dw))?));
         }
         // dY as [B, L, O]
         let dy = dy
@@ -197,7 +197,11 @@ impl CustomOp3 for Conv2dBias {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (g, o) = self.0.geometry(x.dims(), w.dims())?;
         let (dx, dw, db) = backward_tensors(x, w, Some(b), dy, &g, o)?;
-        Ok((dx, Some(dw), db))
+        Ok((
+            dx,
+            grad_tap::hand_over(w, Some(dw))?,
+            grad_tap::hand_over(b, db)?,
+        ))
     }
 }
 

@@ -97,7 +97,8 @@ impl candle_core::CustomOp2 for LinearCrossEntropy {
                 .broadcast_mul(&g.to_dtype(acc)?)?
                 .to_dtype(like.dtype())
         };
-        Ok((Some(scale(gh, h)?), Some(scale(gw, w)?)))
+        let gw = crate::grad_tap::hand_over(w, Some(scale(gw, w)?))?;
+        Ok((Some(scale(gh, h)?), gw))
     }
 }
 

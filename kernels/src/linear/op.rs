@@ -11,9 +11,9 @@
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::cpu;
 use crate::gemm_blocks::{product, GemmFloat, Mat};
 use crate::host::{shaped_like, with_slice};
+use crate::{cpu, grad_tap};
 
 /// Rows (of the output) below which the bias is added on one thread.
 const PAR_ROWS_ELEMS: usize = 1 << 15;
@@ -220,7 +220,7 @@ impl CustomOp2 for Linear {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = backward_tensors(x, w, None, dy)?;
-        Ok((dx, dw))
+        Ok((dx, grad_tap::hand_over(w, dw)?))
     }
 }
 
@@ -249,6 +249,7 @@ impl CustomOp3 for Linear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        backward_tensors(x, w, Some(b), dy)
+        let (dx, dw, db) = backward_tensors(x, w, Some(b), dy)?;
+        Ok((dx, grad_tap::hand_over(w, dw)?, grad_tap::hand_over(b, db)?))
     }
 }

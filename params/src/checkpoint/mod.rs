@@ -27,6 +27,7 @@ pub use strategy::{budget_keeps, Strategy};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Tensor, TensorId, Var};
+use ft_kernels::grad_tap;
 
 use crate::error::Result;
 use segment::{Body, KeptGraph, SegmentOp};
@@ -410,10 +411,13 @@ impl Checkpointer {
     }
 
     fn collect(&self, loss: &Tensor, params: &[Var]) -> Result<Vec<Option<Tensor>>> {
+        // The ops hand the parameters' gradients over themselves (no zero-filled slot and add
+        // per parameter in candle's store), segments' included.
+        let _tap = grad_tap::open();
         let mut grads = loss.backward()?;
         let mut out = Vec::with_capacity(params.len());
         for p in params {
-            let direct = grads.remove(p.as_tensor());
+            let direct = grad_tap::remove(&mut grads, p.as_tensor())?;
             let from_segments = self.sink.take(p.id());
             // Detached: a gradient computed from tracked activations records the ops that made
             // it, and would keep the whole forward graph alive for as long as it (or optimizer

@@ -9,6 +9,8 @@ use candle_core::{
     Tensor, Var,
 };
 
+use ft_kernels::grad_tap;
+
 use super::sink::locked;
 use super::{GradSink, SegmentFn};
 
@@ -158,29 +160,26 @@ impl SegmentOp {
         let surrogate = (y * grad_out)?.sum_all()?;
         let mut grads = surrogate.backward()?;
         drop(surrogate);
-        let finished = self
-            .params
-            .iter()
-            .filter_map(|p| Some((p.clone(), grads.remove(p.as_tensor())?.detach())))
-            .collect();
+        let mut finished = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            if let Some(g) = grad_tap::remove(&mut grads, p.as_tensor())? {
+                finished.push((p.clone(), g.detach()));
+            }
+        }
         self.sink.finish(finished)?;
-        leaves
-            .iter()
-            .zip(&self.tracked)
-            .map(|(v, tracked)| match (v, tracked) {
-                (Some(v), true) => grads.remove(v.as_tensor()).map(|g| {
-                    let g = g.detach();
-                    // Back to the host, where this op's inputs are.
-                    if host {
-                        g.to_device(&Device::Cpu)
-                    } else {
-                        Ok(g)
-                    }
-                }),
+        let mut out = Vec::with_capacity(leaves.len());
+        for (v, tracked) in leaves.iter().zip(&self.tracked) {
+            let g = match (v, tracked) {
+                (Some(v), true) => grad_tap::remove(&mut grads, v.as_tensor())?,
                 _ => None,
-            })
-            .map(|g| g.transpose())
-            .collect()
+            };
+            out.push(match g {
+                // Back to the host, where this op's inputs are.
+                Some(g) if host => Some(g.detach().to_device(&Device::Cpu)?),
+                g => g.map(|g| g.detach()),
+            });
+        }
+        Ok(out)
     }
 
     fn cpu_out(&self) -> candle_core::Result<(CpuStorage, Shape)> {
