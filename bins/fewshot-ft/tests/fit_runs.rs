@@ -51,8 +51,10 @@ fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
             // budget: the optimizer's step inside the fused backward was not in the plan. It
             // is now (`OptimSpec::step_bytes`, counted where each segment steps). 0.74 was
             // the tightest budget that fits until the blocks' joins became one op (the
-            // smallest plan now needs 0.741 of the plain one's, with the reserve).
-            &[1.3, 0.8, 0.75],
+            // smallest plan then needed 0.741 of the plain one's, with the reserve), 0.75
+            // until the weights' gradients stopped going through candle's store (the plain
+            // plan's backward shrank more than the smallest one's: 0.763 now).
+            &[1.3, 0.8, 0.77],
         ),
     ];
     let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, fewshot_ft::run::plan)?;
