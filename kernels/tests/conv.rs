@@ -315,3 +315,40 @@ fn an_input_outside_the_graph_gets_no_gradient_and_changes_nothing() -> Result<(
     }
     Ok(())
 }
+
+/// A bias of each image's own ([B, O]: a UNet block's time embedding plus its convolution's
+/// bias) is added in the op: the convolution plus a broadcast add, within rounding, on the
+/// lone-image path (20 x 20 outputs) and the grouped one (4 x 4); its gradient (each image's
+/// spatial sums) and the others by finite differences; a bias for other images is one error.
+#[test]
+fn a_bias_per_image_is_added_in_the_op() -> Result<()> {
+    let dev = Device::Cpu;
+    for (b, hw) in [(3usize, 20usize), (5, 4)] {
+        let x = random_tensor(&[b, 3, hw, hw], 21, &dev)?;
+        let w = random_tensor(&[4, 3, 3, 3], 22, &dev)?;
+        let bias = random_tensor(&[b, 4], 23, &dev)?;
+        let want = x
+            .conv2d(&w, 1, 1, 1, 1)?
+            .broadcast_add(&bias.unsqueeze(2)?.unsqueeze(3)?)?;
+        let ours = conv2d(&x, &w, Some(&bias), 1, 1)?;
+        let d = (ours - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(d < 1e-12, "{b} images of {hw}x{hw}: {d}");
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32);
+        let ours = conv2d(&f32s(&x)?, &f32s(&w)?, Some(&f32s(&bias)?), 1, 1)?;
+        let d = (ours.to_dtype(DType::F64)? - &want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        assert!(d < 1e-5, "f32, {b} images of {hw}x{hw}: {d}");
+        check_gradients(
+            |t: &[Tensor]| conv2d(&t[0], &t[1], Some(&t[2]), 1, 1),
+            &[x.clone(), w.clone(), bias],
+            1e-5,
+        )?
+        .assert_close(1e-6)?;
+        let other = random_tensor(&[b + 1, 4], 24, &dev)?;
+        let err = conv2d(&x, &w, Some(&other), 1, 1).expect_err("a bias for other images");
+        assert!(err.to_string().contains("bias"), "{err}");
+    }
+    Ok(())
+}

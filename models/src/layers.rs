@@ -124,6 +124,19 @@ impl Conv2d {
         )
     }
 
+    /// `self.forward(x) + shift[:, :, None, None]` for `shift` [N, O] (a UNet block's time
+    /// embedding): the shift and the bias summed first ([N, O]) and added by the convolution
+    /// (`ft_kernels::conv::conv2d`'s per-image bias), so the graph keeps one map of the output's
+    /// size rather than two. The sum rounds `conv + (bias + shift)` where PyTorch rounds
+    /// `(conv + bias) + shift`.
+    pub fn forward_shifted(&self, x: &Tensor, shift: &Tensor) -> candle_core::Result<Tensor> {
+        let bias = match &self.bias {
+            Some(b) => shift.broadcast_add(b)?,
+            None => shift.clone(),
+        };
+        ft_kernels::conv::conv2d(x, &self.weight, Some(&bias), self.stride, self.padding)
+    }
+
     pub fn tensors(&self) -> Vec<Tensor> {
         let mut v = vec![self.weight.clone()];
         v.extend(self.bias.clone());

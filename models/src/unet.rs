@@ -183,13 +183,10 @@ impl Resnet {
         })
     }
     fn forward(&self, x: &Tensor, temb: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.conv1.forward(&self.norm1.forward_silu(x)?)?;
-        let t = self
-            .temb
-            .forward(&silu(temb)?)?
-            .unsqueeze(2)?
-            .unsqueeze(3)?;
-        let h = h.broadcast_add(&t)?;
+        let t = self.temb.forward(&silu(temb)?)?;
+        let h = self
+            .conv1
+            .forward_shifted(&self.norm1.forward_silu(x)?, &t)?;
         let h = self.conv2.forward(&self.norm2.forward_silu(&h)?)?;
         let s = match &self.shortcut {
             Some(c) => c.forward(x)?,

@@ -545,7 +545,7 @@ fn plan_of_the_full_unet_with_the_seed_preset() -> anyhow::Result<()> {
         assert!(full_host < full && full < every2 && every2 < none && none < blocks);
         // The README's figures at 1024 px.
         if res == 1024 {
-            assert!((gib(none) - 10.10).abs() < 0.01, "{table}");
+            assert!((gib(none) - 10.01).abs() < 0.01, "{table}");
             assert!((gib(full) * 1024.0 - 857.28).abs() < 0.01, "{table}");
         }
     }
@@ -746,14 +746,14 @@ fn fit_plans_for_seed_001_at_128_and_1024_px() -> anyhow::Result<()> {
     for (row, turned) in [
         (
             "| 1024 | 24GiB | `--optim adamw8bit --offload-optimizer` |",
-            "| 19.86 GiB |",
+            "| 19.77 GiB |",
         ),
         (
             "| 1024 | 16GiB | `--checkpointing budget:",
             "--offload-optimizer` |",
         ),
         (
-            "| 1024 | 8GiB | `--checkpointing budget:1543MiB",
+            "| 1024 | 8GiB | `--checkpointing budget:1546MiB",
             "--optim adamw8bit --offload-optimizer` |",
         ),
     ] {
@@ -868,10 +868,11 @@ fn the_plan_takes_the_latent_size_from_the_vae() -> anyhow::Result<()> {
     cfg["block_out_channels"] = serde_json::json!([8, 16, 16, 16]);
     std::fs::write(&path, cfg.to_string())?;
     let four_levels = plan()?;
-    // Four times the latent pixels: 2.9 times the kept activations (the time embedding and the
-    // text states' keys and values do not grow); at one factor for both, the two would be equal.
+    // Four times the latent pixels: 2.5 times the kept activations (the time embedding and the
+    // text states' keys and values do not grow; 2.9 times before the blocks' time embedding
+    // went into their first convolution's bias); at one factor for both, the two would be equal.
     assert!(
-        2 * three_levels > 5 * four_levels,
+        5 * three_levels > 12 * four_levels,
         "{three_levels} bytes at 8 x 8 latents, {four_levels} at 4 x 4"
     );
     std::fs::remove_dir_all(&out).ok();

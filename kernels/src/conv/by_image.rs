@@ -14,6 +14,8 @@ use crate::gemm_blocks::{product as gemm_into, Mat};
 /// are small) unfolded side by side into one reused buffer and multiplied by the weight; a lone
 /// image's product goes straight into its [O, Ho*Wo] output, which starts as the bias, a group's
 /// into a scratch [O, G*Ho*Wo] that starts as the bias and is split into the images' outputs.
+/// The bias is a channel's ([O]) or each image's own ([B, O] as B*O values: a UNet block's
+/// convolution bias plus its time embedding).
 fn forward_by_image<T: GemmFloat>(
     x: &[T],
     w: &[T],
@@ -38,18 +40,25 @@ fn forward_by_image<T: GemmFloat>(
             g.image_columns(x, gi * group + i, 0..ck, cols, at);
         }
         let (lhs, rhs) = (Mat::new(w, false), Mat::new(&cols[..ck * gl], false));
+        // Image `i`'s bias for channel `oi`: a channel's, or an image's own ([B, O]).
+        let bias_of = |b: &[T], i: usize, oi: usize| match b.len() == o {
+            true => b[oi],
+            false => b[(gi * group + i) * o + oi],
+        };
         if n == 1 {
             if let Some(b) = bias {
-                for (row, v) in y.chunks_mut(l.max(1)).zip(b) {
-                    row.fill(*v);
+                for (oi, row) in y.chunks_mut(l.max(1)).enumerate() {
+                    row.fill(bias_of(b, 0, oi));
                 }
             }
             return gemm_into(y, lhs, rhs, o, l, ck, bias.is_some(), threads);
         }
         let scratch = &mut scratch[..o * gl];
         if let Some(b) = bias {
-            for (row, v) in scratch.chunks_mut(gl).zip(b) {
-                row.fill(*v);
+            for (oi, row) in scratch.chunks_mut(gl).enumerate() {
+                for (i, part) in row.chunks_mut(l.max(1)).enumerate() {
+                    part.fill(bias_of(b, i, oi));
+                }
             }
         }
         gemm_into(scratch, lhs, rhs, o, gl, ck, bias.is_some(), threads)?;
@@ -149,8 +158,8 @@ struct ConvGrads<T> {
 }
 
 /// The image-by-image backward of `x` [B, C, H, W], `w` [O, C*k*k] and the output gradient `dy`
-/// [B, O, Ho*Wo]: the bias gradient (per channel, summed in f64, images in order) when
-/// `with_bias`; the input gradient only `with_dx` (a network's first layer reads images, which
+/// [B, O, Ho*Wo]: the bias gradient (summed in f64, per channel with the images in order, or per
+/// image for a [B, O] bias of `bias_len` B*O values) when there is a bias; the input gradient only `with_dx` (a network's first layer reads images, which
 /// need none: its two products per image and the folding were a third of that layer's
 /// backward), a group of images ([`Geometry::group`]) at a time, the groups on rayon's threads
 /// when [`Geometry::images_in_parallel`]; the weight gradient by [`weight_grad`].
@@ -161,17 +170,20 @@ fn backward_by_image<T: GemmFloat>(
     dy: &[T],
     g: &Geometry,
     o: usize,
-    with_bias: bool,
+    bias_len: Option<usize>,
     with_dx: bool,
 ) -> Result<ConvGrads<T>> {
     let (l, ck) = g.cols();
     let group = g.group();
     let chw = g.c * g.h * g.w;
     let mut dx = vec![T::zero(); if with_dx { g.b * chw } else { 0 }];
-    let mut db = vec![0f64; if with_bias { o } else { 0 }];
-    if with_bias {
-        for dyb in dy.chunks((o * l).max(1)).take(g.b) {
-            for (sum, row) in db.iter_mut().zip(dyb.chunks(l.max(1))) {
+    let mut db = vec![0f64; bias_len.unwrap_or(0)];
+    if let Some(n) = bias_len {
+        // A channel's sum over the images in order, or each image's own.
+        let per_image = n != o;
+        for (img, dyb) in dy.chunks((o * l).max(1)).take(g.b).enumerate() {
+            let sums = &mut db[if per_image { img * o } else { 0 }..][..o];
+            for (sum, row) in sums.iter_mut().zip(dyb.chunks(l.max(1))) {
                 *sum += row.iter().map(|v| v.to_f64()).sum::<f64>();
             }
         }
@@ -214,7 +226,7 @@ fn backward_by_image<T: GemmFloat>(
     Ok(ConvGrads {
         dx: with_dx.then_some(dx),
         dw,
-        db: with_bias.then(|| db.into_iter().map(T::from_f64).collect()),
+        db: bias_len.map(|_| db.into_iter().map(T::from_f64).collect()),
     })
 }
 
@@ -298,7 +310,8 @@ pub(super) fn backward_tensors(
         let grads = crate::host::with_slice(&x_, |xs| {
             crate::host::with_slice(&w_, |ws| {
                 crate::host::with_slice(&dy_, |ds| {
-                    backward_by_image::<T>(xs, ws, ds, g, o, bias.is_some(), x.track_op())
+                    let bias_len = bias.map(|b| b.elem_count());
+                    backward_by_image::<T>(xs, ws, ds, g, o, bias_len, x.track_op())
                 })
             })
         })

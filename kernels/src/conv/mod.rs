@@ -177,8 +177,12 @@ impl CustomOp3 for Conv2dBias {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (g, o) = self.0.geometry(l1.dims(), l2.dims())?;
-        if l3.dims() != [o] {
-            candle_core::bail!("conv2d: a bias of {:?} for {o} channels", l3.dims());
+        if l3.dims() != [o] && l3.dims() != [g.b, o] {
+            candle_core::bail!(
+                "conv2d: a bias of {:?} for {} images of {o} channels",
+                l3.dims(),
+                g.b
+            );
         }
         let (oh, ow) = g.out_hw();
         let Some(out) = forward_storage((s1, l1), (s2, l2), Some((s3, l3)), &g, o)? else {
@@ -211,8 +215,10 @@ pub fn bias_in_op(device: &candle_core::Device, dtype: DType) -> bool {
     device.is_cpu() && matches!(dtype, DType::F32 | DType::F64)
 }
 
-/// `conv2d(x, weight) + bias` for x [N, C, H, W], weight [O, C, k, k], bias [O], with equal
-/// stride and padding on both axes (what every model in this workspace uses).
+/// `conv2d(x, weight) + bias` for x [N, C, H, W], weight [O, C, k, k], bias [O] or [N, O] (each
+/// image's own: a UNet block's convolution bias plus its time embedding, added in the op rather
+/// than by a broadcast add that would keep a second map of the output's size), with equal stride
+/// and padding on both axes (what every model in this workspace uses).
 pub fn conv2d(
     x: &Tensor,
     weight: &Tensor,
@@ -240,6 +246,7 @@ pub fn conv2d(
     };
     let y = y?;
     match bias {
+        Some(b) if b.rank() == 2 => y.broadcast_add(&b.unsqueeze(2)?.unsqueeze(3)?),
         Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?),
         None => Ok(y),
     }

@@ -48,7 +48,7 @@ impl Walk<'_> {
         t.conv(b * cout * hw, self.bias_op);
         t.new_tensor(b * self.temb); // silu of the time embedding
         t.linear(b, self.temb, cout, self.bias_op, false);
-        t.new_tensor(b * cout * hw); // + time embedding
+        t.new_tensor(b * cout); // time embedding + conv bias, added by the conv
         t.norm(b * cout * hw); // with its SiLU
         t.conv(b * cout * hw, self.bias_op);
         if cin != cout {
