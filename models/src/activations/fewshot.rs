@@ -266,13 +266,16 @@ impl FewShotModel {
 /// Its graph is small (the conv's output and the pooled map) next to the gradients in flight
 /// through it: the conv's input and weight gradients (its column buffers are one image's, or a
 /// small group's), candle's sum for the conv output's gradient. (Measured again when the batch
-/// norm, ReLU and pooling became one op: the rows within 0.1%; 2010, 2470, 2490 before, of a
+/// norm, ReLU and pooling became one op: the rows within 0.1%; again when a segment's backward
+/// began from its output's gradient itself rather than from a product and a sum (the
+/// checkpointer's `seed`): `kept` and `recomputed` 2245 and 2280 -> 1245 and 1285, the
+/// measured peaks of Conv4's checkpointed rows 18% lower; 2010, 2470, 2490 before, of a
 /// graph that kept the normalised map; 2770, 3010, 3030 before the ReLU went inside the batch
 /// norm's op; 2420, 2810, 2820 before the pool's backward stopped converting to f64.)
 const CONV_TEMPORARIES: Temporaries = Temporaries {
     whole: 1255,
-    kept: 2245,
-    recomputed: 2280,
+    kept: 1245,
+    recomputed: 1285,
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as
@@ -283,23 +286,27 @@ const CONV_TEMPORARIES: Temporaries = Temporaries {
 /// image size and the episode: it follows neither exactly. Fitted again when the convolutions'
 /// weight gradients stopped going through candle's store (`ft_kernels::grad_tap`): ResNet10's
 /// rows -1.0% to +3.2%, where the factors before ([`SEPARATE_RESNET_TEMPORARIES`]) overshot
-/// `blocks` by up to 21.5% (its deep layers' weights are large next to their maps at 28-36 px).
+/// `blocks` by up to 21.5% (its deep layers' weights are large next to their maps at 28-36 px);
+/// and when segments' backward began from their output's gradient itself: `kept` 2750 -> 1900,
+/// `recomputed` 2500 -> 1510.
 /// (2860, 4800, 2950 before the blocks'
 /// joins went into the batch norm's op; 1435, 2200, 1745 before the stem's batch norm, ReLU,
 /// padding and pooling became one op; 1675, 2060, 1895 before the fused ReLUs.)
 const RESNET_TEMPORARIES: Temporaries = Temporaries {
     whole: 1400,
-    kept: 2750,
-    recomputed: 2500,
+    kept: 1900,
+    recomputed: 1510,
 };
 
 /// [`RESNET_TEMPORARIES`] where the convolutions are candle's (`Target::cpu_op` false: CUDA,
 /// and bf16 anywhere): their weights' gradients go through candle's store, a zero-filled slot
-/// and an add each, as they all did when these were measured on the CPU.
+/// and an add each, as they all did when these were measured on the CPU (2860 / 5300 / 2950),
+/// less what the segments' seeded backward took off `kept` and `recomputed` on the CPU (850
+/// and 1000): not measured where these apply.
 const SEPARATE_RESNET_TEMPORARIES: Temporaries = Temporaries {
     whole: 2860,
-    kept: 5300,
-    recomputed: 2950,
+    kept: 4450,
+    recomputed: 1950,
 };
 
 /// The FSCT head over `queries` query features and `ways` prototypes of `d` dimensions, its

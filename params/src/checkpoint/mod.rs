@@ -15,6 +15,7 @@
 //! from state captured in the closure, or the recomputed forward differs from the first one.
 
 mod profile;
+mod seed;
 mod segment;
 mod sink;
 mod strategy;
