@@ -7,12 +7,15 @@
 //! top of what the optimizer reads (a UNet's 32.8 M parameters: 525 MB a step).
 //!
 //! While a tap is open on this thread ([`open`]: the checkpointer opens one for each backward
-//! it runs), an op that forms the gradient of a variable ([`hand_over`]: the linear layer's,
-//! the convolution's and the norms' weights and biases, the output projection of the
-//! cross-entropy) keeps it here and returns none to candle: the first gradient of a parameter
-//! is kept as it is, a later one added to it (as candle would). The values are candle's, but a
-//! `-0.0` stays `-0.0` where candle's `0 + g` made it `+0.0`. Whoever reads the gradients
-//! takes both ([`remove`]). With no tap open (a plain `loss.backward()`, a test, a finite
+//! it runs), an op that forms the gradient of a variable ([`hand_over`]: the linear layer's and
+//! the convolution's weights and biases where they are this crate's one op, the CPU in f32 and
+//! f64; the norms' weights and biases and the output projection of the cross-entropy wherever
+//! they run) keeps it here and returns none to candle: the first gradient of a parameter is
+//! kept as it is, a later one added to it (as candle would). The values are candle's, but a
+//! `-0.0` stays `-0.0` where candle's `0 + g` made it `+0.0`, and a parameter that also gets
+//! gradients through candle's store (a weight read by one of candle's ops too) is summed
+//! store + tap rather than in the backward's order. Whoever reads the gradients takes both
+//! ([`remove`]). With no tap open (a plain `loss.backward()`, a test, a finite
 //! difference check) the ops return every gradient to candle as before. `FT_GRAD_TAP=0` keeps
 //! it closed, for before-and-after measurements.
 //!
@@ -68,19 +71,32 @@ pub fn hand_over(p: &Tensor, g: Option<Tensor>) -> Result<Option<Tensor>> {
     if !p.is_variable() {
         return Ok(Some(g));
     }
+    keep(p.id(), g)
+}
+
+/// Adds `g` to what the tap holds for `id`; `Some(g)` back when no tap is open.
+fn keep(id: TensorId, g: Tensor) -> Result<Option<Tensor>> {
     TAP.with(|t| {
         let mut t = t.borrow_mut();
         let Some(map) = t.as_mut() else {
             return Ok(Some(g));
         };
         let g = g.detach();
-        let sum = match map.remove(&p.id()) {
+        let sum = match map.remove(&id) {
             Some(prev) => prev.add(&g)?,
             None => g,
         };
-        map.insert(p.id(), sum);
+        map.insert(id, sum);
         Ok(None)
     })
+}
+
+/// Puts back a gradient [`take`]n for `id` (added to whatever the tap got for it since): a
+/// checkpoint segment sets aside what ops outside it handed over for its parameters while its
+/// own backward runs, so that it hands on only the gradients it formed. Dropped when no tap
+/// is open.
+pub fn restore(id: TensorId, g: Tensor) -> Result<()> {
+    keep(id, g).map(|_| ())
 }
 
 /// Takes the gradient the tap holds for `id`.

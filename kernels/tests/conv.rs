@@ -318,12 +318,14 @@ fn an_input_outside_the_graph_gets_no_gradient_and_changes_nothing() -> Result<(
 
 /// A bias of each image's own ([B, O]: a UNet block's time embedding plus its convolution's
 /// bias) is added in the op: the convolution plus a broadcast add, within rounding, on the
-/// lone-image path (20 x 20 outputs) and the grouped one (4 x 4); its gradient (each image's
-/// spatial sums) and the others by finite differences; a bias for other images is one error.
+/// lone-image path (20 x 20 outputs), one group (5 images of 4 x 4) and several groups on
+/// threads (20 images of 4 x 4: groups of 16 and 4); its gradient (each image's spatial sums)
+/// and the others by finite differences; a bias for other images is one error, and a [1, O]
+/// bias is a channel's for every image.
 #[test]
 fn a_bias_per_image_is_added_in_the_op() -> Result<()> {
     let dev = Device::Cpu;
-    for (b, hw) in [(3usize, 20usize), (5, 4)] {
+    for (b, hw) in [(3usize, 20usize), (5, 4), (20, 4)] {
         let x = random_tensor(&[b, 3, hw, hw], 21, &dev)?;
         let w = random_tensor(&[4, 3, 3, 3], 22, &dev)?;
         let bias = random_tensor(&[b, 4], 23, &dev)?;
@@ -349,6 +351,13 @@ fn a_bias_per_image_is_added_in_the_op() -> Result<()> {
         let other = random_tensor(&[b + 1, 4], 24, &dev)?;
         let err = conv2d(&x, &w, Some(&other), 1, 1).expect_err("a bias for other images");
         assert!(err.to_string().contains("bias"), "{err}");
+        let one = random_tensor(&[1, 4], 25, &dev)?;
+        let want = conv2d(&x, &w, Some(&one.flatten_all()?), 1, 1)?;
+        let d = (conv2d(&x, &w, Some(&one), 1, 1)? - want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        assert_eq!(d, 0.0, "a [1, O] bias");
     }
     Ok(())
 }

@@ -279,3 +279,55 @@ fn inference_gives_the_plain_values_and_keeps_no_graph() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A parameter read by one of the ops that hand their gradients to `ft_kernels::grad_tap`,
+/// inside a segment and again after it: the sum is plain backprop's, bit for bit (the outer
+/// op's gradient first, then the segment's, as candle's store adds them), and an early step is
+/// still refused. The outer op's backward runs before the segment's and its gradient waits in
+/// the tap; a segment that took what the tap held for its parameters would have handed that
+/// on as its own, and the refusal would have depended on the order of the backward.
+#[test]
+fn a_tapped_parameter_used_outside_its_segment_sums_and_is_refused_early() -> anyhow::Result<()> {
+    use ft_kernels::linear::linear;
+    use ft_params::checkpoint::EarlyStep;
+    let _g = SERIAL.lock();
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&(Tensor::arange(0f32, 64.0, &dev)?.reshape((8, 8))? * 0.05)?.cos()?)?;
+    let b = Var::from_tensor(&(Tensor::arange(0f32, 8.0, &dev)? * 0.1)?.sin()?)?;
+    let x = (Tensor::arange(0f32, 24.0, &dev)?.reshape((3, 8))? * 0.2)?.sin()?;
+    let vars = vec![w.clone(), b.clone()];
+    let (wt, bt) = (w.as_tensor().clone(), b.as_tensor().clone());
+    let seg: SegmentFn = Arc::new(move |xs: &[Tensor]| linear(&xs[0], &wt, Some(&bt))?.tanh());
+    let forward = |ck: Option<&Checkpointer>| -> anyhow::Result<Tensor> {
+        let h = match ck {
+            Some(ck) => {
+                ck.begin_forward();
+                ck.run(seg.clone(), &[&x], &vars)?
+            }
+            None => seg(std::slice::from_ref(&x))?,
+        };
+        Ok(linear(&h, w.as_tensor(), None)?.sqr()?.mean_all()?)
+    };
+    let plain = forward(None)?.backward()?;
+    let ck = Checkpointer::new(true);
+    let grads = ck.gradients(&forward(Some(&ck))?, &vars)?;
+    for (g, v) in grads.iter().zip(&vars) {
+        let g = g.as_ref().ok_or_else(|| anyhow::anyhow!("gradient lost"))?;
+        let want = plain
+            .get(v.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no plain gradient"))?;
+        assert_eq!(bits(g)?, bits(want)?);
+    }
+    // An early step taking everything it is offered: `w`'s gradient from its segment alone
+    // would be incomplete.
+    let hook: EarlyStep = Arc::new(|_grads: Vec<(Var, Tensor)>| Ok(Vec::new()));
+    let err = ck
+        .gradients_with(&forward(Some(&ck))?, &vars, Some(hook))
+        .expect_err("a parameter used inside and outside a segment under an early step");
+    assert!(
+        err.to_string()
+            .contains("inside a checkpointed segment and outside"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -230,6 +230,15 @@ pub fn conv2d(
         stride,
         pad: padding,
     };
+    // A [1, O] bias is a channel's, whatever the batch (as a broadcast add would take it).
+    let flat;
+    let bias = match bias {
+        Some(b) if b.rank() == 2 && b.dim(0)? == 1 => {
+            flat = b.flatten_all()?;
+            Some(&flat)
+        }
+        b => b,
+    };
     if let Some(b) = bias {
         if bias_in_op(x.device(), x.dtype()) && b.dtype() == x.dtype() {
             return x.contiguous()?.apply_op3(

@@ -4,9 +4,11 @@
 //!
 //! candle's `backward()` holds every node of the graph (and so every activation) until it
 //! returns, and has no recompute hook. A segment is therefore run as one custom op whose
-//! backward backpropagates `sum(output * grad_output)` through the segment's own graph (kept,
-//! or rebuilt on fresh `Var` copies of the inputs), hands the input gradients back to candle's
-//! backprop and puts the parameter gradients in a [`GradSink`]. When it returns, that graph is
+//! backward backpropagates the output's gradient (`seed.rs`: a scalar whose backward hands it
+//! to the output) through the segment's own graph (kept, or rebuilt on fresh `Var` copies of
+//! the inputs), hands the input gradients back to candle's backprop and puts the parameter
+//! gradients (from candle's store and from `ft_kernels::grad_tap`, where this crate's ops hand
+//! them) in a [`GradSink`]. When it returns, that graph is
 //! gone: backward walks the segments in reverse and frees each as it goes. The chain rule is
 //! unchanged, so the gradients equal plain backprop (bit-identical on CPU f32 when no parameter
 //! is shared between segments).

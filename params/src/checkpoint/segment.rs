@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Shape, Storage,
-    Tensor, Var,
+    Tensor, TensorId, Var,
 };
 
 use ft_kernels::grad_tap;
@@ -157,6 +157,15 @@ impl SegmentOp {
             }
         );
         let grad_out = grad_out.detach().to_device(y.device())?;
+        // What the tap already holds for this segment's parameters came from ops outside it
+        // (after it in the forward): set aside while its backward runs, so that it hands on
+        // only the gradients it formed, and a parameter used inside and outside it is still
+        // refused under an early step whatever the order of the backward.
+        let outside: Vec<(TensorId, Tensor)> = self
+            .params
+            .iter()
+            .filter_map(|p| grad_tap::take(p.id()).map(|g| (p.id(), g)))
+            .collect();
         let surrogate = super::seed::seeded(&y, &grad_out)?;
         let mut grads = surrogate.backward()?;
         drop(surrogate);
@@ -165,6 +174,9 @@ impl SegmentOp {
             if let Some(g) = grad_tap::remove(&mut grads, p.as_tensor())? {
                 finished.push((p.clone(), g.detach()));
             }
+        }
+        for (id, g) in outside {
+            grad_tap::restore(id, g)?;
         }
         self.sink.finish(finished)?;
         let mut out = Vec::with_capacity(leaves.len());
