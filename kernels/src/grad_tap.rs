@@ -81,12 +81,9 @@ fn keep(id: TensorId, g: Tensor) -> Result<Option<Tensor>> {
         let Some(map) = t.as_mut() else {
             return Ok(Some(g));
         };
-        let g = g.detach();
-        let sum = match map.remove(&id) {
-            Some(prev) => prev.add(&g)?,
-            None => g,
-        };
-        map.insert(id, sum);
+        if let Some(sum) = sum(map.remove(&id), Some(g.detach()))? {
+            map.insert(id, sum);
+        }
         Ok(None)
     })
 }
@@ -107,7 +104,13 @@ pub fn take(id: TensorId) -> Option<Tensor> {
 /// The whole gradient of `t` after a backward: what candle's store holds for it plus what the
 /// tap holds, both taken.
 pub fn remove(grads: &mut GradStore, t: &Tensor) -> Result<Option<Tensor>> {
-    Ok(match (grads.remove(t), take(t.id())) {
+    sum(grads.remove(t), take(t.id()))
+}
+
+/// `a + b` of two parts of one gradient, either of which may be missing: how the tap, the
+/// checkpointer's sink and its end of backward put the parts together.
+pub fn sum(a: Option<Tensor>, b: Option<Tensor>) -> Result<Option<Tensor>> {
+    Ok(match (a, b) {
         (Some(a), Some(b)) => Some(a.add(&b)?),
         (a, b) => a.or(b),
     })

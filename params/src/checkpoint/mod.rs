@@ -425,10 +425,7 @@ impl Checkpointer {
             // Detached: a gradient computed from tracked activations records the ops that made
             // it, and would keep the whole forward graph alive for as long as it (or optimizer
             // state derived from it) lives.
-            out.push(match (direct, from_segments) {
-                (Some(a), Some(b)) => Some(a.add(&b)?.detach()),
-                (a, b) => a.or(b).map(|g| g.detach()),
-            });
+            out.push(grad_tap::sum(direct, from_segments)?.map(|g| g.detach()));
         }
         self.sink.clear();
         Ok(out)

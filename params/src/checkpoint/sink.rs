@@ -62,11 +62,9 @@ impl GradSink {
 
     fn add(&self, id: TensorId, g: Tensor) -> candle_core::Result<()> {
         let mut m = locked(&self.grads);
-        let sum = match m.remove(&id) {
-            Some(prev) => prev.add(&g)?,
-            None => g,
-        };
-        m.insert(id, sum);
+        if let Some(sum) = ft_kernels::grad_tap::sum(m.remove(&id), Some(g))? {
+            m.insert(id, sum);
+        }
         Ok(())
     }
 
