@@ -10,6 +10,8 @@ use ft_trainer::ledger::alloc;
 mod common;
 use common::{build, shapes_of, tensors, tmpdir, write};
 
+use ft_trainer::ledger::alloc::alone;
+
 #[global_allocator]
 static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
 
@@ -47,34 +49,36 @@ fn load_peak(file_dtype: DType, load_dtype: DType) -> anyhow::Result<(usize, usi
 
 #[test]
 fn loading_never_holds_a_second_copy() -> anyhow::Result<()> {
-    let _g = SERIAL.lock();
-    // Slack for the index, names and Vec headers: far below one tensor.
-    let slack = 16 << 10;
-    for (file, load) in [
-        (DType::F32, DType::F32),
-        (DType::BF16, DType::BF16),
-        (DType::F32, DType::BF16),
-        (DType::BF16, DType::F32),
-    ] {
-        let (peak, final_bytes, largest) = load_peak(file, load)?;
-        assert!(
-            peak <= final_bytes + largest + slack,
-            "{file:?} -> {load:?}: peak {peak} > final {final_bytes} + largest {largest}"
-        );
-        assert!(peak >= final_bytes, "the loaded weights must be counted");
-    }
-    Ok(())
+    alone(&SERIAL, || {
+        // Slack for the index, names and Vec headers: far below one tensor.
+        let slack = 16 << 10;
+        for (file, load) in [
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::F32, DType::BF16),
+            (DType::BF16, DType::F32),
+        ] {
+            let (peak, final_bytes, largest) = load_peak(file, load)?;
+            assert!(
+                peak <= final_bytes + largest + slack,
+                "{file:?} -> {load:?}: peak {peak} > final {final_bytes} + largest {largest}"
+            );
+            assert!(peak >= final_bytes, "the loaded weights must be counted");
+        }
+        Ok(())
+    })
 }
 
 #[test]
 fn bf16_file_as_bf16_allocates_no_f32_copy() -> anyhow::Result<()> {
-    let _g = SERIAL.lock();
-    let (peak, final_bytes, _) = load_peak(DType::BF16, DType::BF16)?;
-    // An f32 staging copy of even the largest tensor alone would add 2x its bf16 bytes; the
-    // whole f32 model would double the final size.
-    assert!(
-        peak < final_bytes + final_bytes / 2,
-        "peak {peak}, final {final_bytes}"
-    );
-    Ok(())
+    alone(&SERIAL, || {
+        let (peak, final_bytes, _) = load_peak(DType::BF16, DType::BF16)?;
+        // An f32 staging copy of even the largest tensor alone would add 2x its bf16 bytes; the
+        // whole f32 model would double the final size.
+        assert!(
+            peak < final_bytes + final_bytes / 2,
+            "peak {peak}, final {final_bytes}"
+        );
+        Ok(())
+    })
 }

@@ -10,6 +10,8 @@ use ft_trainer::ledger::alloc;
 use ft_trainer::optim::registry::REGISTRY;
 use ft_trainer::optim::{OptimSettings, OptimSpec};
 
+use ft_trainer::ledger::alloc::alone;
+
 #[global_allocator]
 static ALLOC: alloc::CountingAlloc = alloc::CountingAlloc;
 
@@ -34,32 +36,33 @@ fn second_step_peak_with(
     shapes: &[Vec<usize>],
     grad_dtype: candle_core::DType,
 ) -> anyhow::Result<u64> {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let settings = OptimSettings { weight_decay: 0.01 };
-    let params = shapes
-        .iter()
-        .map(|d| {
-            Ok(Var::from_tensor(&Tensor::randn(
-                0f32,
-                1.0,
-                d.as_slice(),
-                &Device::Cpu,
-            )?)?)
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let grads = shapes
-        .iter()
-        .map(|d| {
-            Ok(Some(
-                Tensor::randn(0f32, 1.0, d.as_slice(), &Device::Cpu)?.to_dtype(grad_dtype)?,
-            ))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut opt = (spec.build)(params.len(), &settings);
-    opt.step(&params, &grads, 1e-3)?;
-    let (r, peak) = alloc::measure_peak(|| opt.step(&params, &grads, 1e-3));
-    r?;
-    Ok(peak as u64)
+    alone(&ONE_AT_A_TIME, || {
+        let settings = OptimSettings { weight_decay: 0.01 };
+        let params = shapes
+            .iter()
+            .map(|d| {
+                Ok(Var::from_tensor(&Tensor::randn(
+                    0f32,
+                    1.0,
+                    d.as_slice(),
+                    &Device::Cpu,
+                )?)?)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let grads = shapes
+            .iter()
+            .map(|d| {
+                Ok(Some(
+                    Tensor::randn(0f32, 1.0, d.as_slice(), &Device::Cpu)?.to_dtype(grad_dtype)?,
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut opt = (spec.build)(params.len(), &settings);
+        opt.step(&params, &grads, 1e-3)?;
+        let (r, peak) = alloc::measure_peak(|| opt.step(&params, &grads, 1e-3));
+        r?;
+        Ok(peak as u64)
+    })
 }
 
 #[test]

@@ -103,3 +103,21 @@ pub fn measure_peak<T>(f: impl FnOnce() -> T) -> (T, usize) {
     let peak = peak_bytes().saturating_sub(start);
     (out, peak)
 }
+
+/// Runs `body` holding `lock`, on a thread of its own that has ended, its thread-locals freed,
+/// before the lock is released; returns what `body` returns and passes its panic on.
+///
+/// Why: the counters are process-wide, so tests that read them take turns on a lock. But a
+/// thread's thread-locals are freed after its test function returns, when the lock is already
+/// released: gemm's 2 MiB matmul slab (made by the first product on a thread, and by
+/// [`super::Ledger::set_baseline`]) then comes off the live count inside the next test's window.
+/// A CI run read a 4 MiB buffer between a baseline and a mark as 2 MiB.
+pub fn alone<T: Send>(lock: &std::sync::Mutex<()>, body: impl FnOnce() -> T + Send) -> T {
+    let _turn = lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    // A join handle's `join` waits for the thread to exit (thread-locals included); the scope's
+    // own end waits only for the body, so the handle is joined here.
+    std::thread::scope(|scope| match scope.spawn(body).join() {
+        Ok(value) => value,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
+}
