@@ -96,6 +96,61 @@ impl Float for f64 {
     }
 }
 
+/// Partial sums per f64 reduction: independent chains the compiler keeps in vector registers.
+/// One chain makes every add wait for the last (four cycles each), which had batch norm's sums
+/// take 44% of a Conv4 episode's profile (docs/benchmarks.md, #21).
+const LANES: usize = 8;
+
+/// `sum(f(v))` over `xs` in f64, in [`LANES`] partial sums added at the end.
+#[inline(always)]
+pub(crate) fn lane_sum<T: Float>(xs: &[T], f: impl Fn(f64) -> f64) -> f64 {
+    crate::wide::run(
+        #[inline(always)]
+        move || {
+            let mut acc = [0f64; LANES];
+            let mut chunks = xs.chunks_exact(LANES);
+            for chunk in &mut chunks {
+                for (a, v) in acc.iter_mut().zip(chunk) {
+                    *a += f(v.f64());
+                }
+            }
+            let tail: f64 = chunks.remainder().iter().map(|v| f(v.f64())).sum();
+            acc.iter().sum::<f64>() + tail
+        },
+    )
+}
+
+/// The two sums `(sum(f(x, dy).0), sum(f(x, dy).1))` over paired values, as [`lane_sum`].
+#[inline(always)]
+pub(crate) fn lane_sum2<T: Float>(
+    xs: &[T],
+    ys: &[T],
+    f: impl Fn(f64, f64) -> (f64, f64),
+) -> (f64, f64) {
+    crate::wide::run(
+        #[inline(always)]
+        move || {
+            let (mut a0, mut a1) = ([0f64; LANES], [0f64; LANES]);
+            let mut xc = xs.chunks_exact(LANES);
+            let mut yc = ys.chunks_exact(LANES);
+            for (x, y) in (&mut xc).zip(&mut yc) {
+                for i in 0..LANES {
+                    let (u, v) = f(x[i].f64(), y[i].f64());
+                    a0[i] += u;
+                    a1[i] += v;
+                }
+            }
+            let (mut t0, mut t1) = (0f64, 0f64);
+            for (x, y) in xc.remainder().iter().zip(yc.remainder()) {
+                let (u, v) = f(x.f64(), y.f64());
+                t0 += u;
+                t1 += v;
+            }
+            (a0.iter().sum::<f64>() + t0, a1.iter().sum::<f64>() + t1)
+        },
+    )
+}
+
 /// Per channel: the mean and the biased variance of `x`, two passes in f64.
 pub(crate) fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
     let m = p.m().max(1) as f64;
@@ -104,17 +159,12 @@ pub(crate) fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
         .map(|c| {
             let mean = p
                 .channel(x, c)
-                .map(|plane| plane.iter().map(|v| v.f64()).sum::<f64>())
+                .map(|plane| lane_sum(plane, |v| v))
                 .sum::<f64>()
                 / m;
             let var = p
                 .channel(x, c)
-                .map(|plane| {
-                    plane
-                        .iter()
-                        .map(|v| (v.f64() - mean) * (v.f64() - mean))
-                        .sum::<f64>()
-                })
+                .map(|plane| lane_sum(plane, |v| (v - mean) * (v - mean)))
                 .sum::<f64>()
                 / m;
             (mean, var)
@@ -144,10 +194,20 @@ pub(crate) fn scale_shift(
 /// One plane's `x * a + b` into `out` (and `max(_, 0)` with `relu`), rounded once: the values
 /// of the forward, which the fused pooling (`crate::batch_norm_pool`) recomputes bit for bit.
 pub(crate) fn normalise<T: Float>(x: &[T], a: f64, b: f64, relu: bool, out: &mut [T]) {
-    for (o, v) in out.iter_mut().zip(x) {
-        let y = v.f64() * a + b;
-        *o = T::of(if relu { y.max(0.0) } else { y });
-    }
+    crate::wide::run(
+        #[inline(always)]
+        move || {
+            if relu {
+                for (o, v) in out.iter_mut().zip(x) {
+                    *o = T::of((v.f64() * a + b).max(0.0));
+                }
+            } else {
+                for (o, v) in out.iter_mut().zip(x) {
+                    *o = T::of(v.f64() * a + b);
+                }
+            }
+        },
+    )
 }
 
 /// The forward: `y = (x - mean) * rstd * gamma + beta` (then `max(y, 0)` with `relu`), its
@@ -339,23 +399,23 @@ impl Backward {
                 x.len()
             );
         }
-        // dy where the fused ReLU passed it: where the forward's x * a + b > 0.
-        let passed = |c: usize, v: f64, g: f64| match &self.relu {
-            Some((a, b)) if v * a[c] + b[c] <= 0.0 => 0.0,
-            _ => g,
-        };
+        // Per channel, the forward's `x * a + b` where the fused ReLU passed `dy` (> 0).
+        let mask = |c: usize| self.relu.as_ref().map(|(a, b)| (a[c], b[c]));
         let (dgamma, dbeta): (Vec<f64>, Vec<f64>) = (0..p.c)
             .into_par_iter()
             .map(|c| {
                 let (mean, r) = (self.mean[c], self.rstd[c]);
                 let (mut sg, mut sb) = (0f64, 0f64);
                 for (xp, gp) in p.channel(x, c).zip(p.channel(dy, c)) {
-                    for (v, g) in xp.iter().zip(gp) {
-                        let xhat = (v.f64() - mean) * r;
-                        let g = passed(c, v.f64(), g.f64());
-                        sb += g;
-                        sg += g * xhat;
-                    }
+                    let (g, gx) = match mask(c) {
+                        Some((a, b)) => lane_sum2(xp, gp, |v, g| {
+                            let g = if v * a + b <= 0.0 { 0.0 } else { g };
+                            (g, g * ((v - mean) * r))
+                        }),
+                        None => lane_sum2(xp, gp, |v, g| (g, g * ((v - mean) * r))),
+                    };
+                    sb += g;
+                    sg += gx;
                 }
                 (sg, sb)
             })
@@ -371,14 +431,25 @@ impl Backward {
                     let k = self.gamma[c] * r / m;
                     let (sb, sg) = (dbeta[c], dgamma[c]);
                     let at = plane * p.hw;
-                    for ((o, v), g) in out
-                        .iter_mut()
-                        .zip(&x[at..at + p.hw])
-                        .zip(&dy[at..at + p.hw])
-                    {
-                        let xhat = (v.f64() - mean) * r;
-                        *o = T::of(k * (m * passed(c, v.f64(), g.f64()) - sb - xhat * sg));
-                    }
+                    let (xs, gs) = (&x[at..at + p.hw], &dy[at..at + p.hw]);
+                    let dx = |v: f64, g: f64| T::of(k * (m * g - sb - (v - mean) * r * sg));
+                    crate::wide::run(
+                        #[inline(always)]
+                        move || match mask(c) {
+                            Some((a, b)) => {
+                                for ((o, v), g) in out.iter_mut().zip(xs).zip(gs) {
+                                    let v = v.f64();
+                                    let g = if v * a + b <= 0.0 { 0.0 } else { g.f64() };
+                                    *o = dx(v, g);
+                                }
+                            }
+                            None => {
+                                for ((o, v), g) in out.iter_mut().zip(xs).zip(gs) {
+                                    *o = dx(v.f64(), g.f64());
+                                }
+                            }
+                        },
+                    )
                 });
         }
         *self

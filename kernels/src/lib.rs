@@ -36,6 +36,7 @@ pub mod rounding;
 pub mod softmax;
 pub mod threads;
 pub mod upsample;
+pub mod wide;
 
 /// Whether the environment leaves an op switched on: `VAR=0` turns it off (for before-and-after
 /// measurements), anything else or nothing leaves it on; read once into `cell`.

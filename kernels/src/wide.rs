@@ -1,0 +1,163 @@
+//! Loops compiled for the CPU's widest vector unit, chosen when the program runs.
+//!
+//! The workspace builds for baseline x86-64, where a vector holds two f64 (SSE2), so batch
+//! norm's f64 passes, half of a Conv4 episode's profile (#21), ran at a quarter or an eighth of
+//! what the AVX2 or AVX-512 unit of the same CPU does. [`run`] calls its closure inside a
+//! function compiled with those features when the CPU has them; the closure, called once from
+//! there, is inlined into it and vectorised with the wider registers. Values are the same bit for
+//! bit: Rust never contracts a multiply and an add into an FMA on its own, and the same
+//! operations in the same order round the same in any register width.
+
+/// `body()`, compiled for AVX-512 or AVX2 where the CPU has them (`FT_WIDE_SIMD=0` keeps the
+/// baseline, for before-and-after measurements). Put the loop itself inside `body`: a function
+/// it calls that is not inlined runs as the baseline compiled it.
+#[inline(always)]
+pub fn run<R>(body: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match level() {
+            // SAFETY: `level` found the features these functions are compiled with.
+            Level::Avx512 => return unsafe { avx512(body) },
+            Level::Avx2 => return unsafe { avx2(body) },
+            Level::Baseline => {}
+        }
+    }
+    body()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Level {
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
+/// The widest unit the CPU has, read once.
+#[cfg(target_arch = "x86_64")]
+fn level() -> Level {
+    #[cfg(test)]
+    match tests::FORCED.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => return Level::Baseline,
+        2 => return Level::Avx2,
+        3 => return Level::Avx512,
+        _ => {}
+    }
+    static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        if !crate::switched_on(&ON, "FT_WIDE_SIMD") {
+            Level::Baseline
+        } else if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") {
+            Level::Avx512
+        } else if is_x86_feature_detected!("avx2") {
+            Level::Avx2
+        } else {
+            Level::Baseline
+        }
+    })
+}
+
+/// The name of the unit [`run`] compiles for on this CPU, for bench headers.
+pub fn unit() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match level() {
+            Level::Avx512 => return "AVX-512",
+            Level::Avx2 => return "AVX2",
+            Level::Baseline => {}
+        }
+    }
+    "baseline"
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn avx512<R>(body: impl FnOnce() -> R) -> R {
+    body()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2<R>(body: impl FnOnce() -> R) -> R {
+    body()
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    use candle_core::{DType, Device, Var};
+
+    use crate::batch_norm::batch_norm_train;
+    use crate::batch_norm_pool::{batch_norm_relu_max_pool_train, MaxPool};
+    use crate::gradcheck::random_tensor;
+
+    /// The level [`super::level`] returns in this crate's unit tests: 0 the CPU's, 1 baseline,
+    /// 2 AVX2, 3 AVX-512. Other tests running meanwhile get the same values either way.
+    pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
+
+    /// Batch norm (alone, and with ReLU and max pool) forward and backward: every output and
+    /// gradient's bits, at one level.
+    fn bits_at(level: u8) -> candle_core::Result<Vec<Vec<u32>>> {
+        FORCED.store(level, Ordering::Relaxed);
+        let dev = Device::Cpu;
+        // 9 x 11 planes: a remainder after the sums' lanes of 8.
+        let t = |dims: &[usize], seed: u64, scale: f64, shift: f64| {
+            Var::from_tensor(
+                &random_tensor(dims, seed, &dev)?
+                    .affine(scale, shift)?
+                    .to_dtype(DType::F32)?,
+            )
+        };
+        let (x, w, b) = (
+            t(&[6, 5, 9, 11], 1, 1.5, 0.3)?,
+            t(&[5], 2, 0.2, 1.0)?,
+            t(&[5], 3, 0.2, 0.0)?,
+        );
+        let (y1, _) = batch_norm_train(&x, &w, &b, 1e-5)?;
+        let (y2, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 2, 0))?;
+        let loss = ((y1.sqr()?.sum_all()? * 0.5)? + (y2.sin()?.sum_all()?))?;
+        let grads = loss.backward()?;
+        let mut out = vec![y1, y2];
+        for v in [&x, &w, &b] {
+            out.push(
+                grads
+                    .get(v)
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::Msg("no grad".into()))?,
+            );
+        }
+        FORCED.store(0, Ordering::Relaxed);
+        out.iter()
+            .map(|t| {
+                Ok(t.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn wider_units_give_the_baselines_bits() -> candle_core::Result<()> {
+        let want = bits_at(1)?;
+        let mut levels = vec![];
+        if is_x86_feature_detected!("avx2") {
+            levels.push(2);
+        }
+        if is_x86_feature_detected!("avx512f") {
+            levels.push(3);
+        }
+        if levels.is_empty() {
+            eprintln!("this CPU has neither AVX2 nor AVX-512: only the baseline ran");
+        }
+        for level in levels {
+            assert!(
+                bits_at(level)? == want,
+                "level {level} differs from the baseline"
+            );
+        }
+        Ok(())
+    }
+}
