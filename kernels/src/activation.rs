@@ -244,23 +244,66 @@ fn map2(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Syn
     }
 }
 
+/// [`map1`] compiled for the CPU's widest vector unit ([`crate::wide`]: 16 lanes with AVX-512;
+/// GELU-tanh and SiLU 4x faster at 64k elements in `activation_bench`). Not for the exact GELU,
+/// whose loop ran 3x slower so.
+fn map1_wide(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    let run = |at: usize, c: &mut [f32]| {
+        let (x, f) = (&x[at..at + c.len()], &f);
+        crate::wide::run(
+            #[inline(always)]
+            move || {
+                for (o, &v) in c.iter_mut().zip(x) {
+                    *o = f(v);
+                }
+            },
+        )
+    };
+    if out.len() <= host::CHUNK {
+        run(0, out);
+    } else {
+        host::par_chunks(out, run);
+    }
+}
+
+/// [`map2`] as [`map1_wide`].
+fn map2_wide(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let run = |at: usize, c: &mut [f32]| {
+        let len = c.len();
+        let (g, x, f) = (&g[at..at + len], &x[at..at + len], &f);
+        crate::wide::run(
+            #[inline(always)]
+            move || {
+                for ((o, &g), &x) in c.iter_mut().zip(g).zip(x) {
+                    *o = f(g, x);
+                }
+            },
+        )
+    };
+    if out.len() <= host::CHUNK {
+        run(0, out);
+    } else {
+        host::par_chunks(out, run);
+    }
+}
+
 /// The forward of contiguous f32, one loop per activation (the match outside the loop).
 fn forward_f32(a: Activation, out: &mut [f32], x: &[f32]) {
     match a {
-        Activation::GeluTanh => map1(out, x, |v| Activation::GeluTanh.forward(v)),
+        Activation::GeluTanh => map1_wide(out, x, |v| Activation::GeluTanh.forward(v)),
         Activation::GeluErf => map1(out, x, |v| Activation::GeluErf.forward(v)),
-        Activation::Silu => map1(out, x, |v| Activation::Silu.forward(v)),
-        Activation::Relu => map1(out, x, |v| Activation::Relu.forward(v)),
+        Activation::Silu => map1_wide(out, x, |v| Activation::Silu.forward(v)),
+        Activation::Relu => map1_wide(out, x, |v| Activation::Relu.forward(v)),
     }
 }
 
 /// The backward of contiguous f32, as [`forward_f32`].
 fn backward_f32(a: Activation, out: &mut [f32], g: &[f32], x: &[f32]) {
     match a {
-        Activation::GeluTanh => map2(out, g, x, |g, v| Activation::GeluTanh.backward(g, v)),
+        Activation::GeluTanh => map2_wide(out, g, x, |g, v| Activation::GeluTanh.backward(g, v)),
         Activation::GeluErf => map2(out, g, x, |g, v| Activation::GeluErf.backward(g, v)),
-        Activation::Silu => map2(out, g, x, |g, v| Activation::Silu.backward(g, v)),
-        Activation::Relu => map2(out, g, x, |g, v| Activation::Relu.backward(g, v)),
+        Activation::Silu => map2_wide(out, g, x, |g, v| Activation::Silu.backward(g, v)),
+        Activation::Relu => map2_wide(out, g, x, |g, v| Activation::Relu.backward(g, v)),
     }
 }
 

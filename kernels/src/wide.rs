@@ -88,6 +88,7 @@ mod tests {
 
     use candle_core::{DType, Device, Var};
 
+    use crate::activation::{gelu_tanh, silu};
     use crate::batch_norm::batch_norm_train;
     use crate::batch_norm_pool::{batch_norm_relu_max_pool_train, MaxPool};
     use crate::gradcheck::random_tensor;
@@ -96,8 +97,8 @@ mod tests {
     /// 2 AVX2, 3 AVX-512. Other tests running meanwhile get the same values either way.
     pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
 
-    /// Batch norm (alone, and with ReLU and max pool) forward and backward: every output and
-    /// gradient's bits, at one level.
+    /// Batch norm (alone, and with ReLU and max pool), SiLU and GELU-tanh forward and backward:
+    /// every output and gradient's bits, at one level.
     fn bits_at(level: u8) -> candle_core::Result<Vec<Vec<u32>>> {
         FORCED.store(level, Ordering::Relaxed);
         let dev = Device::Cpu;
@@ -116,9 +117,14 @@ mod tests {
         );
         let (y1, _) = batch_norm_train(&x, &w, &b, 1e-5)?;
         let (y2, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 2, 0))?;
-        let loss = ((y1.sqr()?.sum_all()? * 0.5)? + (y2.sin()?.sum_all()?))?;
+        // The activations of the wide loops, on more values than a chunk of rayon's.
+        let long = x.as_tensor().flatten_all()?.repeat(30)?;
+        let (a1, a2) = (silu(&long)?, gelu_tanh(&long)?);
+        let loss = ((y1.sqr()?.sum_all()? * 0.5)?
+            + (y2.sin()?.sum_all()?)
+            + (a1.sin()?.sum_all()? + a2.cos()?.sum_all()?)?)?;
         let grads = loss.backward()?;
-        let mut out = vec![y1, y2];
+        let mut out = vec![y1, y2, a1, a2];
         for v in [&x, &w, &b] {
             out.push(
                 grads
