@@ -1,7 +1,8 @@
 //! Times batch norm + ReLU + 2x2 max pool on the CPU at the first block of fewshot-ft's Conv4
-//! episode at 84 px (5-way 1-shot, 16 queries: 85 images of 64 channels), forward and backward,
-//! each pass on its own: the statistics, the forward, the pooling's backward and the batch norm's.
-//! Checks the op's output against the separate ops first.
+//! episode at 84 px (5-way 1-shot, 16 queries: 85 images of 64 channels): one forward, and one
+//! backward from the pooled output (which includes candle's backward of the `mul` and `sum_all`
+//! that seed it, and its zeroed slot for the input's gradient). Checks the op's output against the
+//! separate ops first.
 //!
 //! `cargo run --release -p ft-kernels --example time_batch_norm` (`FT_WIDE_SIMD=0` for the
 //! baseline-compiled loops)

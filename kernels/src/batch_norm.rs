@@ -127,6 +127,7 @@ pub(crate) fn lane_sum2<T: Float>(
     ys: &[T],
     f: impl Fn(f64, f64) -> (f64, f64),
 ) -> (f64, f64) {
+    debug_assert_eq!(xs.len(), ys.len(), "lane_sum2 pairs slices of one length");
     crate::wide::run(
         #[inline(always)]
         move || {

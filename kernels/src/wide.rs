@@ -2,7 +2,8 @@
 //!
 //! The workspace builds for baseline x86-64, where a vector holds two f64 (SSE2), so batch
 //! norm's f64 passes, half of a Conv4 episode's profile (#21), ran at a quarter or an eighth of
-//! what the AVX2 or AVX-512 unit of the same CPU does. [`run`] calls its closure inside a
+//! what the AVX2 or AVX-512 unit of the same CPU does (nominally: Zen 4 runs AVX-512 as two
+//! 256-bit halves). [`run`] calls its closure inside a
 //! function compiled with those features when the CPU has them; the closure, called once from
 //! there, is inlined into it and vectorised with the wider registers. Values are the same bit for
 //! bit: Rust never contracts a multiply and an add into an FMA on its own, and the same
@@ -25,6 +26,7 @@ pub fn run<R>(body: impl FnOnce() -> R) -> R {
     body()
 }
 
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Level {
     Baseline,
@@ -47,7 +49,7 @@ fn level() -> Level {
     *LEVEL.get_or_init(|| {
         if !crate::switched_on(&ON, "FT_WIDE_SIMD") {
             Level::Baseline
-        } else if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") {
+        } else if avx512_usable() {
             Level::Avx512
         } else if is_x86_feature_detected!("avx2") {
             Level::Avx2
@@ -55,6 +57,16 @@ fn level() -> Level {
             Level::Baseline
         }
     })
+}
+
+/// Whether the CPU has every feature [`avx512`] is compiled with: `avx512f` turns on `avx2`,
+/// `fma` and `f16c` with it in rustc, so all four are asked for.
+#[cfg(target_arch = "x86_64")]
+fn avx512_usable() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
 /// The name of the unit [`run`] compiles for on this CPU, for bench headers.
@@ -152,17 +164,28 @@ mod tests {
         if is_x86_feature_detected!("avx2") {
             levels.push(2);
         }
-        if is_x86_feature_detected!("avx512f") {
+        if super::avx512_usable() {
             levels.push(3);
         }
         if levels.is_empty() {
             eprintln!("this CPU has neither AVX2 nor AVX-512: only the baseline ran");
         }
+        let names = [
+            "batch norm",
+            "batch norm + ReLU + pool",
+            "SiLU",
+            "GELU-tanh",
+            "the input's gradient",
+            "the weight's gradient",
+            "the bias's gradient",
+        ];
         for level in levels {
-            assert!(
-                bits_at(level)? == want,
-                "level {level} differs from the baseline"
-            );
+            for ((got, want), name) in bits_at(level)?.iter().zip(&want).zip(names) {
+                assert!(
+                    got == want,
+                    "level {level}: {name} differs from the baseline"
+                );
+            }
         }
         Ok(())
     }
