@@ -212,6 +212,15 @@ fn fill<T: Send>(out: &mut [T], f: impl Fn(usize) -> T + Sync) {
     }
 }
 
+/// `run(offset, chunk)` over `out`: on this thread when short, in chunks on rayon's when long.
+fn chunked(out: &mut [f32], run: impl Fn(usize, &mut [f32]) + Sync) {
+    if out.len() <= host::CHUNK {
+        run(0, out);
+    } else {
+        host::par_chunks(out, run);
+    }
+}
+
 /// `out[i] = f(x[i])` over contiguous slices of equal length, on this thread when short, in
 /// chunks on rayon's when long: a loop the compiler vectorises.
 fn map1(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
@@ -221,11 +230,7 @@ fn map1(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
             *o = f(v);
         }
     };
-    if out.len() <= host::CHUNK {
-        run(0, out);
-    } else {
-        host::par_chunks(out, run);
-    }
+    chunked(out, run);
 }
 
 /// `out[i] = f(g[i], x[i])`, as [`map1`].
@@ -237,11 +242,7 @@ fn map2(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Syn
             *o = f(g, x);
         }
     };
-    if out.len() <= host::CHUNK {
-        run(0, out);
-    } else {
-        host::par_chunks(out, run);
-    }
+    chunked(out, run);
 }
 
 /// [`map1`] compiled for the CPU's widest vector unit ([`crate::wide`]: 16 lanes with AVX-512;
@@ -259,11 +260,7 @@ fn map1_wide(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
             },
         )
     };
-    if out.len() <= host::CHUNK {
-        run(0, out);
-    } else {
-        host::par_chunks(out, run);
-    }
+    chunked(out, run);
 }
 
 /// [`map2`] as [`map1_wide`].
@@ -280,11 +277,7 @@ fn map2_wide(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 
             },
         )
     };
-    if out.len() <= host::CHUNK {
-        run(0, out);
-    } else {
-        host::par_chunks(out, run);
-    }
+    chunked(out, run);
 }
 
 /// The forward of contiguous f32, one loop per activation (the match outside the loop).
