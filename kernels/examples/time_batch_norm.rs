@@ -1,11 +1,12 @@
-//! Times batch norm + ReLU + 2x2 max pool on the CPU at the first block of fewshot-ft's Conv4
-//! episode at 84 px (5-way 1-shot, 16 queries: 85 images of 64 channels): one forward, and one
+//! Times batch norm + ReLU + max pool on the CPU at the first block of fewshot-ft's Conv4
+//! episode at 84 px (5-way 1-shot, 16 queries: 85 images of 64 channels, 2x2 pool) and at
+//! ResNet10's stem of the same episode (42 px maps, 3x3 stride-2 pool, padding 1): one forward, and one
 //! backward from the pooled output (which includes candle's backward of the `mul` and `sum_all`
 //! that seed it, and its zeroed slot for the input's gradient). Checks the op's output against the
 //! separate ops first.
 //!
 //! `cargo run --release -p ft-kernels --example time_batch_norm` (`FT_WIDE_SIMD=0` for the
-//! baseline-compiled loops)
+//! baseline-compiled loops; `-- stem` or `-- conv4` for one shape)
 
 use std::time::Instant;
 
@@ -13,12 +14,23 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use ft_kernels::batch_norm_pool::{batch_norm_relu_max_pool_train, separate, MaxPool};
 
 fn main() -> Result<()> {
+    // An argument (`conv4` or `stem`) times one shape alone, for a profiler.
+    let only = std::env::args().nth(1);
+    let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if run("conv4") {
+        time((85, 64, 84), MaxPool::square(2, 2, 0), "Conv4 block 1")?;
+    }
+    if run("stem") {
+        time((85, 64, 42), MaxPool::square(3, 2, 1), "ResNet10 stem")?;
+    }
+    Ok(())
+}
+
+fn time((n, c, h): (usize, usize, usize), pool: MaxPool, what: &str) -> Result<()> {
     let dev = Device::Cpu;
-    let (n, c, h) = (85, 64, 84);
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c, h, h), &dev)?.affine(0.5, 0.1)?)?;
     let w = Var::from_tensor(&Tensor::randn(1f32, 0.1, c, &dev)?)?;
     let b = Var::from_tensor(&Tensor::randn(0f32, 0.1, c, &dev)?)?;
-    let pool = MaxPool::square(2, 2, 0);
     let (y, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, pool)?;
     let (want, _) = separate(&x, &w, &b, 1e-5, pool)?;
     let diff = (y.to_dtype(DType::F64)? - want.to_dtype(DType::F64)?)?
@@ -43,7 +55,7 @@ fn main() -> Result<()> {
     // The first round warms the pages up; it is in the sums, as in a training loop's first step.
     let per = |s: f64| s / (reps + 1) as f64 * 1e3;
     println!(
-        "batch norm + ReLU + max pool [{n}, {c}, {h}, {h}] f32 ({}): forward {:.1} ms, backward {:.1} ms",
+        "{what}: batch norm + ReLU + max pool [{n}, {c}, {h}, {h}] f32 ({}): forward {:.1} ms, backward {:.1} ms",
         ft_kernels::wide::unit(),
         per(fwd),
         per(bwd)

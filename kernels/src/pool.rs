@@ -102,31 +102,13 @@ impl Pool {
         let ow = (w - kw) / sw + 1;
         match self.kind {
             Kind::Max if (kh, kw, sh, sw) == (2, 2, 2, 2) => max_2x2(x, w, out, arg),
-            Kind::Max => {
-                let mut arg = arg;
-                for (oy, row) in out.chunks_mut(ow).enumerate() {
-                    for (ox, y) in row.iter_mut().enumerate() {
-                        let first = oy * sh * w + ox * sw;
-                        let (mut best, mut best_at) = (x[first], first);
-                        for dy in 0..kh {
-                            let at = first + dy * w;
-                            for (dx, &v) in x[at..at + kw].iter().enumerate() {
-                                // First maximum wins ties, like PyTorch; the first NaN wins.
-                                // Selects, not branches: on real data `v > best` is a coin
-                                // flip, and mispredicted branches made this loop 15% of an
-                                // FSCT episode.
-                                let take = beats(v, best);
-                                best = if take { v } else { best };
-                                best_at = if take { at + dx } else { best_at };
-                            }
-                        }
-                        *y = best;
-                        if let Some(a) = arg.as_deref_mut() {
-                            a[oy * ow + ox] = best_at;
-                        }
-                    }
-                }
-            }
+            Kind::Max => crate::wide::run(
+                #[inline(always)]
+                move || match sw {
+                    2 => max_rows(x, w, (kh, kw), (sh, 2), out, arg),
+                    _ => max_rows(x, w, (kh, kw), (sh, sw), out, arg),
+                },
+            ),
             Kind::Avg => {
                 let area = (kh * kw) as f64;
                 for (oy, row) in out.chunks_mut(ow).enumerate() {
@@ -234,6 +216,68 @@ fn beats<T: WithDType>(v: T, best: T) -> bool {
     #[allow(clippy::eq_op)]
     let nan_over_number = (v != v) & (best == best);
     (v > best) | nan_over_number
+}
+
+/// Max pooling of any window, a row of outputs at a time: each window cell, in the row-major
+/// order a scan of one window takes, is compared with the running maxima of all the row's
+/// outputs before the next cell. Each output sees its cells in the scalar scan's order (the same
+/// result, ties and NaNs included), while the row's compares are independent of one another, so
+/// a vector unit takes them side by side instead of one chain of dependent selects per window
+/// (which made the ResNet stem's 3x3 stride-2 pool most of its batch norm's backward).
+/// `arg` keeps each output's cell as its offset `dy * w + dx` in the window until the row ends.
+#[inline(always)]
+fn max_rows<T: WithDType>(
+    x: &[T],
+    w: usize,
+    (kh, kw): (usize, usize),
+    (sh, sw): (usize, usize),
+    out: &mut [T],
+    mut arg: Option<&mut [usize]>,
+) {
+    let ow = (w - kw) / sw + 1;
+    // The inputs one cell reads across a row: ow of them, sw apart.
+    let reach = (ow - 1) * sw + 1;
+    for (oy, row) in out.chunks_mut(ow).enumerate() {
+        let top = oy * sh * w;
+        let mut at = arg.as_deref_mut().map(|a| &mut a[oy * ow..][..ow]);
+        let first = &x[top..][..reach];
+        for (i, y) in row.iter_mut().enumerate() {
+            *y = first[i * sw];
+        }
+        if let Some(at) = at.as_deref_mut() {
+            at.fill(0);
+        }
+        for dy in 0..kh {
+            for dx in 0..kw {
+                if dy + dx == 0 {
+                    continue;
+                }
+                let cell = dy * w + dx;
+                let src = &x[top + cell..][..reach];
+                match at.as_deref_mut() {
+                    None => {
+                        for (i, y) in row.iter_mut().enumerate() {
+                            let v = src[i * sw];
+                            *y = if beats(v, *y) { v } else { *y };
+                        }
+                    }
+                    Some(at) => {
+                        for (i, (y, a)) in row.iter_mut().zip(at.iter_mut()).enumerate() {
+                            let v = src[i * sw];
+                            let take = beats(v, *y);
+                            *y = if take { v } else { *y };
+                            *a = if take { cell } else { *a };
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(at) = at {
+            for (i, a) in at.iter_mut().enumerate() {
+                *a += top + i * sw;
+            }
+        }
+    }
 }
 
 /// Max pooling 2x2 with stride 2 (every CNN backbone's), a row pair at a time without index

@@ -109,7 +109,7 @@ mod tests {
     /// 2 AVX2, 3 AVX-512. Other tests running meanwhile get the same values either way.
     pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
 
-    /// Batch norm (alone, and with ReLU and max pool), SiLU and GELU-tanh forward and backward:
+    /// Batch norm (alone, and with ReLU and a 2x2 or 3x3 max pool), SiLU and GELU-tanh forward and backward:
     /// every output and gradient's bits, at one level.
     fn bits_at(level: u8) -> candle_core::Result<Vec<Vec<u32>>> {
         FORCED.store(level, Ordering::Relaxed);
@@ -129,14 +129,17 @@ mod tests {
         );
         let (y1, _) = batch_norm_train(&x, &w, &b, 1e-5)?;
         let (y2, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 2, 0))?;
+        // The ResNet stem's pool: the row-at-a-time max loop, compiled for each unit.
+        let (y3, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(3, 2, 1))?;
         // The activations of the wide loops, on more values than a chunk of rayon's.
         let long = x.as_tensor().flatten_all()?.repeat(30)?;
         let (a1, a2) = (silu(&long)?, gelu_tanh(&long)?);
         let loss = ((y1.sqr()?.sum_all()? * 0.5)?
             + (y2.sin()?.sum_all()?)
+            + (y3.cos()?.sum_all()?)
             + (a1.sin()?.sum_all()? + a2.cos()?.sum_all()?)?)?;
         let grads = loss.backward()?;
-        let mut out = vec![y1, y2, a1, a2];
+        let mut out = vec![y1, y2, y3, a1, a2];
         for v in [&x, &w, &b] {
             out.push(
                 grads
@@ -173,6 +176,7 @@ mod tests {
         let names = [
             "batch norm",
             "batch norm + ReLU + pool",
+            "batch norm + ReLU + 3x3 stride-2 pool",
             "SiLU",
             "GELU-tanh",
             "the input's gradient",

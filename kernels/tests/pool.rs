@@ -125,8 +125,9 @@ fn max_gradient_goes_to_the_first_maximum_unscaled() -> Result<()> {
 
 /// Ties (small integers, as a ReLU's zeros make them) and NaNs on a 9 x 11 plane: each window's
 /// gradient goes to its first maximum in row-major order (the first NaN where there is one),
-/// against a plain loop, for the 2x2 stride-2 path and the general loop (3x3 stride 2, the ResNet
-/// stem's, and 3x2 stride 1x2).
+/// against a plain loop, for the 2x2 stride-2 path and the row-at-a-time loop at column stride 2
+/// (3x3 stride 2, the ResNet stem's, and 3x2 stride 1x2) and at other strides (2x3 stride 1, 2x2
+/// stride 3).
 #[test]
 fn ties_and_nans_go_to_the_first_maximum_on_every_path() -> Result<()> {
     let dev = Device::Cpu;
@@ -136,7 +137,13 @@ fn ties_and_nans_go_to_the_first_maximum_on_every_path() -> Result<()> {
         v[at] = f64::NAN;
     }
     let x = Tensor::from_vec(v.clone(), (1, 1, h, w), &dev)?;
-    for (k, s) in [((2, 2), (2, 2)), ((3, 3), (2, 2)), ((3, 2), (1, 2))] {
+    for (k, s) in [
+        ((2, 2), (2, 2)),
+        ((3, 3), (2, 2)),
+        ((3, 2), (1, 2)),
+        ((2, 3), (1, 1)),
+        ((2, 2), (3, 3)),
+    ] {
         let (oh, ow) = ((h - k.0) / s.0 + 1, (w - k.1) / s.1 + 1);
         let weights: Vec<f64> = (0..oh * ow).map(|i| (i + 1) as f64).collect();
         let wt = Tensor::from_vec(weights.clone(), (1, 1, oh, ow), &dev)?;

@@ -220,13 +220,13 @@ impl Geometry {
             for tap in 0..k * k {
                 let (ky, kx) = (tap / k, tap % k);
                 let row = &dcols[(ci * k * k + tap) * stride + offset..][..l];
+                let (lo, hi, base) = self.inside(kx);
                 for oy in 0..oh {
                     let y = (oy * s) as isize + ky as isize - p;
                     if y < 0 || y >= self.h as isize {
                         continue;
                     }
                     let dst = &mut acc[y as usize * self.w..][..self.w];
-                    let (lo, hi, base) = self.inside(kx);
                     let g = &row[oy * ow..(oy + 1) * ow][lo..hi];
                     if s == 1 {
                         for (d, g) in dst[base..][..hi - lo].iter_mut().zip(g) {
