@@ -1,9 +1,9 @@
 //! Times batch norm + ReLU + max pool on the CPU at the first block of fewshot-ft's Conv4
 //! episode at 84 px (5-way 1-shot, 16 queries: 85 images of 64 channels, 2x2 pool) and at
-//! ResNet10's stem of the same episode (42 px maps, 3x3 stride-2 pool, padding 1): one forward, and one
-//! backward from the pooled output (which includes candle's backward of the `mul` and `sum_all`
-//! that seed it, and its zeroed slot for the input's gradient). Checks the op's output against the
-//! separate ops first.
+//! ResNet10's stem of the same episode (42 px maps, 3x3 stride-2 pool, padding 1): one
+//! forward, and one backward from the pooled output (which includes candle's backward of the
+//! `mul` and `sum_all` that seed it, and its zeroed slot for the input's gradient). Checks the
+//! op's output against the separate ops first.
 //!
 //! `cargo run --release -p ft-kernels --example time_batch_norm` (`FT_WIDE_SIMD=0` for the
 //! baseline-compiled loops; `-- stem` or `-- conv4` for one shape)
@@ -16,6 +16,9 @@ use ft_kernels::batch_norm_pool::{batch_norm_relu_max_pool_train, separate, MaxP
 fn main() -> Result<()> {
     // An argument (`conv4` or `stem`) times one shape alone, for a profiler.
     let only = std::env::args().nth(1);
+    if let Some(o) = only.as_deref().filter(|o| !["conv4", "stem"].contains(o)) {
+        candle_core::bail!("time_batch_norm: unknown shape {o:?} (conv4 or stem)");
+    }
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if run("conv4") {
         time((85, 64, 84), MaxPool::square(2, 2, 0), "Conv4 block 1")?;

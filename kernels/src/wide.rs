@@ -109,8 +109,8 @@ mod tests {
     /// 2 AVX2, 3 AVX-512. Other tests running meanwhile get the same values either way.
     pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
 
-    /// Batch norm (alone, and with ReLU and a 2x2 or 3x3 max pool), SiLU and GELU-tanh forward and backward:
-    /// every output and gradient's bits, at one level.
+    /// Batch norm (alone, and with ReLU and three max pools), SiLU and GELU-tanh forward
+    /// and backward: every output and gradient's bits, at one level.
     fn bits_at(level: u8) -> candle_core::Result<Vec<Vec<u32>>> {
         FORCED.store(level, Ordering::Relaxed);
         let dev = Device::Cpu;
@@ -129,17 +129,19 @@ mod tests {
         );
         let (y1, _) = batch_norm_train(&x, &w, &b, 1e-5)?;
         let (y2, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 2, 0))?;
-        // The ResNet stem's pool: the row-at-a-time max loop, compiled for each unit.
+        // The ResNet stem's pool and a stride-1 one: the row-at-a-time max loop's two arms.
         let (y3, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(3, 2, 1))?;
+        let (y4, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 1, 0))?;
         // The activations of the wide loops, on more values than a chunk of rayon's.
         let long = x.as_tensor().flatten_all()?.repeat(30)?;
         let (a1, a2) = (silu(&long)?, gelu_tanh(&long)?);
         let loss = ((y1.sqr()?.sum_all()? * 0.5)?
             + (y2.sin()?.sum_all()?)
             + (y3.cos()?.sum_all()?)
+            + (y4.sin()?.sum_all()?)
             + (a1.sin()?.sum_all()? + a2.cos()?.sum_all()?)?)?;
         let grads = loss.backward()?;
-        let mut out = vec![y1, y2, y3, a1, a2];
+        let mut out = vec![y1, y2, y3, y4, a1, a2];
         for v in [&x, &w, &b] {
             out.push(
                 grads
@@ -177,6 +179,7 @@ mod tests {
             "batch norm",
             "batch norm + ReLU + pool",
             "batch norm + ReLU + 3x3 stride-2 pool",
+            "batch norm + ReLU + 2x2 stride-1 pool",
             "SiLU",
             "GELU-tanh",
             "the input's gradient",
