@@ -30,6 +30,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::cpu::{lane_sum, LANES};
+
 /// The batch statistics of one forward: per channel, the mean and the biased variance.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BatchStats {
@@ -94,30 +96,6 @@ impl Float for f64 {
     fn of(v: f64) -> Self {
         v
     }
-}
-
-/// Partial sums per f64 reduction: independent chains the compiler keeps in vector registers.
-/// One chain makes every add wait for the last (four cycles each), which had batch norm's sums
-/// take 44% of a Conv4 episode's profile (docs/benchmarks.md, #21).
-const LANES: usize = 8;
-
-/// `sum(f(v))` over `xs` in f64, in [`LANES`] partial sums added at the end.
-#[inline(always)]
-pub(crate) fn lane_sum<T: Float>(xs: &[T], f: impl Fn(f64) -> f64) -> f64 {
-    crate::wide::run(
-        #[inline(always)]
-        move || {
-            let mut acc = [0f64; LANES];
-            let mut chunks = xs.chunks_exact(LANES);
-            for chunk in &mut chunks {
-                for (a, v) in acc.iter_mut().zip(chunk) {
-                    *a += f(v.f64());
-                }
-            }
-            let tail: f64 = chunks.remainder().iter().map(|v| f(v.f64())).sum();
-            acc.iter().sum::<f64>() + tail
-        },
-    )
 }
 
 /// The two sums `(sum(f(x, dy).0), sum(f(x, dy).1))` over paired values, as [`lane_sum`].

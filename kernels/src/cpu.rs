@@ -48,21 +48,39 @@ pub(crate) fn rows(
 }
 
 /// A row's mean (0 without centring) and reciprocal standard deviation `1 / sqrt(var + eps)`
-/// (the biased variance), in f64, summed in order: what every norm here computes its output
-/// from, forward and backward, so that the one-op norm and the separate ops agree to the bit.
-/// (Eight-lane sums changed no step time measurably: the norms are not where the step goes.)
+/// (the biased variance), in f64: what every norm here computes its output from, forward and
+/// backward, so that the one-op norm and the separate ops agree to the bit. Summed in
+/// [`LANES`] partial sums on the widest vector unit: once the norms' other loops ran wide, the
+/// two sums in one chain each were most of a group norm's time (docs/benchmarks.md, #21).
 #[inline]
 pub(crate) fn row_stats<T: WithDType>(x: &[T], center: bool, eps: f64) -> (f64, f64) {
     let n = x.len().max(1) as f64;
-    let mean = if center {
-        x.iter().map(|v| v.to_f64()).sum::<f64>() / n
-    } else {
-        0.0
-    };
-    let var = x
-        .iter()
-        .map(|v| (v.to_f64() - mean) * (v.to_f64() - mean))
-        .sum::<f64>()
-        / n;
+    let mean = if center { lane_sum(x, |v| v) / n } else { 0.0 };
+    let var = lane_sum(x, |v| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Partial sums per f64 reduction: independent chains the compiler keeps in vector registers.
+/// One chain makes every add wait for the last (four cycles each), which had batch norm's sums
+/// take 44% of a Conv4 episode's profile (docs/benchmarks.md, #21).
+pub(crate) const LANES: usize = 8;
+
+/// `sum(f(v))` over `xs` in f64, in [`LANES`] partial sums added at the end, on the widest
+/// vector unit ([`crate::wide`]).
+#[inline(always)]
+pub(crate) fn lane_sum<T: WithDType>(xs: &[T], f: impl Fn(f64) -> f64) -> f64 {
+    crate::wide::run(
+        #[inline(always)]
+        move || {
+            let mut acc = [0f64; LANES];
+            let mut chunks = xs.chunks_exact(LANES);
+            for chunk in &mut chunks {
+                for (a, v) in acc.iter_mut().zip(chunk) {
+                    *a += f(v.to_f64());
+                }
+            }
+            let tail: f64 = chunks.remainder().iter().map(|v| f(v.to_f64())).sum();
+            acc.iter().sum::<f64>() + tail
+        },
+    )
 }

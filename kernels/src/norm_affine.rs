@@ -8,8 +8,9 @@
 //! SiLU, two for a layer norm, one for an RMS norm. The backward then makes each of their
 //! gradients, and candle fills a zero tensor and adds into it for every edge. Here the op keeps
 //! only its input (and the weight and bias, which are parameters) and writes the output once;
-//! the backward recomputes each row's statistics and makes the input's gradient in two passes
-//! over the row, with the weight's and bias's gradients summed on the way:
+//! the backward recomputes each row's statistics and makes the input's gradient in three passes
+//! over the row (the gradient at the affine part's output, its sums, the input's gradient),
+//! with the weight's and bias's gradients summed on the way:
 //!
 //! ```text
 //! z   = xhat * w + b          dz  = act'(z) * dy        dw = sum(dz * xhat)   db = sum(dz)
@@ -35,7 +36,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result,
 use rayon::prelude::*;
 
 use crate::activation::{Activation, Real};
-use crate::cpu::row_stats;
+use crate::cpu::{row_stats, LANES};
 use crate::elem::{per_dtype, Elem};
 use crate::host;
 
@@ -125,7 +126,7 @@ impl<R: Real> Affine<R> {
     }
 }
 
-/// The forward over rows starting at `row0`.
+/// The forward over rows starting at `row0`, `act` applied after the affine part.
 fn forward_rows<T: Elem>(
     spec: Spec,
     geo: Geometry,
@@ -133,6 +134,7 @@ fn forward_rows<T: Elem>(
     x: &[T],
     out: &mut [T],
     (w, b): (Option<&[T]>, Option<&[T]>),
+    act: impl Fn(T::R) -> T::R + Copy,
 ) {
     for (j, (xr, or)) in x
         .chunks(geo.cols.max(1))
@@ -151,24 +153,52 @@ fn forward_rows<T: Elem>(
                 w: w.map(|w| w[c].load()),
                 b: b.map(|b| b[c].load()),
             };
-            for (o, v) in os.iter_mut().zip(xs) {
-                let xhat = T::from_f64((v.to_f64() - mean) * r).load();
-                let z = aff.apply::<T>(xhat);
-                *o = T::store(match spec.act {
-                    Some(a) => a.forward(z),
-                    None => z,
-                });
-            }
+            crate::wide::run(
+                #[inline(always)]
+                move || {
+                    for (o, v) in os.iter_mut().zip(xs) {
+                        let xhat = T::from_f64((v.to_f64() - mean) * r).load();
+                        *o = T::store(act(aff.apply::<T>(xhat)));
+                    }
+                },
+            );
         }
     }
 }
 
+/// The forward with the activation chosen outside the loops: one loop body per activation,
+/// which the compiler vectorises, where a match per value kept the loop scalar (group norm +
+/// SiLU at the mid-size UNet's shapes: `examples/time_group_norm`, docs/benchmarks.md).
 fn forward<T: Elem>(
     spec: Spec,
     geo: Geometry,
     x: &[T],
     w: Option<&[T]>,
     b: Option<&[T]>,
+) -> Vec<T> {
+    match spec.act {
+        None => forward_with(spec, geo, x, (w, b), |z| z),
+        Some(Activation::Silu) => {
+            forward_with(spec, geo, x, (w, b), |z| Activation::Silu.forward(z))
+        }
+        Some(Activation::GeluTanh) => {
+            forward_with(spec, geo, x, (w, b), |z| Activation::GeluTanh.forward(z))
+        }
+        Some(Activation::GeluErf) => {
+            forward_with(spec, geo, x, (w, b), |z| Activation::GeluErf.forward(z))
+        }
+        Some(Activation::Relu) => {
+            forward_with(spec, geo, x, (w, b), |z| Activation::Relu.forward(z))
+        }
+    }
+}
+
+fn forward_with<T: Elem>(
+    spec: Spec,
+    geo: Geometry,
+    x: &[T],
+    wb: (Option<&[T]>, Option<&[T]>),
+    act: impl Fn(T::R) -> T::R + Copy + Sync,
 ) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
     if geo.cols == 0 {
@@ -179,7 +209,7 @@ fn forward<T: Elem>(
         .enumerate()
         .for_each(|(t, o)| {
             let at = t * rows * geo.cols;
-            forward_rows(spec, geo, t * rows, &x[at..at + o.len()], o, (w, b));
+            forward_rows(spec, geo, t * rows, &x[at..at + o.len()], o, wb, act);
         });
     out
 }
@@ -210,7 +240,8 @@ struct Backward {
 
 impl Backward {
     /// The input's gradient over rows starting at `row0`, adding the parameters' to `sums`;
-    /// `dxh` is scratch for one row.
+    /// `dxh` is scratch for one row. `dz(g, xhat, affine)` is the gradient at the affine
+    /// part's output (through the activation, if any), in f64.
     #[allow(clippy::too_many_arguments)]
     fn rows<T: Elem>(
         &self,
@@ -221,10 +252,9 @@ impl Backward {
         dx: &mut [T],
         sums: &mut Sums,
         dxh: &mut Vec<f64>,
+        dz: impl Fn(T, T::R, Affine<T::R>) -> f64 + Copy,
     ) {
-        let Spec {
-            eps, center, act, ..
-        } = self.spec;
+        let Spec { eps, center, .. } = self.spec;
         let cols = geo.cols.max(1);
         let inner = geo.inner.max(1);
         let it = x.chunks(cols).zip(g.chunks(cols)).zip(dx.chunks_mut(cols));
@@ -232,43 +262,105 @@ impl Backward {
             let (mean, r) = row_stats(xr, center, eps);
             let c0 = geo.first_channel(row0 + j);
             dxh.clear();
+            dxh.resize(xr.len(), 0.0);
             let (mut s1, mut s2) = (0f64, 0f64);
-            for (k, (xs, gs)) in xr.chunks(inner).zip(gr.chunks(inner)).enumerate() {
+            let parts = xr
+                .chunks(inner)
+                .zip(gr.chunks(inner))
+                .zip(dxh.chunks_mut(inner));
+            for (k, ((xs, gs), ds)) in parts.enumerate() {
                 let c = c0 + k;
                 let w = self.w.as_ref().map(|w| w[c]);
                 let aff = Affine::<T::R> {
                     w: w.map(T::R::f),
                     b: self.b.as_ref().map(|b| T::R::f(b[c])),
                 };
-                let (mut sw, mut sb) = (0f64, 0f64);
-                for (v, gv) in xs.iter().zip(gs) {
-                    let exact = (v.to_f64() - mean) * r;
-                    let xhat = T::from_f64(exact).load();
-                    let dz = match act {
-                        Some(a) => a.backward(gv.load(), aff.apply::<T>(xhat)).wide(),
-                        None => gv.to_f64(),
-                    };
-                    sw += dz * xhat.wide();
-                    sb += dz;
-                    let d = w.map_or(dz, |w| dz * w);
-                    s1 += d;
-                    s2 += d * exact;
-                    dxh.push(d);
-                }
+                // First the gradients at the affine part's output, a loop without a sum that
+                // the compiler vectorises (the activation's derivative is most of the work);
+                // then the sums, in partial sums (`LANES`) that are independent chains.
+                let (sw, sb, t1, t2) = crate::wide::run(
+                    #[inline(always)]
+                    move || {
+                        for ((v, gv), d) in xs.iter().zip(gs).zip(ds.iter_mut()) {
+                            let xhat = T::from_f64((v.to_f64() - mean) * r).load();
+                            *d = dz(*gv, xhat, aff);
+                        }
+                        // [weight's, bias's, s1's, s2's] sums in LANES partial sums each.
+                        let mut acc = [[0f64; LANES]; 4];
+                        let mut tail = [0f64; 4];
+                        let add = |at: &mut [f64; 4], v: &T, d: &mut f64| {
+                            let exact = (v.to_f64() - mean) * r;
+                            let xhat = T::from_f64(exact).load();
+                            let dz = *d;
+                            *d = w.map_or(dz, |w| dz * w);
+                            at[0] += dz * xhat.wide();
+                            at[1] += dz;
+                            at[2] += *d;
+                            at[3] += *d * exact;
+                        };
+                        let mut xc = xs.chunks_exact(LANES);
+                        let mut dc = ds.chunks_exact_mut(LANES);
+                        for (xv, dv) in (&mut xc).zip(&mut dc) {
+                            for i in 0..LANES {
+                                let mut at = [acc[0][i], acc[1][i], acc[2][i], acc[3][i]];
+                                add(&mut at, &xv[i], &mut dv[i]);
+                                for (a, v) in acc.iter_mut().zip(at) {
+                                    a[i] = v;
+                                }
+                            }
+                        }
+                        for (v, d) in xc.remainder().iter().zip(dc.into_remainder()) {
+                            add(&mut tail, v, d);
+                        }
+                        let total = |k: usize| acc[k].iter().sum::<f64>() + tail[k];
+                        (total(0), total(1), s1 + total(2), s2 + total(3))
+                    },
+                );
+                (s1, s2) = (t1, t2);
                 sums.dw[c] += sw;
                 sums.db[c] += sb;
             }
             let n = xr.len().max(1) as f64;
             let m1 = if center { s1 / n } else { 0.0 };
             let m2 = s2 / n;
-            for ((o, v), d) in dr.iter_mut().zip(xr).zip(dxh.iter()) {
-                let exact = (v.to_f64() - mean) * r;
-                *o = T::from_f64(r * (d - m1 - exact * m2));
-            }
+            crate::wide::run(
+                #[inline(always)]
+                || {
+                    for ((o, v), d) in dr.iter_mut().zip(xr).zip(dxh.iter()) {
+                        let exact = (v.to_f64() - mean) * r;
+                        *o = T::from_f64(r * (d - m1 - exact * m2));
+                    }
+                },
+            );
         }
     }
 
+    /// The input's gradient, with the activation's derivative chosen outside the loops (as
+    /// the forward's).
     fn run<T: Elem>(&self, geo: Geometry, x: &[T], g: &[T]) -> Result<Vec<T>> {
+        // A closure per activation, each with its activation as a constant: one captured
+        // `Activation` would be matched per value again.
+        macro_rules! through {
+            ($a:expr) => {
+                |g: T, xhat, aff: Affine<T::R>| $a.backward(g.load(), aff.apply::<T>(xhat)).wide()
+            };
+        }
+        match self.spec.act {
+            None => self.run_with(geo, x, g, |g: T, _, _| g.to_f64()),
+            Some(Activation::Silu) => self.run_with(geo, x, g, through!(Activation::Silu)),
+            Some(Activation::GeluTanh) => self.run_with(geo, x, g, through!(Activation::GeluTanh)),
+            Some(Activation::GeluErf) => self.run_with(geo, x, g, through!(Activation::GeluErf)),
+            Some(Activation::Relu) => self.run_with(geo, x, g, through!(Activation::Relu)),
+        }
+    }
+
+    fn run_with<T: Elem>(
+        &self,
+        geo: Geometry,
+        x: &[T],
+        g: &[T],
+        dz: impl Fn(T, T::R, Affine<T::R>) -> f64 + Copy + Sync,
+    ) -> Result<Vec<T>> {
         let mut dx = vec![T::zero(); x.len()];
         let c = geo.channels();
         let total = if geo.cols == 0 {
@@ -284,7 +376,7 @@ impl Backward {
                     let mut sums = Sums::zeros(c);
                     let mut scratch = Vec::with_capacity(geo.cols);
                     let (x, g) = (&x[r.clone()], &g[r]);
-                    self.rows(geo, t * rows, x, g, d, &mut sums, &mut scratch);
+                    self.rows(geo, t * rows, x, g, d, &mut sums, &mut scratch, dz);
                     sums
                 })
                 .collect();

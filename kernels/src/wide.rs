@@ -100,17 +100,18 @@ mod tests {
 
     use candle_core::{DType, Device, Var};
 
-    use crate::activation::{gelu_tanh, silu};
+    use crate::activation::{gelu_tanh, silu, Activation};
     use crate::batch_norm::batch_norm_train;
     use crate::batch_norm_pool::{batch_norm_relu_max_pool_train, MaxPool};
     use crate::gradcheck::random_tensor;
+    use crate::norm::group_norm_act;
 
     /// The level [`super::level`] returns in this crate's unit tests: 0 the CPU's, 1 baseline,
     /// 2 AVX2, 3 AVX-512. Other tests running meanwhile get the same values either way.
     pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
 
-    /// Batch norm (alone, and with ReLU and three max pools), SiLU and GELU-tanh forward
-    /// and backward: every output and gradient's bits, at one level.
+    /// Batch norm (alone, and with ReLU and three max pools), group norm + SiLU, SiLU and
+    /// GELU-tanh forward and backward: every output and gradient's bits, at one level.
     fn bits_at(level: u8) -> candle_core::Result<Vec<Vec<u32>>> {
         FORCED.store(level, Ordering::Relaxed);
         let dev = Device::Cpu;
@@ -132,6 +133,8 @@ mod tests {
         // The ResNet stem's pool and a stride-1 one: the row-at-a-time max loop's two arms.
         let (y3, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(3, 2, 1))?;
         let (y4, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 1, 0))?;
+        // Group norm + SiLU (one op, its loops wide), one group holding all channels.
+        let y5 = group_norm_act(&x, 1, Some(&w), Some(&b), 1e-5, Activation::Silu)?;
         // The activations of the wide loops, on more values than a chunk of rayon's.
         let long = x.as_tensor().flatten_all()?.repeat(30)?;
         let (a1, a2) = (silu(&long)?, gelu_tanh(&long)?);
@@ -139,9 +142,10 @@ mod tests {
             + (y2.sin()?.sum_all()?)
             + (y3.cos()?.sum_all()?)
             + (y4.sin()?.sum_all()?)
+            + (y5.cos()?.sum_all()?)
             + (a1.sin()?.sum_all()? + a2.cos()?.sum_all()?)?)?;
         let grads = loss.backward()?;
-        let mut out = vec![y1, y2, y3, y4, a1, a2];
+        let mut out = vec![y1, y2, y3, y4, y5, a1, a2];
         for v in [&x, &w, &b] {
             out.push(
                 grads
@@ -180,6 +184,7 @@ mod tests {
             "batch norm + ReLU + pool",
             "batch norm + ReLU + 3x3 stride-2 pool",
             "batch norm + ReLU + 2x2 stride-1 pool",
+            "group norm + SiLU",
             "SiLU",
             "GELU-tanh",
             "the input's gradient",
