@@ -51,7 +51,7 @@ pub(crate) fn rows(
 /// (the biased variance), in f64: what every norm here computes its output from, forward and
 /// backward, so that the one-op norm and the separate ops agree to the bit. Summed in
 /// [`LANES`] partial sums on the widest vector unit: once the norms' other loops ran wide, the
-/// two sums in one chain each were most of a group norm's time (docs/benchmarks.md, #21).
+/// two sums in one chain each were half of a group norm's forward (docs/benchmarks.md).
 #[inline]
 pub(crate) fn row_stats<T: WithDType>(x: &[T], center: bool, eps: f64) -> (f64, f64) {
     let n = x.len().max(1) as f64;

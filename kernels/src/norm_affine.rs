@@ -126,7 +126,10 @@ impl<R: Real> Affine<R> {
     }
 }
 
-/// The forward over rows starting at `row0`, `act` applied after the affine part.
+/// The forward over rows starting at `row0`, `act` applied after the affine part. Inlined
+/// into [`crate::wide::run`] by its caller, whole: a layer or RMS norm's channel is one value,
+/// so a call per channel would be a call per value.
+#[inline(always)]
 fn forward_rows<T: Elem>(
     spec: Spec,
     geo: Geometry,
@@ -153,15 +156,10 @@ fn forward_rows<T: Elem>(
                 w: w.map(|w| w[c].load()),
                 b: b.map(|b| b[c].load()),
             };
-            crate::wide::run(
-                #[inline(always)]
-                move || {
-                    for (o, v) in os.iter_mut().zip(xs) {
-                        let xhat = T::from_f64((v.to_f64() - mean) * r).load();
-                        *o = T::store(act(aff.apply::<T>(xhat)));
-                    }
-                },
-            );
+            for (o, v) in os.iter_mut().zip(xs) {
+                let xhat = T::from_f64((v.to_f64() - mean) * r).load();
+                *o = T::store(act(aff.apply::<T>(xhat)));
+            }
         }
     }
 }
@@ -209,7 +207,11 @@ fn forward_with<T: Elem>(
         .enumerate()
         .for_each(|(t, o)| {
             let at = t * rows * geo.cols;
-            forward_rows(spec, geo, t * rows, &x[at..at + o.len()], o, wb, act);
+            let x = &x[at..at + o.len()];
+            crate::wide::run(
+                #[inline(always)]
+                move || forward_rows(spec, geo, t * rows, x, o, wb, act),
+            );
         });
     out
 }
@@ -241,8 +243,10 @@ struct Backward {
 impl Backward {
     /// The input's gradient over rows starting at `row0`, adding the parameters' to `sums`;
     /// `dxh` is scratch for one row. `dz(g, xhat, affine)` is the gradient at the affine
-    /// part's output (through the activation, if any), in f64.
+    /// part's output (through the activation, if any), in f64. Inlined into
+    /// [`crate::wide::run`] by its caller, whole, as [`forward_rows`].
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn rows<T: Elem>(
         &self,
         geo: Geometry,
@@ -261,8 +265,10 @@ impl Backward {
         for (j, ((xr, gr), dr)) in it.enumerate() {
             let (mean, r) = row_stats(xr, center, eps);
             let c0 = geo.first_channel(row0 + j);
-            dxh.clear();
-            dxh.resize(xr.len(), 0.0);
+            // Every value is written by the first loop below before it is read.
+            if dxh.len() != xr.len() {
+                dxh.resize(xr.len(), 0.0);
+            }
             let (mut s1, mut s2) = (0f64, 0f64);
             let parts = xr
                 .chunks(inner)
@@ -277,61 +283,63 @@ impl Backward {
                 };
                 // First the gradients at the affine part's output, a loop without a sum that
                 // the compiler vectorises (the activation's derivative is most of the work);
-                // then the sums, in partial sums (`LANES`) that are independent chains.
-                let (sw, sb, t1, t2) = crate::wide::run(
-                    #[inline(always)]
-                    move || {
-                        for ((v, gv), d) in xs.iter().zip(gs).zip(ds.iter_mut()) {
-                            let xhat = T::from_f64((v.to_f64() - mean) * r).load();
-                            *d = dz(*gv, xhat, aff);
-                        }
-                        // [weight's, bias's, s1's, s2's] sums in LANES partial sums each.
-                        let mut acc = [[0f64; LANES]; 4];
-                        let mut tail = [0f64; 4];
-                        let add = |at: &mut [f64; 4], v: &T, d: &mut f64| {
-                            let exact = (v.to_f64() - mean) * r;
-                            let xhat = T::from_f64(exact).load();
-                            let dz = *d;
-                            *d = w.map_or(dz, |w| dz * w);
-                            at[0] += dz * xhat.wide();
-                            at[1] += dz;
-                            at[2] += *d;
-                            at[3] += *d * exact;
-                        };
-                        let mut xc = xs.chunks_exact(LANES);
-                        let mut dc = ds.chunks_exact_mut(LANES);
-                        for (xv, dv) in (&mut xc).zip(&mut dc) {
-                            for i in 0..LANES {
-                                let mut at = [acc[0][i], acc[1][i], acc[2][i], acc[3][i]];
-                                add(&mut at, &xv[i], &mut dv[i]);
-                                for (a, v) in acc.iter_mut().zip(at) {
-                                    a[i] = v;
-                                }
+                // then the sums: in partial sums (`LANES`), independent chains, over a group
+                // norm's channel; in order over shorter ones (a layer or RMS norm's channel is
+                // one value), as they always were.
+                for ((v, gv), d) in xs.iter().zip(gs).zip(ds.iter_mut()) {
+                    let xhat = T::from_f64((v.to_f64() - mean) * r).load();
+                    *d = dz(*gv, xhat, aff);
+                }
+                // [weight's, bias's, s1's, s2's] sums.
+                let add = |at: &mut [f64; 4], v: &T, d: &mut f64| {
+                    let exact = (v.to_f64() - mean) * r;
+                    let xhat = T::from_f64(exact).load();
+                    let dz = *d;
+                    *d = w.map_or(dz, |w| dz * w);
+                    at[0] += dz * xhat.wide();
+                    at[1] += dz;
+                    at[2] += *d;
+                    at[3] += *d * exact;
+                };
+                let (sw, sb) = if xs.len() < LANES {
+                    let mut at = [0.0, 0.0, s1, s2];
+                    for (v, d) in xs.iter().zip(ds.iter_mut()) {
+                        add(&mut at, v, d);
+                    }
+                    (s1, s2) = (at[2], at[3]);
+                    (at[0], at[1])
+                } else {
+                    let mut acc = [[0f64; LANES]; 4];
+                    let mut tail = [0f64; 4];
+                    let mut xc = xs.chunks_exact(LANES);
+                    let mut dc = ds.chunks_exact_mut(LANES);
+                    for (xv, dv) in (&mut xc).zip(&mut dc) {
+                        for i in 0..LANES {
+                            let mut at = [acc[0][i], acc[1][i], acc[2][i], acc[3][i]];
+                            add(&mut at, &xv[i], &mut dv[i]);
+                            for (a, v) in acc.iter_mut().zip(at) {
+                                a[i] = v;
                             }
                         }
-                        for (v, d) in xc.remainder().iter().zip(dc.into_remainder()) {
-                            add(&mut tail, v, d);
-                        }
-                        let total = |k: usize| acc[k].iter().sum::<f64>() + tail[k];
-                        (total(0), total(1), s1 + total(2), s2 + total(3))
-                    },
-                );
-                (s1, s2) = (t1, t2);
+                    }
+                    for (v, d) in xc.remainder().iter().zip(dc.into_remainder()) {
+                        add(&mut tail, v, d);
+                    }
+                    let total = |k: usize| acc[k].iter().sum::<f64>() + tail[k];
+                    s1 += total(2);
+                    s2 += total(3);
+                    (total(0), total(1))
+                };
                 sums.dw[c] += sw;
                 sums.db[c] += sb;
             }
             let n = xr.len().max(1) as f64;
             let m1 = if center { s1 / n } else { 0.0 };
             let m2 = s2 / n;
-            crate::wide::run(
-                #[inline(always)]
-                || {
-                    for ((o, v), d) in dr.iter_mut().zip(xr).zip(dxh.iter()) {
-                        let exact = (v.to_f64() - mean) * r;
-                        *o = T::from_f64(r * (d - m1 - exact * m2));
-                    }
-                },
-            );
+            for ((o, v), d) in dr.iter_mut().zip(xr).zip(dxh.iter()) {
+                let exact = (v.to_f64() - mean) * r;
+                *o = T::from_f64(r * (d - m1 - exact * m2));
+            }
         }
     }
 
@@ -342,11 +350,11 @@ impl Backward {
         // `Activation` would be matched per value again.
         macro_rules! through {
             ($a:expr) => {
-                |g: T, xhat, aff: Affine<T::R>| $a.backward(g.load(), aff.apply::<T>(xhat)).wide()
+                |gv: T, xhat, aff: Affine<T::R>| $a.backward(gv.load(), aff.apply::<T>(xhat)).wide()
             };
         }
         match self.spec.act {
-            None => self.run_with(geo, x, g, |g: T, _, _| g.to_f64()),
+            None => self.run_with(geo, x, g, |gv: T, _, _| gv.to_f64()),
             Some(Activation::Silu) => self.run_with(geo, x, g, through!(Activation::Silu)),
             Some(Activation::GeluTanh) => self.run_with(geo, x, g, through!(Activation::GeluTanh)),
             Some(Activation::GeluErf) => self.run_with(geo, x, g, through!(Activation::GeluErf)),
@@ -376,7 +384,10 @@ impl Backward {
                     let mut sums = Sums::zeros(c);
                     let mut scratch = Vec::with_capacity(geo.cols);
                     let (x, g) = (&x[r.clone()], &g[r]);
-                    self.rows(geo, t * rows, x, g, d, &mut sums, &mut scratch, dz);
+                    crate::wide::run(
+                        #[inline(always)]
+                        || self.rows(geo, t * rows, x, g, d, &mut sums, &mut scratch, dz),
+                    );
                     sums
                 })
                 .collect();
