@@ -21,56 +21,62 @@ fn main() -> Result<()> {
     ft_kernels::threads::run(time)
 }
 
+const REPS: usize = 50;
+
+/// Seconds summed over [`REPS`] runs of `f(x)` (the forward) and of the backward from
+/// `sum(f(x) * g)`.
+fn fwd_bwd(x: &Var, g: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<(f64, f64)> {
+    let (mut fwd, mut bwd) = (0f64, 0f64);
+    for _ in 0..REPS {
+        let t = Instant::now();
+        let y = f(x.as_tensor())?;
+        fwd += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let grads = (y * g)?.sum_all()?.backward()?;
+        bwd += t.elapsed().as_secs_f64();
+        std::hint::black_box(grads.get(x));
+    }
+    Ok((fwd, bwd))
+}
+
+/// Milliseconds a run.
+fn ms(s: f64) -> f64 {
+    s / REPS as f64 * 1e3
+}
+
 fn time() -> Result<()> {
     let dev = Device::Cpu;
-    let shapes = [(64, 32), (128, 16), (256, 8)];
-    let reps = 50;
+    let randn = |mean: f32, std: f32, shape: &[usize]| Tensor::randn(mean, std, shape, &dev);
+    // Weights and biases are variables, so that candle's backward makes their gradients too.
+    let var = |mean: f32, std: f32, shape: &[usize]| Var::from_tensor(&randn(mean, std, shape)?);
     let (mut fwd, mut bwd) = (0f64, 0f64);
-    for (c, h) in shapes {
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, c, h, h), &dev)?)?;
-        let w = Var::from_tensor(&Tensor::randn(1f32, 0.1, c, &dev)?)?;
-        let b = Var::from_tensor(&Tensor::randn(0f32, 0.1, c, &dev)?)?;
-        let g = Tensor::randn(0f32, 1.0, (1, c, h, h), &dev)?;
-        for _ in 0..reps {
-            let t = Instant::now();
-            let y = group_norm_act(&x, 32, Some(&w), Some(&b), 1e-5, Activation::Silu)?;
-            fwd += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            let grads = (y * &g)?.sum_all()?.backward()?;
-            bwd += t.elapsed().as_secs_f64();
-            std::hint::black_box(grads.get(&x));
-        }
+    for (c, h) in [(64, 32), (128, 16), (256, 8)] {
+        let x = var(0.0, 1.0, &[1, c, h, h])?;
+        let (w, b) = (var(1.0, 0.1, &[c])?, var(0.0, 0.1, &[c])?);
+        let g = randn(0.0, 1.0, &[1, c, h, h])?;
+        let (f, bk) = fwd_bwd(&x, &g, |x| {
+            group_norm_act(x, 32, Some(&w), Some(&b), 1e-5, Activation::Silu)
+        })?;
+        fwd += f;
+        bwd += bk;
     }
     println!(
         "group norm + SiLU, [1, 64, 32, 32] + [1, 128, 16, 16] + [1, 256, 8, 8] f32 ({}): \
          forward {:.3} ms, backward {:.3} ms",
         ft_kernels::wide::unit(),
-        fwd / reps as f64 * 1e3,
-        bwd / reps as f64 * 1e3
+        ms(fwd),
+        ms(bwd)
     );
-    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (2048, 512), &dev)?)?;
-    let w = Var::from_tensor(&Tensor::randn(1f32, 0.1, 512, &dev)?)?;
-    let b = Var::from_tensor(&Tensor::randn(0f32, 0.1, 512, &dev)?)?;
-    let g = Tensor::randn(0f32, 1.0, (2048, 512), &dev)?;
-    for name in ["layer", "RMS"] {
-        let (mut fwd, mut bwd) = (0f64, 0f64);
-        for _ in 0..reps {
-            let t = Instant::now();
-            let y = if name == "layer" {
-                layer_norm(&x, Some(&w), Some(&b), 1e-5)?
-            } else {
-                rms_norm(&x, Some(&w), 1e-6)?
-            };
-            fwd += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            let grads = (y * &g)?.sum_all()?.backward()?;
-            bwd += t.elapsed().as_secs_f64();
-            std::hint::black_box(grads.get(&x));
-        }
+    let x = var(0.0, 1.0, &[2048, 512])?;
+    let (w, b) = (var(1.0, 0.1, &[512])?, var(0.0, 0.1, &[512])?);
+    let g = randn(0.0, 1.0, &[2048, 512])?;
+    let (lf, lb) = fwd_bwd(&x, &g, |x| layer_norm(x, Some(&w), Some(&b), 1e-5))?;
+    let (rf, rb) = fwd_bwd(&x, &g, |x| rms_norm(x, Some(&w), 1e-6))?;
+    for (name, f, b) in [("layer", lf, lb), ("RMS", rf, rb)] {
         println!(
             "{name} norm [2048, 512] f32: forward {:.3} ms, backward {:.3} ms",
-            fwd / reps as f64 * 1e3,
-            bwd / reps as f64 * 1e3
+            ms(f),
+            ms(b)
         );
     }
     Ok(())
