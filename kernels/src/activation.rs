@@ -222,33 +222,14 @@ fn chunked(out: &mut [f32], run: impl Fn(usize, &mut [f32]) + Sync) {
 }
 
 /// `out[i] = f(x[i])` over contiguous slices of equal length, on this thread when short, in
-/// chunks on rayon's when long: a loop the compiler vectorises.
+/// chunks on rayon's when long, compiled for the CPU's widest vector unit ([`crate::wide`]: 16
+/// lanes with AVX-512; GELU-tanh and SiLU forward 3.5-3.8x faster at 64k elements in
+/// `activation_bench`, the exact GELU 5x).
+///
+/// `f` must be an `#[inline(always)]` closure: one the compiler leaves out of line is compiled
+/// for the baseline and called per value, slower than the plain loop (the exact GELU's was
+/// 3x slower so until its closure was marked).
 fn map1(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
-    let run = |at: usize, c: &mut [f32]| {
-        let x = &x[at..at + c.len()];
-        for (o, &v) in c.iter_mut().zip(x) {
-            *o = f(v);
-        }
-    };
-    chunked(out, run);
-}
-
-/// `out[i] = f(g[i], x[i])`, as [`map1`].
-fn map2(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
-    let run = |at: usize, c: &mut [f32]| {
-        let len = c.len();
-        let (g, x) = (&g[at..at + len], &x[at..at + len]);
-        for ((o, &g), &x) in c.iter_mut().zip(g).zip(x) {
-            *o = f(g, x);
-        }
-    };
-    chunked(out, run);
-}
-
-/// [`map1`] compiled for the CPU's widest vector unit ([`crate::wide`]: 16 lanes with AVX-512;
-/// GELU-tanh and SiLU forward 3.5-3.8x faster at 64k elements in `activation_bench`). Not for
-/// the exact GELU, whose loop ran 3x slower so.
-fn map1_wide(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     let run = |at: usize, c: &mut [f32]| {
         let (x, f) = (&x[at..at + c.len()], &f);
         crate::wide::run(
@@ -263,8 +244,8 @@ fn map1_wide(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     chunked(out, run);
 }
 
-/// [`map2`] as [`map1_wide`].
-fn map2_wide(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+/// `out[i] = f(g[i], x[i])`, as [`map1`].
+fn map2(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     let run = |at: usize, c: &mut [f32]| {
         let len = c.len();
         let (g, x, f) = (&g[at..at + len], &x[at..at + len], &f);
@@ -282,21 +263,42 @@ fn map2_wide(out: &mut [f32], g: &[f32], x: &[f32], f: impl Fn(f32, f32) -> f32 
 
 /// The forward of contiguous f32, one loop per activation (the match outside the loop).
 fn forward_f32(a: Activation, out: &mut [f32], x: &[f32]) {
+    macro_rules! with {
+        ($a:expr) => {
+            map1(
+                out,
+                x,
+                #[inline(always)]
+                |v| $a.forward(v),
+            )
+        };
+    }
     match a {
-        Activation::GeluTanh => map1_wide(out, x, |v| Activation::GeluTanh.forward(v)),
-        Activation::GeluErf => map1(out, x, |v| Activation::GeluErf.forward(v)),
-        Activation::Silu => map1_wide(out, x, |v| Activation::Silu.forward(v)),
-        Activation::Relu => map1_wide(out, x, |v| Activation::Relu.forward(v)),
+        Activation::GeluTanh => with!(Activation::GeluTanh),
+        Activation::GeluErf => with!(Activation::GeluErf),
+        Activation::Silu => with!(Activation::Silu),
+        Activation::Relu => with!(Activation::Relu),
     }
 }
 
 /// The backward of contiguous f32, as [`forward_f32`].
 fn backward_f32(a: Activation, out: &mut [f32], g: &[f32], x: &[f32]) {
+    macro_rules! with {
+        ($a:expr) => {
+            map2(
+                out,
+                g,
+                x,
+                #[inline(always)]
+                |g, v| $a.backward(g, v),
+            )
+        };
+    }
     match a {
-        Activation::GeluTanh => map2_wide(out, g, x, |g, v| Activation::GeluTanh.backward(g, v)),
-        Activation::GeluErf => map2(out, g, x, |g, v| Activation::GeluErf.backward(g, v)),
-        Activation::Silu => map2_wide(out, g, x, |g, v| Activation::Silu.backward(g, v)),
-        Activation::Relu => map2_wide(out, g, x, |g, v| Activation::Relu.backward(g, v)),
+        Activation::GeluTanh => with!(Activation::GeluTanh),
+        Activation::GeluErf => with!(Activation::GeluErf),
+        Activation::Silu => with!(Activation::Silu),
+        Activation::Relu => with!(Activation::Relu),
     }
 }
 

@@ -174,20 +174,28 @@ fn forward<T: Elem>(
     w: Option<&[T]>,
     b: Option<&[T]>,
 ) -> Vec<T> {
+    // A closure per activation, each with its activation as a constant and inlined into the
+    // wide loops (a closure left out of line is a call per value, compiled for the baseline).
+    macro_rules! with {
+        ($f:expr) => {
+            forward_with(spec, geo, x, (w, b), $f)
+        };
+        (act $a:expr) => {
+            with!(
+                #[inline(always)]
+                |z| $a.forward(z)
+            )
+        };
+    }
     match spec.act {
-        None => forward_with(spec, geo, x, (w, b), |z| z),
-        Some(Activation::Silu) => {
-            forward_with(spec, geo, x, (w, b), |z| Activation::Silu.forward(z))
-        }
-        Some(Activation::GeluTanh) => {
-            forward_with(spec, geo, x, (w, b), |z| Activation::GeluTanh.forward(z))
-        }
-        Some(Activation::GeluErf) => {
-            forward_with(spec, geo, x, (w, b), |z| Activation::GeluErf.forward(z))
-        }
-        Some(Activation::Relu) => {
-            forward_with(spec, geo, x, (w, b), |z| Activation::Relu.forward(z))
-        }
+        None => with!(
+            #[inline(always)]
+            |z| z
+        ),
+        Some(Activation::Silu) => with!(act Activation::Silu),
+        Some(Activation::GeluTanh) => with!(act Activation::GeluTanh),
+        Some(Activation::GeluErf) => with!(act Activation::GeluErf),
+        Some(Activation::Relu) => with!(act Activation::Relu),
     }
 }
 
@@ -350,11 +358,18 @@ impl Backward {
         // `Activation` would be matched per value again.
         macro_rules! through {
             ($a:expr) => {
+                #[inline(always)]
                 |gv: T, xhat, aff: Affine<T::R>| $a.backward(gv.load(), aff.apply::<T>(xhat)).wide()
             };
         }
         match self.spec.act {
-            None => self.run_with(geo, x, g, |gv: T, _, _| gv.to_f64()),
+            None => self.run_with(
+                geo,
+                x,
+                g,
+                #[inline(always)]
+                |gv: T, _, _| gv.to_f64(),
+            ),
             Some(Activation::Silu) => self.run_with(geo, x, g, through!(Activation::Silu)),
             Some(Activation::GeluTanh) => self.run_with(geo, x, g, through!(Activation::GeluTanh)),
             Some(Activation::GeluErf) => self.run_with(geo, x, g, through!(Activation::GeluErf)),

@@ -100,9 +100,10 @@ mod tests {
 
     use candle_core::{DType, Device, Var};
 
-    use crate::activation::{gelu_tanh, silu, Activation};
+    use crate::activation::{gelu_erf, gelu_tanh, silu, Activation};
     use crate::batch_norm::batch_norm_train;
     use crate::batch_norm_pool::{batch_norm_relu_max_pool_train, MaxPool};
+    use crate::gated::{gated, gated_halves};
     use crate::gradcheck::random_tensor;
     use crate::norm::group_norm_act;
 
@@ -110,8 +111,9 @@ mod tests {
     /// 2 AVX2, 3 AVX-512. Other tests running meanwhile get the same values either way.
     pub(super) static FORCED: AtomicU8 = AtomicU8::new(0);
 
-    /// Batch norm (alone, and with ReLU and three max pools), group norm + SiLU, SiLU and
-    /// GELU-tanh forward and backward: every output and gradient's bits, at one level.
+    /// Batch norm (alone, and with ReLU and three max pools), group norm + SiLU, SiLU,
+    /// GELU-tanh, the exact GELU, GEGLU and T5's gated GELU forward and backward: every output
+    /// and gradient's bits, at one level.
     fn bits_at(level: u8) -> candle_core::Result<Vec<Vec<u32>>> {
         FORCED.store(level, Ordering::Relaxed);
         let dev = Device::Cpu;
@@ -137,15 +139,19 @@ mod tests {
         let y5 = group_norm_act(&x, 1, Some(&w), Some(&b), 1e-5, Activation::Silu)?;
         // The activations of the wide loops, on more values than a chunk of rayon's.
         let long = x.as_tensor().flatten_all()?.repeat(30)?;
-        let (a1, a2) = (silu(&long)?, gelu_tanh(&long)?);
+        let (a1, a2, a3) = (silu(&long)?, gelu_tanh(&long)?, gelu_erf(&long)?);
+        // GEGLU over rows of two halves of 55 (a remainder after 16 lanes), and T5's form.
+        let a4 = gated_halves(&long.reshape((810, 110))?, Activation::GeluErf)?;
+        let a5 = gated(&long, &long.cos()?, Activation::GeluTanh)?;
         let loss = ((y1.sqr()?.sum_all()? * 0.5)?
             + (y2.sin()?.sum_all()?)
             + (y3.cos()?.sum_all()?)
             + (y4.sin()?.sum_all()?)
             + (y5.cos()?.sum_all()?)
-            + (a1.sin()?.sum_all()? + a2.cos()?.sum_all()?)?)?;
+            + (a1.sin()?.sum_all()? + a2.cos()?.sum_all()?)?
+            + (a3.sin()?.sum_all()? + a4.cos()?.sum_all()? + a5.sin()?.sum_all()?)?)?;
         let grads = loss.backward()?;
-        let mut out = vec![y1, y2, y3, y4, y5, a1, a2];
+        let mut out = vec![y1, y2, y3, y4, y5, a1, a2, a3, a4, a5];
         for v in [&x, &w, &b] {
             out.push(
                 grads
@@ -187,6 +193,9 @@ mod tests {
             "group norm + SiLU",
             "SiLU",
             "GELU-tanh",
+            "exact GELU",
+            "GEGLU",
+            "T5's gated GELU-tanh",
             "the input's gradient",
             "the weight's gradient",
             "the bias's gradient",
