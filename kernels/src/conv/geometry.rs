@@ -147,10 +147,17 @@ impl Geometry {
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
+        // Stride 1 with the output the input's size (a 3x3 convolution padded by 1): each row
+        // is the plane shifted, one copy (`shifted_plane`).
+        let same = s == 1 && (oh, ow) == (self.h, self.w);
         let fill = |j: usize, row: &mut [T]| {
             let (ci, tap) = (j / (k * k), j % (k * k));
             let (ky, kx) = (tap / k, tap % k);
             let plane = &x[(bi * self.c + ci) * self.h * self.w..][..self.h * self.w];
+            if same {
+                let shift = (ky as isize - p, kx as isize - p);
+                return shifted_plane(plane, (self.h, self.w), shift, row);
+            }
             let (lo, hi, base) = self.inside(kx);
             for oy in 0..oh {
                 let out = &mut row[oy * ow..(oy + 1) * ow];
@@ -301,6 +308,53 @@ pub(super) struct ColsAt {
 /// images of this many output positions or more go one by one, as before groups.
 pub(super) const GROUP_COLS: usize = 256;
 
+/// `out` ([h, w], flat) = `plane` ([h, w]) read `(dy, dx)` away: `out[y][x] = plane[y + dy][x +
+/// dx]`, zero where that falls outside the plane. Row by row that is a run of at most `w`
+/// values (21 in ResNet10's first stage) and a copy call each; flat it is one run, offset by
+/// `dy w + dx`, over the rows that read inside the plane, after which the `|dx|` values at each
+/// of those rows' edge, which read the neighbouring row, are set to zero (ResNet10's episode:
+/// the unfolding 10.3% -> 6.4% of the samples, docs/benchmarks.md).
+fn shifted_plane<T: WithDType>(
+    plane: &[T],
+    (h, w): (usize, usize),
+    (dy, dx): (isize, isize),
+    out: &mut [T],
+) {
+    let (hi, wi) = (h as isize, w as isize);
+    // The output rows whose source row is inside the plane.
+    let y0 = (-dy).clamp(0, hi) as usize;
+    let y1 = (hi - dy).clamp(y0 as isize, hi) as usize;
+    out[..y0 * w].fill(T::zero());
+    out[y1 * w..].fill(T::zero());
+    if y0 == y1 {
+        return;
+    }
+    // out[i] = plane[i + off] for i in y0 * w..y1 * w, where that is inside the plane (only
+    // the run's first or last |dx| values can fall outside, and those are edge values).
+    let off = dy * wi + dx;
+    let (start, end) = (y0 * w, y1 * w);
+    let lo = (start as isize).max(-off).min(end as isize);
+    let hi_run = (end as isize).min(hi * wi - off).max(lo);
+    let (lo, hi_run) = (lo as usize, hi_run as usize);
+    if lo < hi_run {
+        let src = (lo as isize + off) as usize;
+        out[lo..hi_run].copy_from_slice(&plane[src..src + (hi_run - lo)]);
+    }
+    out[start..lo].fill(T::zero());
+    out[hi_run..end].fill(T::zero());
+    // The edge columns that read outside the plane's width.
+    let (c0, c1) = if dx < 0 {
+        (0, (-dx).min(wi) as usize)
+    } else {
+        ((wi - dx).max(0) as usize, w)
+    };
+    if c0 < c1 {
+        for row in out[y0 * w..y1 * w].chunks_mut(w) {
+            row[c0..c1].fill(T::zero());
+        }
+    }
+}
+
 /// `out[i] = src[i * stride]`: a copy for stride 1; for stride 2 (a ResNet stem's unfolding, 22
 /// million values an FSCT episode) in pairs, which the compiler turns into vector shuffles where
 /// the indexed loop read one value at a time behind a bounds check.
@@ -322,5 +376,55 @@ fn gather<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
                 *o = *v;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The unfolding by rows (with its one-copy path for stride 1 at the input's size) against
+    /// the reference [`Geometry::im2col`], tap by tap, over every small geometry: kernels wider
+    /// than the image, padding past the kernel's reach, images one value wide or tall.
+    #[test]
+    fn image_columns_are_im2col_transposed() -> Result<()> {
+        let mut checked = 0;
+        for (h, w) in [(1, 1), (1, 4), (4, 1), (2, 3), (5, 4), (6, 6)] {
+            for k in 1..=5 {
+                for pad in 0..=2 {
+                    for stride in 1..=3 {
+                        let Ok(g) = Geometry::new(&[2, 3, h, w], k, stride, pad) else {
+                            continue;
+                        };
+                        let x: Vec<f32> = (0..2 * 3 * h * w).map(|i| i as f32 + 1.0).collect();
+                        let (l, ck) = g.cols();
+                        let want = g.im2col(&x);
+                        for bi in 0..2 {
+                            // Garbage first, so that a value left unwritten shows.
+                            let mut cols = vec![f32::NAN; ck * l];
+                            let at = ColsAt {
+                                stride: l,
+                                offset: 0,
+                                threads: false,
+                            };
+                            g.image_columns(&x, bi, 0..ck, &mut cols, at);
+                            for j in 0..ck {
+                                for col in 0..l {
+                                    let (got, want) =
+                                        (cols[j * l + col], want[(bi * l + col) * ck + j]);
+                                    assert!(
+                                        got.to_bits() == want.to_bits(),
+                                        "{g:?} image {bi} row {j} column {col}: {got} != {want}"
+                                    );
+                                }
+                            }
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 100, "{checked} geometries");
+        Ok(())
     }
 }
