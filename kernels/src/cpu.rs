@@ -84,3 +84,28 @@ pub(crate) fn lane_sum<T: WithDType>(xs: &[T], f: impl Fn(f64) -> f64) -> f64 {
         },
     )
 }
+
+/// `out[i] = src[i * stride]`: a copy for stride 1; for stride 2 (a ResNet stem's unfolding, 22
+/// million values an FSCT episode, and its 3x3 stride-2 max pool) in pairs, which the compiler turns into vector shuffles where
+/// the indexed loop read one value at a time behind a bounds check.
+#[inline(always)]
+pub(crate) fn gather<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
+    let Some(last) = out.len().checked_sub(1) else {
+        return;
+    };
+    match stride {
+        1 => out.copy_from_slice(&src[..out.len()]),
+        2 => {
+            let (head, tail) = out.split_at_mut(last);
+            for (o, pair) in head.iter_mut().zip(src.chunks_exact(2)) {
+                *o = pair[0];
+            }
+            tail[0] = src[last * 2];
+        }
+        _ => {
+            for (o, v) in out.iter_mut().zip(src.iter().step_by(stride)) {
+                *o = *v;
+            }
+        }
+    }
+}

@@ -8,6 +8,7 @@
 //! average pooling, checked against finite differences.
 //! On CUDA both passes are kernels (`crate::cuda`), tested against this CPU version.
 
+use crate::cpu::gather;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
@@ -222,12 +223,63 @@ fn beats<T: WithDType>(v: T, best: T) -> bool {
 /// order a scan of one window takes, is compared with the running maxima of all the row's
 /// outputs before the next cell. Each output sees its cells in the scalar scan's order (the same
 /// result, ties and NaNs included), while the row's compares are independent of one another, so
-/// a vector unit takes them side by side instead of one chain of dependent selects per window
-/// (the ResNet stem's batch norm + ReLU + 3x3 stride-2 pool forward: 24-28 -> 13-16 ms,
-/// docs/benchmarks.md).
-/// `arg` keeps each output's cell as its offset `dy * w + dx` in the window until the row ends.
+/// the core runs them side by side instead of one chain of dependent selects per window (the
+/// ResNet stem's batch norm + ReLU + 3x3 stride-2 pool forward: 24-28 -> 13-16 ms,
+/// docs/benchmarks.md; the forward's loop stays scalar, its strided read bounds-checked: with
+/// its values gathered first it vectorised but was no faster).
+/// `arg` (the backward's) keeps each output's cell as its offset `dy * w + dx` in the window
+/// until the row ends, as a `u32` (a `usize` would halve the lanes against `f32` maxima), or a
+/// `usize` where a window's rows reach past `u32`; each cell's values are gathered into a row
+/// first. So the backward's loop vectorises: it ran scalar, a branch per value (the ResNet10
+/// stem's batch norm + ReLU + pool backward 140-157 -> 116-134 ms, docs/benchmarks.md).
 #[inline(always)]
 fn max_rows<T: WithDType>(
+    x: &[T],
+    w: usize,
+    (kh, kw): (usize, usize),
+    (sh, sw): (usize, usize),
+    out: &mut [T],
+    arg: Option<&mut [usize]>,
+) {
+    match arg {
+        None => max_rows_at::<T, u32>(x, w, (kh, kw), (sh, sw), out, None),
+        Some(arg) if kh * w <= u32::MAX as usize => {
+            max_rows_at::<T, u32>(x, w, (kh, kw), (sh, sw), out, Some(arg))
+        }
+        Some(arg) => max_rows_at::<T, usize>(x, w, (kh, kw), (sh, sw), out, Some(arg)),
+    }
+}
+
+/// A window cell's offset, as narrow as the window allows ([`max_rows`]).
+trait Cell: Copy + Default {
+    fn of(offset: usize) -> Self;
+    fn offset(self) -> usize;
+}
+
+impl Cell for u32 {
+    #[inline(always)]
+    fn of(offset: usize) -> Self {
+        offset as u32
+    }
+    #[inline(always)]
+    fn offset(self) -> usize {
+        self as usize
+    }
+}
+
+impl Cell for usize {
+    #[inline(always)]
+    fn of(offset: usize) -> Self {
+        offset
+    }
+    #[inline(always)]
+    fn offset(self) -> usize {
+        self
+    }
+}
+
+#[inline(always)]
+fn max_rows_at<T: WithDType, C: Cell>(
     x: &[T],
     w: usize,
     (kh, kw): (usize, usize),
@@ -238,16 +290,14 @@ fn max_rows<T: WithDType>(
     let ow = (w - kw) / sw + 1;
     // The inputs one cell reads across a row: ow of them, sw apart.
     let reach = (ow - 1) * sw + 1;
+    // Each output's best cell so far in this row.
+    // (The forward, without `arg`, needs neither.)
+    let n = if arg.is_some() { ow } else { 0 };
+    let (mut cells, mut vals) = (vec![C::default(); n], vec![T::zero(); n]);
     for (oy, row) in out.chunks_mut(ow).enumerate() {
         let top = oy * sh * w;
-        let mut at = arg.as_deref_mut().map(|a| &mut a[oy * ow..][..ow]);
-        let first = &x[top..][..reach];
-        for (i, y) in row.iter_mut().enumerate() {
-            *y = first[i * sw];
-        }
-        if let Some(at) = at.as_deref_mut() {
-            at.fill(0);
-        }
+        gather(row, &x[top..][..reach], sw);
+        cells.fill(C::default());
         for dy in 0..kh {
             for dx in 0..kw {
                 if dy + dx == 0 {
@@ -255,27 +305,28 @@ fn max_rows<T: WithDType>(
                 }
                 let cell = dy * w + dx;
                 let src = &x[top + cell..][..reach];
-                match at.as_deref_mut() {
-                    None => {
-                        for (i, y) in row.iter_mut().enumerate() {
-                            let v = src[i * sw];
-                            *y = if beats(v, *y) { v } else { *y };
-                        }
+                if arg.is_none() {
+                    for (i, y) in row.iter_mut().enumerate() {
+                        let v = src[i * sw];
+                        *y = if beats(v, *y) { v } else { *y };
                     }
-                    Some(at) => {
-                        for (i, (y, a)) in row.iter_mut().zip(at.iter_mut()).enumerate() {
-                            let v = src[i * sw];
-                            let take = beats(v, *y);
-                            *y = if take { v } else { *y };
-                            *a = if take { cell } else { *a };
-                        }
+                } else {
+                    // The cell's values gathered first: with `src[i * sw]` in it (a bounds
+                    // check per value) the loop below stayed scalar, a branch per value.
+                    gather(&mut vals, src, sw);
+                    let c = C::of(cell);
+                    for ((y, a), &v) in row.iter_mut().zip(cells.iter_mut()).zip(&vals) {
+                        let take = beats(v, *y);
+                        *y = if take { v } else { *y };
+                        *a = if take { c } else { *a };
                     }
                 }
             }
         }
-        if let Some(at) = at {
-            for (i, a) in at.iter_mut().enumerate() {
-                *a += top + i * sw;
+        if let Some(arg) = arg.as_deref_mut() {
+            let at = &mut arg[oy * ow..][..ow];
+            for (i, (a, c)) in at.iter_mut().zip(&cells).enumerate() {
+                *a = top + i * sw + c.offset();
             }
         }
     }
@@ -456,4 +507,39 @@ pub fn avg_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize)) ->
 /// Global average pooling [N, C, H, W] -> [N, C] (a mean, whose backward candle gets right).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     x.flatten_from(2)?.mean(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The wide `usize` cells (windows whose rows reach past `u32`, too large to build here)
+    /// give the maxima and positions of the `u32` ones, with ties and NaNs, at every stride.
+    #[test]
+    fn both_cell_widths_find_the_same_cells() {
+        let (h, w) = (9, 11);
+        // Ties (values repeat every 7) and two NaNs.
+        let mut x: Vec<f32> = (0..h * w).map(|i| ((i * 5) % 7) as f32).collect();
+        x[13] = f32::NAN;
+        x[40] = f32::NAN;
+        for (k, s) in [(2, 1), (3, 2), (3, 3), (2, 2)] {
+            let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
+            let run = |wide: bool| {
+                let (mut out, mut arg) = (vec![0f32; oh * ow], vec![0usize; oh * ow]);
+                let x = &x[..((oh - 1) * s + k) * w];
+                if wide {
+                    max_rows_at::<f32, usize>(x, w, (k, k), (s, s), &mut out, Some(&mut arg));
+                } else {
+                    max_rows_at::<f32, u32>(x, w, (k, k), (s, s), &mut out, Some(&mut arg));
+                }
+                (out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), arg)
+            };
+            let narrow = run(false);
+            assert_eq!(run(true), narrow, "{k}x{k} stride {s}");
+            // Each position holds its output's value.
+            for (v, &a) in narrow.0.iter().zip(&narrow.1) {
+                assert_eq!(*v, x[a].to_bits(), "{k}x{k} stride {s}");
+            }
+        }
+    }
 }

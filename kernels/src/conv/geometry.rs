@@ -4,6 +4,8 @@
 
 use candle_core::{Result, WithDType};
 
+use crate::cpu::gather;
+
 /// Geometry of one convolution: square kernel, equal stride and padding on both axes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Geometry {
@@ -351,30 +353,6 @@ fn shifted_plane<T: WithDType>(
     if c0 < c1 {
         for row in out[y0 * w..y1 * w].chunks_mut(w) {
             row[c0..c1].fill(T::zero());
-        }
-    }
-}
-
-/// `out[i] = src[i * stride]`: a copy for stride 1; for stride 2 (a ResNet stem's unfolding, 22
-/// million values an FSCT episode) in pairs, which the compiler turns into vector shuffles where
-/// the indexed loop read one value at a time behind a bounds check.
-fn gather<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
-    let Some(last) = out.len().checked_sub(1) else {
-        return;
-    };
-    match stride {
-        1 => out.copy_from_slice(&src[..out.len()]),
-        2 => {
-            let (head, tail) = out.split_at_mut(last);
-            for (o, pair) in head.iter_mut().zip(src.chunks_exact(2)) {
-                *o = pair[0];
-            }
-            tail[0] = src[last * 2];
-        }
-        _ => {
-            for (o, v) in out.iter_mut().zip(src.iter().step_by(stride)) {
-                *o = *v;
-            }
         }
     }
 }
