@@ -1,7 +1,7 @@
 //! `cargo run --release -p ft-kernels --example activation_bench`: forward and forward + backward
-//! time of `ft_kernels::activation` (GELU tanh, SiLU, exact GELU) and of `ft_kernels::gated` (GEGLU, T5's gated GELU) on f32 CPU tensors, one chunk
-//! (on the calling thread) to several (rayon's threads): the measurement behind
-//! `ft_kernels::fastmath`.
+//! time of `ft_kernels::activation` (GELU tanh, SiLU, exact GELU) and of `ft_kernels::gated`
+//! (GEGLU, T5's gated GELU) on f32 CPU tensors, one chunk (on the calling thread) to several
+//! (rayon's threads): the measurement behind `ft_kernels::fastmath` and the `wide` loops.
 
 use std::time::Instant;
 

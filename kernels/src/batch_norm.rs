@@ -138,12 +138,24 @@ pub(crate) fn stats<T: Float>(x: &[T], p: Planes) -> BatchStats {
         .map(|c| {
             let mean = p
                 .channel(x, c)
-                .map(|plane| lane_sum(plane, |v| v))
+                .map(|plane| {
+                    lane_sum(
+                        plane,
+                        #[inline(always)]
+                        |v| v,
+                    )
+                })
                 .sum::<f64>()
                 / m;
             let var = p
                 .channel(x, c)
-                .map(|plane| lane_sum(plane, |v| (v - mean) * (v - mean)))
+                .map(|plane| {
+                    lane_sum(
+                        plane,
+                        #[inline(always)]
+                        |v| (v - mean) * (v - mean),
+                    )
+                })
                 .sum::<f64>()
                 / m;
             (mean, var)
@@ -387,11 +399,21 @@ impl Backward {
                 let (mut sg, mut sb) = (0f64, 0f64);
                 for (xp, gp) in p.channel(x, c).zip(p.channel(dy, c)) {
                     let (g, gx) = match mask(c) {
-                        Some((a, b)) => lane_sum2(xp, gp, |v, g| {
-                            let g = if v * a + b <= 0.0 { 0.0 } else { g };
-                            (g, g * ((v - mean) * r))
-                        }),
-                        None => lane_sum2(xp, gp, |v, g| (g, g * ((v - mean) * r))),
+                        Some((a, b)) => lane_sum2(
+                            xp,
+                            gp,
+                            #[inline(always)]
+                            |v, g| {
+                                let g = if v * a + b <= 0.0 { 0.0 } else { g };
+                                (g, g * ((v - mean) * r))
+                            },
+                        ),
+                        None => lane_sum2(
+                            xp,
+                            gp,
+                            #[inline(always)]
+                            |v, g| (g, g * ((v - mean) * r)),
+                        ),
                     };
                     sb += g;
                     sg += gx;

@@ -52,11 +52,23 @@ pub(crate) fn rows(
 /// backward, so that the one-op norm and the separate ops agree to the bit. Summed in
 /// [`LANES`] partial sums on the widest vector unit: once the norms' other loops ran wide, the
 /// two sums in one chain each were half of a group norm's forward (docs/benchmarks.md).
-#[inline]
+#[inline(always)]
 pub(crate) fn row_stats<T: WithDType>(x: &[T], center: bool, eps: f64) -> (f64, f64) {
     let n = x.len().max(1) as f64;
-    let mean = if center { lane_sum(x, |v| v) / n } else { 0.0 };
-    let var = lane_sum(x, |v| (v - mean) * (v - mean)) / n;
+    let mean = if center {
+        lane_sum(
+            x,
+            #[inline(always)]
+            |v| v,
+        ) / n
+    } else {
+        0.0
+    };
+    let var = lane_sum(
+        x,
+        #[inline(always)]
+        |v| (v - mean) * (v - mean),
+    ) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -86,8 +98,9 @@ pub(crate) fn lane_sum<T: WithDType>(xs: &[T], f: impl Fn(f64) -> f64) -> f64 {
 }
 
 /// `out[i] = src[i * stride]`: a copy for stride 1; for stride 2 (a ResNet stem's unfolding, 22
-/// million values an FSCT episode, and its 3x3 stride-2 max pool) in pairs, which the compiler turns into vector shuffles where
-/// the indexed loop read one value at a time behind a bounds check.
+/// million values an FSCT episode, and its 3x3 stride-2 max pool's backward) in pairs, which
+/// the compiler turns into vector shuffles where the indexed loop read one value at a time
+/// behind a bounds check.
 #[inline(always)]
 pub(crate) fn gather<T: Copy>(out: &mut [T], src: &[T], stride: usize) {
     let Some(last) = out.len().checked_sub(1) else {

@@ -177,14 +177,14 @@ fn forward<T: Elem>(
     // A closure per activation, each with its activation as a constant and inlined into the
     // wide loops (a closure left out of line is a call per value, compiled for the baseline).
     macro_rules! with {
-        ($f:expr) => {
-            forward_with(spec, geo, x, (w, b), $f)
-        };
         (act $a:expr) => {
             with!(
                 #[inline(always)]
                 |z| $a.forward(z)
             )
+        };
+        ($f:expr) => {
+            forward_with(spec, geo, x, (w, b), $f)
         };
     }
     match spec.act {

@@ -513,10 +513,11 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
 
-    /// The wide `usize` cells (windows whose rows reach past `u32`, too large to build here)
-    /// give the maxima and positions of the `u32` ones, with ties and NaNs, at every stride.
+    /// Both cell widths (`usize` is for windows whose rows reach past `u32`, too large to build
+    /// here) give the maxima and positions of a plain scan of each window in row-major order,
+    /// the first of equal maxima and the first NaN winning, at every stride.
     #[test]
-    fn both_cell_widths_find_the_same_cells() {
+    fn both_cell_widths_find_the_scans_cells() {
         let (h, w) = (9, 11);
         // Ties (values repeat every 7) and two NaNs.
         let mut x: Vec<f32> = (0..h * w).map(|i| ((i * 5) % 7) as f32).collect();
@@ -524,7 +525,23 @@ mod tests {
         x[40] = f32::NAN;
         for (k, s) in [(2, 1), (3, 2), (3, 3), (2, 2)] {
             let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
-            let run = |wide: bool| {
+            let mut want = vec![];
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut best = (oy * s) * w + ox * s;
+                    for dy in 0..k {
+                        for dx in 0..k {
+                            let at = (oy * s + dy) * w + ox * s + dx;
+                            let better = x[at] > x[best] || (x[at].is_nan() && !x[best].is_nan());
+                            if better {
+                                best = at;
+                            }
+                        }
+                    }
+                    want.push((x[best].to_bits(), best));
+                }
+            }
+            for wide in [false, true] {
                 let (mut out, mut arg) = (vec![0f32; oh * ow], vec![0usize; oh * ow]);
                 let x = &x[..((oh - 1) * s + k) * w];
                 if wide {
@@ -532,13 +549,8 @@ mod tests {
                 } else {
                     max_rows_at::<f32, u32>(x, w, (k, k), (s, s), &mut out, Some(&mut arg));
                 }
-                (out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), arg)
-            };
-            let narrow = run(false);
-            assert_eq!(run(true), narrow, "{k}x{k} stride {s}");
-            // Each position holds its output's value.
-            for (v, &a) in narrow.0.iter().zip(&narrow.1) {
-                assert_eq!(*v, x[a].to_bits(), "{k}x{k} stride {s}");
+                let got: Vec<_> = out.iter().map(|v| v.to_bits()).zip(arg).collect();
+                assert_eq!(got, want, "{k}x{k} stride {s}, usize cells: {wide}");
             }
         }
     }

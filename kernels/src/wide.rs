@@ -137,12 +137,14 @@ mod tests {
         let (y4, _) = batch_norm_relu_max_pool_train(&x, &w, &b, 1e-5, MaxPool::square(2, 1, 0))?;
         // Group norm + SiLU (one op, its loops wide), one group holding all channels.
         let y5 = group_norm_act(&x, 1, Some(&w), Some(&b), 1e-5, Activation::Silu)?;
-        // The activations of the wide loops, on more values than a chunk of rayon's.
-        let long = x.as_tensor().flatten_all()?.repeat(30)?;
-        let (a1, a2, a3) = (silu(&long)?, gelu_tanh(&long)?, gelu_erf(&long)?);
+        // The activations of the wide loops, on more values than a chunk of rayon's, with
+        // their own input, so that its gradient is theirs alone.
+        let long = Var::from_tensor(&x.as_tensor().flatten_all()?.repeat(60)?)?;
+        let long = long.as_tensor();
+        let (a1, a2, a3) = (silu(long)?, gelu_tanh(long)?, gelu_erf(long)?);
         // GEGLU over rows of two halves of 55 (a remainder after 16 lanes), and T5's form.
-        let a4 = gated_halves(&long.reshape((810, 110))?, Activation::GeluErf)?;
-        let a5 = gated(&long, &long.cos()?, Activation::GeluTanh)?;
+        let a4 = gated_halves(&long.reshape((1620, 110))?, Activation::GeluErf)?;
+        let a5 = gated(long, &long.cos()?, Activation::GeluTanh)?;
         let loss = ((y1.sqr()?.sum_all()? * 0.5)?
             + (y2.sin()?.sum_all()?)
             + (y3.cos()?.sum_all()?)
@@ -152,7 +154,7 @@ mod tests {
             + (a3.sin()?.sum_all()? + a4.cos()?.sum_all()? + a5.sin()?.sum_all()?)?)?;
         let grads = loss.backward()?;
         let mut out = vec![y1, y2, y3, y4, y5, a1, a2, a3, a4, a5];
-        for v in [&x, &w, &b] {
+        for v in [x.as_tensor(), w.as_tensor(), b.as_tensor(), long] {
             out.push(
                 grads
                     .get(v)
@@ -199,6 +201,7 @@ mod tests {
             "the input's gradient",
             "the weight's gradient",
             "the bias's gradient",
+            "the activations' input's gradient",
         ];
         for level in levels {
             for ((got, want), name) in bits_at(level)?.iter().zip(&want).zip(names) {

@@ -149,8 +149,8 @@ impl Geometry {
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
-        // Stride 1 with the output the input's size (a 3x3 convolution padded by 1): each row
-        // is the plane shifted, one copy (`shifted_plane`).
+        // Stride 1 with the output the input's size (3x3 padded by 1, 1x1 by 0, 5x5 by 2): each
+        // row is the plane shifted, one copy (`shifted_plane`).
         let same = s == 1 && (oh, ow) == (self.h, self.w);
         let fill = |j: usize, row: &mut [T]| {
             let (ci, tap) = (j / (k * k), j % (k * k));
@@ -322,6 +322,7 @@ fn shifted_plane<T: WithDType>(
     (dy, dx): (isize, isize),
     out: &mut [T],
 ) {
+    debug_assert!(plane.len() == h * w && out.len() == h * w);
     let (hi, wi) = (h as isize, w as isize);
     // The output rows whose source row is inside the plane.
     let y0 = (-dy).clamp(0, hi) as usize;
