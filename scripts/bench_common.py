@@ -25,21 +25,31 @@ def reset_hwm():
 
 
 def measure_and_print(step, steps, **extra):
+    """[`measure`], printed as one JSON line with `extra`."""
+    print(json.dumps({**measure(step, steps), **extra}))
+
+
+def measure(step, steps):
     """Runs `step` once (warm-up: optimizer state exists from then on), then `steps` times, and
-    prints one JSON line with the mean step time and the RSS peak above the post-warm-up level."""
-    step()
-    base = rss_kib("VmRSS")
+    returns the mean step time and the RSS peak above the post-warm-up level, and above the
+    level before the warm-up (what the allocator keeps between steps counted; the Rust side's
+    `rss_from_start`: call this before any other step, as the Rust side does)."""
+    start = rss_kib("VmRSS")
     reset_ok = reset_hwm()
+    step()
+    warm_up_hwm = rss_kib("VmHWM")
+    base = rss_kib("VmRSS")
+    reset_ok = reset_ok and reset_hwm()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     dt = (time.perf_counter() - t0) / steps
     peak = rss_kib("VmHWM")
-    print(json.dumps({
+    return {
         "step_time_s": dt,
         "rss_peak_above_base_bytes": (peak - base) * 1024 if reset_ok else None,
+        "rss_peak_above_start_bytes": (max(peak, warm_up_hwm) - start) * 1024 if reset_ok else None,
         "rss_base_bytes": base * 1024,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        **extra,
-    }))
+    }

@@ -10,6 +10,7 @@ batch norm, ReLU, 3x3 stride-2 max pool; one SimpleBlock a stage at 64, 128, 256
 channels; average pool).
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import measure_and_print  # noqa: E402
+from bench_common import measure  # noqa: E402
 from fsct_parity import FSCT, Conv4  # noqa: E402
 
 
@@ -88,9 +89,9 @@ def main():
         loss.backward()
         opt.step()
 
-    # One episode after a warm-up, timed by phase (forward, backward, optimizer step), as the
-    # Rust side prints its own.
-    step()
+    # Measured first (its peak above the start is clean only before any other step), then one
+    # more episode timed by phase (forward, backward, optimizer step), as the Rust side does.
+    measured = measure(step, a.steps)
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     loss = F.cross_entropy(model(images), targets)
@@ -99,9 +100,9 @@ def main():
     t2 = time.perf_counter()
     opt.step()
     t3 = time.perf_counter()
-    measure_and_print(step, a.steps, backbone=a.backbone,
-                      params=sum(q.numel() for q in model.parameters()),
-                      phases_s=[t1 - t0, t2 - t1, t3 - t2])
+    print(json.dumps({**measured, "backbone": a.backbone,
+                      "params": sum(q.numel() for q in model.parameters()),
+                      "phases_s": [t1 - t0, t2 - t1, t3 - t2]}))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,17 @@
 //! (`scripts/fsct_bench_torch.py`, the model of `scripts/fsct_parity.py`; set `BENCH_PYTHON` to a
 //! python with torch). Step time is the mean of `STEPS` episodes after a warm-up; peaks are the
 //! resident set's above the level after the warm-up (both sides) and the exact heap's (ours).
-//! `FSCT_BENCH_BACKBONE=resnet10` (or `conv4`) runs one backbone's rows, for a profiler.
+//! `FSCT_BENCH_BACKBONE=resnet10` (or `conv4`) runs one backbone's rows, for a profiler;
+//! `FSCT_BENCH_SHOTS=1` (or `5`) one shot count's; `FSCT_BENCH_CHECKPOINTING=blocks` (any
+//! `--checkpointing` strategy; default `none`) runs ours under that strategy (PyTorch's side
+//! stays without checkpointing). "From start" is the resident peak above the level before the
+//! warm-up episode (`StepMeasure::rss_from_start`), clean for the first row a process runs:
+//! run one row a process (both variables) to compare it across rows.
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
 use ft_params::bytes::format_bytes;
-use ft_params::checkpoint::Checkpointer;
+use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::{ParamBuilder, ParamStore};
 use ft_trainer::train::bench::{measure_steps, python_reference, StepMeasure};
 
@@ -44,7 +49,12 @@ fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
         k_shot,
         n_query: N_QUERY,
     };
-    let ck = Checkpointer::new(false);
+    // `FSCT_BENCH_CHECKPOINTING=blocks` (any `--checkpointing` strategy): ours under it.
+    let strategy = match std::env::var("FSCT_BENCH_CHECKPOINTING") {
+        Ok(s) => s.parse::<Strategy>().map_err(anyhow::Error::msg)?,
+        Err(_) => Strategy::None,
+    };
+    let ck = Checkpointer::with_strategy(strategy);
     let queries = (N_WAY * N_QUERY) as f64;
     let m = measure_steps(STEPS, || -> anyhow::Result<()> {
         ck.begin_forward();
@@ -53,29 +63,48 @@ fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
         opt.step(grads, 1e-3)?;
         Ok(())
     })?;
-    // One more episode, timed by phase.
+    // One more episode, timed by phase, with the exact heap above its level before it: what
+    // the forward leaves live, and each phase's peak.
+    use ft_trainer::ledger::alloc::{live_bytes, peak_bytes, reset_peak};
     ck.begin_forward();
+    let base = live_bytes();
+    reset_peak();
     let t0 = std::time::Instant::now();
     let (loss, _) = model.summed_loss(&episode, true, &ck)?;
     let loss = (loss / queries)?;
     let t1 = std::time::Instant::now();
+    let (kept, fwd_peak) = (live_bytes().saturating_sub(base), peak_bytes() - base);
+    reset_peak();
     let grads = ck.gradients(&loss, &params)?;
     drop(loss);
     let t2 = std::time::Instant::now();
+    let bwd_peak = peak_bytes() - base;
     opt.step(grads, 1e-3)?;
     let t3 = std::time::Instant::now();
     eprintln!(
-        "{kind:?} {k_shot}-shot, one more episode: forward {:.3} s, backward {:.3} s, optimizer \
-         step {:.3} s",
+        "{kind:?} {k_shot}-shot, one more episode: forward {:.3} s (keeps {}, peak {}), backward \
+         {:.3} s (peak {}), optimizer step {:.3} s",
         (t1 - t0).as_secs_f64(),
+        format_bytes(kept as i64),
+        format_bytes(fwd_peak as i64),
         (t2 - t1).as_secs_f64(),
+        format_bytes(bwd_peak as i64),
         (t3 - t2).as_secs_f64()
     );
     Ok(m)
 }
 
 /// PyTorch's episode of the same shape, when a python with torch runs.
-fn torch(backbone: &str, k_shot: usize) -> Option<(f64, Option<u64>, String)> {
+/// The PyTorch side's episode: mean time, resident peaks above the post-warm-up level and
+/// above the level before the warm-up, torch's version.
+struct Torch {
+    step_s: f64,
+    rss_peak: Option<u64>,
+    rss_from_start: Option<u64>,
+    version: String,
+}
+
+fn torch(backbone: &str, k_shot: usize) -> Option<Torch> {
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../scripts/fsct_bench_torch.py"
@@ -102,11 +131,12 @@ fn torch(backbone: &str, k_shot: usize) -> Option<(f64, Option<u64>, String)> {
             );
         }
     }
-    Some((
-        v["step_time_s"].as_f64()?,
-        v["rss_peak_above_base_bytes"].as_u64(),
-        v["torch"].as_str().unwrap_or("?").to_string(),
-    ))
+    Some(Torch {
+        step_s: v["step_time_s"].as_f64()?,
+        rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
+        rss_from_start: v["rss_peak_above_start_bytes"].as_u64(),
+        version: v["torch"].as_str().unwrap_or("?").to_string(),
+    })
 }
 
 fn fmt(b: Option<u64>) -> String {
@@ -129,9 +159,9 @@ fn bench() -> anyhow::Result<()> {
             .unwrap_or(1)
     );
     println!(
-        "| backbone | shots | ours | PyTorch | time ratio | ours: peak RSS | PyTorch: peak RSS | RSS ratio | ours: peak heap (exact) |"
+        "| backbone | shots | ours | PyTorch | time ratio | ours: peak RSS | PyTorch: peak RSS | RSS ratio | from start: ours / PyTorch | ours: peak heap (exact) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for (kind, name) in [
         (BackboneKind::Conv4, "conv4"),
         (BackboneKind::ResNet10, "resnet10"),
@@ -140,24 +170,34 @@ fn bench() -> anyhow::Result<()> {
             continue;
         }
         for k_shot in [1, 5] {
+            if std::env::var("FSCT_BENCH_SHOTS").is_ok_and(|only| only != k_shot.to_string()) {
+                continue;
+            }
             let m = ours(kind, k_shot)?;
             let t = torch(name, k_shot);
             let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
                 (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
                 _ => "-".into(),
             };
+            let t_start = t.as_ref().and_then(|t| t.rss_from_start);
             println!(
-                "| {name} | {k_shot} | {:.3} s | {} | {} | {} | {} | {} | {} |",
+                "| {name} | {k_shot} | {:.3} s | {} | {} | {} | {} | {} | {} / {} ({}) | {} |",
                 m.step_s,
                 t.as_ref()
-                    .map(|t| format!("{:.3} s (torch {})", t.0, t.2))
+                    .map(|t| format!("{:.3} s (torch {})", t.step_s, t.version))
                     .unwrap_or("-".into()),
-                ratio(Some(m.step_s), t.as_ref().map(|t| t.0)),
+                ratio(Some(m.step_s), t.as_ref().map(|t| t.step_s)),
                 fmt(m.rss_peak),
-                fmt(t.as_ref().and_then(|t| t.1)),
+                fmt(t.as_ref().and_then(|t| t.rss_peak)),
                 ratio(
                     m.rss_peak.map(|b| b as f64),
-                    t.as_ref().and_then(|t| t.1.map(|b| b as f64))
+                    t.as_ref().and_then(|t| t.rss_peak.map(|b| b as f64))
+                ),
+                fmt(m.rss_from_start),
+                fmt(t_start),
+                ratio(
+                    m.rss_from_start.map(|b| b as f64),
+                    t_start.map(|b| b as f64)
                 ),
                 format_bytes(m.alloc_peak as i64),
             );

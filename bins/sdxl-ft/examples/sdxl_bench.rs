@@ -132,6 +132,7 @@ fn torch(config: &std::path::Path, latent: usize, checkpointing: bool) -> Option
         step_s: v["step_time_s"].as_f64()?,
         alloc_peak: 0,
         rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
+        rss_from_start: v["rss_peak_above_start_bytes"].as_u64(),
     })
 }
 
@@ -159,8 +160,8 @@ fn bench() -> anyhow::Result<()> {
             .map(|n| n.get())
             .unwrap_or(1)
     );
-    println!("| run | px | step time | ratio to PyTorch | peak RSS above post-warm-up | peak heap above (exact) | params | grads | optimizer |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| run | px | step time | ratio to PyTorch | peak RSS above post-warm-up | peak RSS above start | peak heap above (exact) | params | grads | optimizer |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     // Activation peaks (heap peak minus the gradients) for the plan below.
     let mut act = Vec::new();
     let only = std::env::var("SDXL_BENCH_ONLY").ok();
@@ -194,10 +195,11 @@ fn bench() -> anyhow::Result<()> {
                 .map(|t| format!("{:.2}x", r.m.step_s / t))
                 .unwrap_or("-".into());
             println!(
-                "| candle (this repo), --checkpointing {strategy} | {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} |",
+                "| candle (this repo), --checkpointing {strategy} | {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} | {} |",
                 latent * 8,
                 r.m.step_s,
                 fmt(r.m.rss_peak),
+                fmt(r.m.rss_from_start),
                 format_bytes(r.m.alloc_peak as i64),
                 format_bytes(r.param_bytes as i64),
                 format_bytes(r.param_bytes as i64),
@@ -210,14 +212,15 @@ fn bench() -> anyhow::Result<()> {
                     ""
                 };
                 println!(
-                    "| PyTorch + diffusers{label} | {} | {:.3} s | 1.00x | {} | - | - | - | - |",
+                    "| PyTorch + diffusers{label} | {} | {:.3} s | 1.00x | {} | {} | - | - | - | - |",
                     latent * 8,
                     t.step_s,
-                    fmt(t.rss_peak)
+                    fmt(t.rss_peak),
+                    fmt(t.rss_from_start)
                 );
             }
             if latent == 16 && strategy == Strategy::None {
-                println!("| ({} parameters) | | | | | | | | |", r.params);
+                println!("| ({} parameters) | | | | | | | | | |", r.params);
             }
             if let Some(ck) = torch_ck {
                 act.push((

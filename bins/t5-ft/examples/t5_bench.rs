@@ -39,6 +39,7 @@ struct Row {
     step_s: f64,
     alloc_peak: Option<u64>,
     rss_peak: Option<u64>,
+    rss_from_start: Option<u64>,
     told: Option<(u64, u64, u64)>,
 }
 
@@ -123,6 +124,7 @@ fn ours(strategy: Strategy) -> anyhow::Result<Row> {
         step_s: m.step_s,
         alloc_peak: Some(m.alloc_peak),
         rss_peak: m.rss_peak,
+        rss_from_start: m.rss_from_start,
         told: Some((pbytes, pbytes, state)),
     })
 }
@@ -157,6 +159,7 @@ fn torch(checkpointing: bool, flush: bool) -> Option<Row> {
         step_s: v["step_time_s"].as_f64()?,
         alloc_peak: None,
         rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
+        rss_from_start: v["rss_peak_above_start_bytes"].as_u64(),
         told: None,
     })
 }
@@ -210,9 +213,9 @@ fn bench() -> anyhow::Result<()> {
         cfg.param_count()
     );
     println!(
-        "| run | step time | ratio to PyTorch | peak RSS above post-warm-up | peak heap above (exact) | params | grads | optimizer |"
+        "| run | step time | ratio to PyTorch | peak RSS above post-warm-up | peak RSS above start | peak heap above (exact) | params | grads | optimizer |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut measured = Vec::new();
     // Ratios to PyTorch's plain step, and for `full` to its torch.utils.checkpoint step; each
     // PyTorch row printed after the first strategy compared with it.
@@ -240,10 +243,11 @@ fn bench() -> anyhow::Result<()> {
             .unwrap_or("-".into());
         let (p, g, o) = r.told.unwrap_or_default();
         println!(
-            "| {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} |",
+            "| {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} | {} |",
             r.name,
             r.step_s,
             fmt(r.rss_peak),
+            fmt(r.rss_from_start),
             fmt(r.alloc_peak),
             format_bytes(p as i64),
             format_bytes(g as i64),
@@ -252,10 +256,11 @@ fn bench() -> anyhow::Result<()> {
         let first = matches!(strategy, Strategy::None | Strategy::Full);
         if let (Some(t), true) = (t, first) {
             println!(
-                "| {} | {:.3} s | 1.00x | {} | - | - | - | - |",
+                "| {} | {:.3} s | 1.00x | {} | {} | - | - | - | - |",
                 t.name,
                 t.step_s,
-                fmt(t.rss_peak)
+                fmt(t.rss_peak),
+                fmt(t.rss_from_start)
             );
         }
         if first {
@@ -264,11 +269,12 @@ fn bench() -> anyhow::Result<()> {
     }
     if let Some(t) = &t_flush {
         println!(
-            "| {} | {:.3} s | ({:.2}x for ours, --checkpointing none) | {} | - | - | - | - |",
+            "| {} | {:.3} s | ({:.2}x for ours, --checkpointing none) | {} | {} | - | - | - | - |",
             t.name,
             t.step_s,
             measured.first().map_or(f64::NAN, |r| r.step_s / t.step_s),
-            fmt(t.rss_peak)
+            fmt(t.rss_peak),
+            fmt(t.rss_from_start)
         );
     }
 

@@ -31,6 +31,13 @@ pub struct StepMeasure {
     pub alloc_peak: u64,
     /// Resident-set peak above the level after the warm-up, where it can be reset.
     pub rss_peak: Option<u64>,
+    /// Resident-set peak above the level before the warm-up (the warm-up step included): what
+    /// the steps need with whatever the allocator keeps between them counted. The post-warm-up
+    /// measure leaves that out, and allocators keep different amounts (glibc under PyTorch kept
+    /// 177 MiB after a ResNet10 episode's warm-up, ours 107 MiB; docs/benchmarks.md). Only the
+    /// first measure in a process starts clean: a later one starts above what earlier ones
+    /// left.
+    pub rss_from_start: Option<u64>,
 }
 
 /// Runs `step` once as a warm-up (so optimizer state exists), then `steps` times measured.
@@ -38,9 +45,12 @@ pub fn measure_steps<E>(
     steps: usize,
     mut step: impl FnMut() -> std::result::Result<(), E>,
 ) -> std::result::Result<StepMeasure, E> {
-    step()?;
-    let base_rss = rss_kib("VmRSS");
+    let start_rss = rss_kib("VmRSS");
     let reset = reset_hwm();
+    step()?;
+    let warm_up_hwm = rss_kib("VmHWM");
+    let base_rss = rss_kib("VmRSS");
+    let reset = reset && reset_hwm();
     let base = crate::ledger::alloc::reset_peak() as u64;
     let t0 = Instant::now();
     for _ in 0..steps.max(1) {
@@ -52,6 +62,10 @@ pub fn measure_steps<E>(
         step_s,
         alloc_peak: peak.saturating_sub(base),
         rss_peak: reset.then(|| rss_kib("VmHWM").saturating_sub(base_rss) * 1024),
+        rss_from_start: reset.then(|| {
+            let hwm = rss_kib("VmHWM").max(warm_up_hwm);
+            hwm.saturating_sub(start_rss) * 1024
+        }),
     })
 }
 
