@@ -1,6 +1,7 @@
 """What the PyTorch sides of the bench commands share: a train step timed after a warm-up, and its
-resident-set peak above the post-warm-up level (Linux: VmHWM, reset through /proc/self/clear_refs),
-the same measure the Rust side reports as `rss`."""
+resident-set peak (Linux: VmHWM, reset through /proc/self/clear_refs) above the post-warm-up
+level and above the level before the warm-up, the measures the Rust side reports as `rss_peak`
+and `rss_from_start` (`ft_trainer::train::bench`)."""
 import json
 import time
 
@@ -32,8 +33,9 @@ def measure_and_print(step, steps, **extra):
 def measure(step, steps):
     """Runs `step` once (warm-up: optimizer state exists from then on), then `steps` times, and
     returns the mean step time and the RSS peak above the post-warm-up level, and above the
-    level before the warm-up (what the allocator keeps between steps counted; the Rust side's
-    `rss_from_start`: call this before any other step, as the Rust side does)."""
+    level before the warm-up (what the process keeps between steps and the warm-up's one-time
+    costs counted; the Rust side's `rss_from_start`), and what the warm-up left resident. The
+    scripts call it before any other step, as the Rust side's first measure in a process."""
     start = rss_kib("VmRSS")
     reset_ok = reset_hwm()
     step()
@@ -50,6 +52,7 @@ def measure(step, steps):
         "rss_peak_above_base_bytes": (peak - base) * 1024 if reset_ok else None,
         "rss_peak_above_start_bytes": (max(peak, warm_up_hwm) - start) * 1024 if reset_ok else None,
         "rss_base_bytes": base * 1024,
+        "rss_kept_by_warm_up_bytes": (base - start) * 1024,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

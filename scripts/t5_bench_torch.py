@@ -2,8 +2,8 @@
 """PyTorch + transformers side of `t5-ft`'s bench: one train step (forward, backward, AdamW) of a
 randomly initialised T5 of the given shape on CPU. Prints one JSON line.
 
-Peak memory is the resident-set high-water mark above the level after a warm-up step (Linux:
-VmHWM, reset through /proc/self/clear_refs), the same measure the Rust side reports as `rss`.
+Peak memory is the resident-set high-water mark above the level after a warm-up step and above
+the level before it (`bench_common.measure`), the measures the Rust side reports.
 """
 import argparse
 import os

@@ -3,13 +3,13 @@
 //! 1-shot and 5-shot with 16 queries a class, next to PyTorch on the same shapes in the same run
 //! (`scripts/fsct_bench_torch.py`, the model of `scripts/fsct_parity.py`; set `BENCH_PYTHON` to a
 //! python with torch). Step time is the mean of `STEPS` episodes after a warm-up; peaks are the
-//! resident set's above the level after the warm-up (both sides) and the exact heap's (ours).
+//! resident set's above the level after the warm-up and above the level before it (both sides;
+//! `StepMeasure::rss_from_start`, printed for the first row a process runs only: run one row a
+//! process to compare it across rows) and the exact heap's (ours).
 //! `FSCT_BENCH_BACKBONE=resnet10` (or `conv4`) runs one backbone's rows, for a profiler;
 //! `FSCT_BENCH_SHOTS=1` (or `5`) one shot count's; `FSCT_BENCH_CHECKPOINTING=blocks` (any
 //! `--checkpointing` strategy; default `none`) runs ours under that strategy (PyTorch's side
-//! stays without checkpointing). "From start" is the resident peak above the level before the
-//! warm-up episode (`StepMeasure::rss_from_start`), clean for the first row a process runs:
-//! run one row a process (both variables) to compare it across rows.
+//! stays without checkpointing).
 
 use candle_core::{DType, Device, Tensor, Var};
 use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
@@ -73,12 +73,15 @@ fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
     let (loss, _) = model.summed_loss(&episode, true, &ck)?;
     let loss = (loss / queries)?;
     let t1 = std::time::Instant::now();
-    let (kept, fwd_peak) = (live_bytes().saturating_sub(base), peak_bytes() - base);
+    let (kept, fwd_peak) = (
+        live_bytes().saturating_sub(base),
+        peak_bytes().saturating_sub(base),
+    );
     reset_peak();
     let grads = ck.gradients(&loss, &params)?;
     drop(loss);
     let t2 = std::time::Instant::now();
-    let bwd_peak = peak_bytes() - base;
+    let bwd_peak = peak_bytes().saturating_sub(base);
     opt.step(grads, 1e-3)?;
     let t3 = std::time::Instant::now();
     eprintln!(
@@ -101,6 +104,7 @@ struct Torch {
     step_s: f64,
     rss_peak: Option<u64>,
     rss_from_start: Option<u64>,
+    rss_kept: Option<u64>,
     version: String,
 }
 
@@ -135,6 +139,7 @@ fn torch(backbone: &str, k_shot: usize) -> Option<Torch> {
         step_s: v["step_time_s"].as_f64()?,
         rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
         rss_from_start: v["rss_peak_above_start_bytes"].as_u64(),
+        rss_kept: v["rss_kept_by_warm_up_bytes"].as_u64(),
         version: v["torch"].as_str().unwrap_or("?").to_string(),
     })
 }
@@ -159,7 +164,7 @@ fn bench() -> anyhow::Result<()> {
             .unwrap_or(1)
     );
     println!(
-        "| backbone | shots | ours | PyTorch | time ratio | ours: peak RSS | PyTorch: peak RSS | RSS ratio | from start: ours / PyTorch | ours: peak heap (exact) |"
+        "| backbone | shots | ours | PyTorch | time ratio | ours: peak RSS | PyTorch: peak RSS | RSS ratio | peak RSS above start: ours / PyTorch | ours: peak heap (exact) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for (kind, name) in [
@@ -180,6 +185,13 @@ fn bench() -> anyhow::Result<()> {
                 _ => "-".into(),
             };
             let t_start = t.as_ref().and_then(|t| t.rss_from_start);
+            if m.rss_kept.is_some() {
+                eprintln!(
+                    "resident after the warm-up above the level before it: ours {}, PyTorch {}",
+                    fmt(m.rss_kept),
+                    fmt(t.as_ref().and_then(|t| t.rss_kept))
+                );
+            }
             println!(
                 "| {name} | {k_shot} | {:.3} s | {} | {} | {} | {} | {} | {} / {} ({}) | {} |",
                 m.step_s,

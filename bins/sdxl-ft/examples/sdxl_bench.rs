@@ -133,6 +133,7 @@ fn torch(config: &std::path::Path, latent: usize, checkpointing: bool) -> Option
         alloc_peak: 0,
         rss_peak: v["rss_peak_above_base_bytes"].as_u64(),
         rss_from_start: v["rss_peak_above_start_bytes"].as_u64(),
+        rss_kept: v["rss_kept_by_warm_up_bytes"].as_u64(),
     })
 }
 

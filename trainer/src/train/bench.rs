@@ -31,20 +31,26 @@ pub struct StepMeasure {
     pub alloc_peak: u64,
     /// Resident-set peak above the level after the warm-up, where it can be reset.
     pub rss_peak: Option<u64>,
-    /// Resident-set peak above the level before the warm-up (the warm-up step included): what
-    /// the steps need with whatever the allocator keeps between them counted. The post-warm-up
-    /// measure leaves that out, and allocators keep different amounts (glibc under PyTorch kept
-    /// 177 MiB after a ResNet10 episode's warm-up, ours 107 MiB; docs/benchmarks.md). Only the
-    /// first measure in a process starts clean: a later one starts above what earlier ones
-    /// left.
+    /// Resident-set peak above the level before the warm-up, the warm-up step included: what
+    /// the steps need, with what the process keeps between steps counted (the post-warm-up
+    /// measure puts that in its base, and the two sides of a bench keep different amounts,
+    /// [`StepMeasure::rss_kept`]), and with the warm-up's one-time costs too (optimizer state,
+    /// library code and thread stacks first touched). `None` after the first measure in a
+    /// process, which starts above what earlier ones left.
     pub rss_from_start: Option<u64>,
+    /// Resident set after the warm-up step above the level before it.
+    pub rss_kept: Option<u64>,
 }
+
+/// Whether a measure in this process has started (see [`StepMeasure::rss_from_start`]).
+static MEASURED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Runs `step` once as a warm-up (so optimizer state exists), then `steps` times measured.
 pub fn measure_steps<E>(
     steps: usize,
     mut step: impl FnMut() -> std::result::Result<(), E>,
 ) -> std::result::Result<StepMeasure, E> {
+    let first = !MEASURED.swap(true, std::sync::atomic::Ordering::Relaxed);
     let start_rss = rss_kib("VmRSS");
     let reset = reset_hwm();
     step()?;
@@ -62,10 +68,11 @@ pub fn measure_steps<E>(
         step_s,
         alloc_peak: peak.saturating_sub(base),
         rss_peak: reset.then(|| rss_kib("VmHWM").saturating_sub(base_rss) * 1024),
-        rss_from_start: reset.then(|| {
+        rss_from_start: (reset && first).then(|| {
             let hwm = rss_kib("VmHWM").max(warm_up_hwm);
             hwm.saturating_sub(start_rss) * 1024
         }),
+        rss_kept: first.then(|| base_rss.saturating_sub(start_rss) * 1024),
     })
 }
 
