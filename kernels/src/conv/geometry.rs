@@ -216,51 +216,67 @@ impl Geometry {
 
     /// The adjoint of [`Self::image_columns`]: the column gradient `dcols` [C*k*k, Ho*Wo] of image
     /// `bi` summed back onto its input positions in `dx` ([C, H, W] of that image), in f64, each
-    /// channel on its own (on rayon's threads when the image is large and `at.threads`). Rows
-    /// are laid out as [`Self::image_columns`] writes all of them (`at`).
-    pub(super) fn fold_image<T: WithDType>(&self, dcols: &[T], dx: &mut [T], at: ColsAt) {
+    /// channel on its own (on rayon's threads when the image is large and `at.threads`), the
+    /// taps in order. Rows are laid out as [`Self::image_columns`] writes all of them (`at`).
+    /// `dcols` is scratch: the values that fall on the padding may be zeroed (stride 1 with the
+    /// output the input's size adds each row as one run, [`add_shifted_plane`]). The loops run
+    /// on the widest vector unit ([`crate::wide::run`]).
+    pub(super) fn fold_image<T: WithDType>(&self, dcols: &mut [T], dx: &mut [T], at: ColsAt) {
         let (stride, offset) = (at.stride, at.offset);
         let (oh, ow) = self.out_hw();
         let l = oh * ow;
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
         let hw = self.h * self.w;
-        let fold = |ci: usize, out: &mut [T]| {
-            let mut acc = vec![0f64; hw];
-            for tap in 0..k * k {
-                let (ky, kx) = (tap / k, tap % k);
-                let row = &dcols[(ci * k * k + tap) * stride + offset..][..l];
-                let (lo, hi, base) = self.inside(kx);
-                for oy in 0..oh {
-                    let y = (oy * s) as isize + ky as isize - p;
-                    if y < 0 || y >= self.h as isize {
-                        continue;
-                    }
-                    let dst = &mut acc[y as usize * self.w..][..self.w];
-                    let g = &row[oy * ow..(oy + 1) * ow][lo..hi];
-                    if s == 1 {
-                        for (d, g) in dst[base..][..hi - lo].iter_mut().zip(g) {
-                            *d += g.to_f64();
+        let same = s == 1 && (oh, ow) == (self.h, self.w);
+        let fold = |rows: &mut [T], out: &mut [T]| {
+            crate::wide::run(
+                #[inline(always)]
+                || {
+                    let mut acc = vec![0f64; hw];
+                    for tap in 0..k * k {
+                        let (ky, kx) = (tap / k, tap % k);
+                        let row = &mut rows[tap * stride + offset..][..l];
+                        if same {
+                            let shift = (ky as isize - p, kx as isize - p);
+                            add_shifted_plane(row, (self.h, self.w), shift, &mut acc);
+                            continue;
                         }
-                    } else {
-                        for (i, g) in g.iter().enumerate() {
-                            dst[base + i * s] += g.to_f64();
+                        let (lo, hi, base) = self.inside(kx);
+                        for oy in 0..oh {
+                            let y = (oy * s) as isize + ky as isize - p;
+                            if y < 0 || y >= self.h as isize {
+                                continue;
+                            }
+                            let dst = &mut acc[y as usize * self.w..][..self.w];
+                            let g = &row[oy * ow..(oy + 1) * ow][lo..hi];
+                            if s == 1 {
+                                for (d, g) in dst[base..][..hi - lo].iter_mut().zip(g) {
+                                    *d += g.to_f64();
+                                }
+                            } else {
+                                for (i, g) in g.iter().enumerate() {
+                                    dst[base + i * s] += g.to_f64();
+                                }
+                            }
                         }
                     }
-                }
-            }
-            for (o, a) in out.iter_mut().zip(acc) {
-                *o = T::from_f64(a);
-            }
+                    for (o, a) in out.iter_mut().zip(acc) {
+                        *o = T::from_f64(a);
+                    }
+                },
+            )
         };
+        // Channel `ci`'s rows: `(ci * k * k + tap) * stride + offset`.
+        let rows_a_channel = (k * k * stride).max(1);
         if at.threads && self.c * k * k * l >= PAR_ELEMS {
             use rayon::prelude::*;
             dx.par_chunks_mut(hw.max(1))
-                .enumerate()
-                .for_each(|(ci, out)| fold(ci, out));
+                .zip(dcols.par_chunks_mut(rows_a_channel))
+                .for_each(|(out, rows)| fold(rows, out));
         } else {
             dx.chunks_mut(hw.max(1))
-                .enumerate()
-                .for_each(|(ci, out)| fold(ci, out));
+                .zip(dcols.chunks_mut(rows_a_channel))
+                .for_each(|(out, rows)| fold(rows, out));
         }
     }
 
@@ -358,6 +374,50 @@ fn shifted_plane<T: WithDType>(
     }
 }
 
+/// The adjoint of [`shifted_plane`]: `acc[y + dy][x + dx] += g[y][x]` (in f64) wherever that is
+/// inside the plane. As one run, offset by `dy w + dx`, over the rows whose target row is
+/// inside, after the `|dx|` values at each of those rows' edge, whose targets are on the
+/// padding (flat, the neighbouring row's edge), are set to zero in `g`: adding zero leaves a
+/// sum that started at +0.0 as it was (round to nearest never makes it -0.0), so each target
+/// gets the same additions as row by row, where a row of ResNet10's first stage was 20
+/// values, most of them in the vector loop's scalar remainder.
+#[inline(always)]
+fn add_shifted_plane<T: WithDType>(
+    g: &mut [T],
+    (h, w): (usize, usize),
+    (dy, dx): (isize, isize),
+    acc: &mut [f64],
+) {
+    debug_assert!(g.len() == h * w && acc.len() == h * w);
+    let (hi, wi) = (h as isize, w as isize);
+    let y0 = (-dy).clamp(0, hi) as usize;
+    let y1 = (hi - dy).clamp(y0 as isize, hi) as usize;
+    if y0 == y1 {
+        return;
+    }
+    let (c0, c1) = if dx < 0 {
+        (0, (-dx).min(wi) as usize)
+    } else {
+        ((wi - dx).max(0) as usize, w)
+    };
+    if c0 < c1 {
+        for row in g[y0 * w..y1 * w].chunks_mut(w) {
+            row[c0..c1].fill(T::zero());
+        }
+    }
+    let off = dy * wi + dx;
+    let (start, end) = ((y0 * w) as isize, (y1 * w) as isize);
+    let lo = start.max(-off).min(end);
+    let hi_run = end.min(hi * wi - off).max(lo);
+    let (lo, hi_run) = (lo as usize, hi_run as usize);
+    if lo < hi_run {
+        let dst = (lo as isize + off) as usize;
+        for (a, v) in acc[dst..dst + (hi_run - lo)].iter_mut().zip(&g[lo..hi_run]) {
+            *a += v.to_f64();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,6 +457,60 @@ mod tests {
                                     );
                                 }
                             }
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 100, "{checked} geometries");
+        Ok(())
+    }
+
+    /// The fold (one run a tap at stride 1 and the input's size, rows elsewhere; images side by
+    /// side) against the reference [`Geometry::col2im`], bit for bit after rounding to f32,
+    /// over the same geometries as the unfolding's test.
+    #[test]
+    fn fold_image_is_col2im() -> Result<()> {
+        let mut checked = 0;
+        for (h, w) in [(1, 1), (1, 4), (4, 1), (2, 3), (5, 4), (6, 6)] {
+            for k in 1..=5 {
+                for pad in 0..=2 {
+                    for stride in 1..=3 {
+                        let (b, c) = (2, 3);
+                        let Ok(g) = Geometry::new(&[b, c, h, w], k, stride, pad) else {
+                            continue;
+                        };
+                        let (l, ck) = g.cols();
+                        // Values whose sums round: a fold summing in another order shows.
+                        let val = |i: usize| ((i * 7919 % 1009) as f32 - 504.5) * 1.37e-3;
+                        let cols: Vec<f64> = (0..b * l * ck).map(|i| f64::from(val(i))).collect();
+                        let want = g.col2im(&cols);
+                        // [CK, B L]: both images side by side, as a group's product writes them.
+                        let mut dcols = vec![0f32; ck * b * l];
+                        for bi in 0..b {
+                            for col in 0..l {
+                                for j in 0..ck {
+                                    dcols[j * b * l + bi * l + col] =
+                                        cols[(bi * l + col) * ck + j] as f32;
+                                }
+                            }
+                        }
+                        let mut got = vec![f32::NAN; b * c * h * w];
+                        for (bi, dxb) in got.chunks_mut(c * h * w).enumerate() {
+                            let at = ColsAt {
+                                stride: b * l,
+                                offset: bi * l,
+                                threads: false,
+                            };
+                            g.fold_image(&mut dcols, dxb, at);
+                        }
+                        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                            let want = *want as f32;
+                            assert!(
+                                got.to_bits() == want.to_bits(),
+                                "{g:?} value {i}: {got} != {want}"
+                            );
                         }
                         checked += 1;
                     }
