@@ -3,7 +3,8 @@
 //! (the measurement behind replacing candle's conv2d in every model) and a ResNet10 episode's
 //! (85 images of 84 px: 5-way 1-shot with 16 queries a class). The median of `CONV_BENCH_REPS`
 //! runs (default 15) after a warm-up: this VM's noise moves a mean by more than a change to one
-//! of the op's loops.
+//! of the op's loops. The last column is our forward + backward with the input outside the
+//! graph: the weight gradient alone, as a network's first layer takes it.
 
 use std::time::Instant;
 
@@ -37,9 +38,9 @@ fn main() -> Result<()> {
         reps()
     );
     println!(
-        "| images | channels | size | candle fwd | candle fwd+bwd | ours fwd | ours fwd+bwd |"
+        "| images | channels | size | candle fwd | candle fwd+bwd | ours fwd | ours fwd+bwd | ours fwd+bwd, weight only |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for (b, c, s) in [
         (1usize, 64usize, 32usize),
         (1, 128, 16),
@@ -62,8 +63,15 @@ fn main() -> Result<()> {
                 .backward()?;
             Ok(())
         })?;
+        let outside = xt.detach();
+        let ours_w = time(|| {
+            ft_kernels::conv::conv2d(&outside, wt, None, 1, 1)?
+                .sum_all()?
+                .backward()?;
+            Ok(())
+        })?;
         println!(
-            "| {b} | {c} | {s}x{s} | {candle_f:.2} ms | {candle_fb:.2} ms | {ours_f:.2} ms | {ours_fb:.2} ms |"
+            "| {b} | {c} | {s}x{s} | {candle_f:.2} ms | {candle_fb:.2} ms | {ours_f:.2} ms | {ours_fb:.2} ms | {ours_w:.2} ms |"
         );
     }
     Ok(())

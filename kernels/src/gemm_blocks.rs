@@ -138,12 +138,46 @@ pub fn scaled_product<T: GemmFloat>(
             dst.len()
         );
     }
+    // SAFETY: `dst` holds the m x n values (checked), rows of n, and is borrowed mutably.
+    unsafe {
+        product_raw(
+            Shared(dst.as_mut_ptr()),
+            n,
+            lhs,
+            rhs,
+            (m, n, k),
+            scale,
+            accumulate,
+            threads,
+        )
+    }
+}
+
+/// [`scaled_product`] into `m` rows of `n` values `ldd` apart from `dst` on.
+///
+/// # Safety
+/// `dst` must be valid for reads and writes of those values, which nothing else may access
+/// meanwhile, and `lhs` and `rhs` must hold `m * k` and `k * n` values.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_raw<T: GemmFloat>(
+    dst: Shared<T>,
+    ldd: usize,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    (m, n, k): (usize, usize, usize),
+    scale: T,
+    accumulate: bool,
+    threads: bool,
+) -> Result<()> {
     if m == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(T::zero());
+            for i in 0..m {
+                // SAFETY: row `i`'s n values are `dst`'s to write (the caller's contract).
+                unsafe { std::slice::from_raw_parts_mut(dst.at(i * ldd), n) }.fill(T::zero());
+            }
         }
         return Ok(());
     }
@@ -151,7 +185,7 @@ pub fn scaled_product<T: GemmFloat>(
     let (rrs, rcs) = rhs.strides(k, n);
     let (by_rows, len) = blocks(m, n, k, rayon::current_num_threads());
     let (out, a, b) = (
-        Shared(dst.as_mut_ptr()),
+        dst,
         Shared(lhs.data.as_ptr() as *mut T),
         Shared(rhs.data.as_ptr() as *mut T),
     );
@@ -159,15 +193,15 @@ pub fn scaled_product<T: GemmFloat>(
     let block = |start: usize, len: usize| {
         let (bm, bn, dst_at, lhs_at, rhs_at) = if by_rows {
             let rows = len.min(m - start);
-            (rows, n, start * n, start * lrs, 0)
+            (rows, n, start * ldd, start * lrs, 0)
         } else {
             let cols = len.min(n - start);
             (m, cols, start, 0, start * rcs)
         };
-        // SAFETY: the lengths were checked above against the m x n, m x k and k x n values
-        // these strides address; a block covers rows (columns) `start..start + len` of `dst`
-        // and reads only `lhs` and `rhs`, which `dst` does not alias (it is borrowed
-        // mutably), so no two blocks write the same value.
+        // SAFETY: the caller vouches for the m rows of n values `ldd` apart at `dst` and the
+        // operands' lengths, which these strides address; a block covers rows (columns)
+        // `start..start + len` of the output and reads only `lhs` and `rhs`, which the output
+        // does not alias, so no two blocks write the same value.
         unsafe {
             gemm::gemm(
                 bm,
@@ -175,7 +209,7 @@ pub fn scaled_product<T: GemmFloat>(
                 k,
                 out.at(dst_at),
                 1,
-                n as isize,
+                ldd as isize,
                 accumulate,
                 a.at(lhs_at) as *const T,
                 lcs as isize,
@@ -202,4 +236,88 @@ pub fn scaled_product<T: GemmFloat>(
         block(0, long);
     }
     Ok(())
+}
+
+/// Columns `start..start + n` of a row-major matrix of `m` rows `ldd` values long, which one
+/// task writes while others write the other columns ([`column_blocks`]).
+pub struct ColumnBlock<'a, T> {
+    dst: Shared<T>,
+    ldd: usize,
+    m: usize,
+    n: usize,
+    _dst: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<T: GemmFloat> ColumnBlock<'_, T> {
+    /// Its width.
+    pub fn width(&self) -> usize {
+        self.n
+    }
+
+    /// `block (m x n) = lhs (m x k) x rhs (k x n)`, or `+=` with `accumulate`: [`product`]
+    /// written into these columns, the same values.
+    pub fn product(
+        &mut self,
+        lhs: Mat<T>,
+        rhs: Mat<T>,
+        k: usize,
+        accumulate: bool,
+        threads: bool,
+    ) -> Result<()> {
+        let (m, n) = (self.m, self.n);
+        if lhs.data.len() < m * k || rhs.data.len() < k * n {
+            candle_core::bail!(
+                "matrix product: a {m}x{k} by {k}x{n} product with {} and {} values",
+                lhs.data.len(),
+                rhs.data.len()
+            );
+        }
+        // SAFETY: `column_blocks` checked that the m rows of `ldd` fit the matrix it borrows
+        // mutably for as long as this block lives, and hands each block's columns to one
+        // task only.
+        unsafe {
+            product_raw(
+                self.dst,
+                self.ldd,
+                lhs,
+                rhs,
+                (m, n, k),
+                T::one(),
+                accumulate,
+                threads,
+            )
+        }
+    }
+}
+
+/// `dst` (`m` rows of `ldd`) cut into blocks of `width` columns (the last may be narrower),
+/// `f(state, i, block i)` for each, on rayon's threads with a `state` from `init` per thread:
+/// several products writing one matrix side by side (a convolution's weight gradient in parts
+/// of its columns) without a buffer of their own to copy from.
+pub fn column_blocks<T: GemmFloat, S>(
+    dst: &mut [T],
+    (m, ldd): (usize, usize),
+    width: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize, ColumnBlock<'_, T>) -> Result<()> + Sync + Send,
+) -> Result<()> {
+    use rayon::prelude::*;
+    if dst.len() < m * ldd {
+        candle_core::bail!("column blocks: {m} rows of {ldd} in {} values", dst.len());
+    }
+    let width = width.max(1);
+    let ptr = Shared(dst.as_mut_ptr());
+    (0..ldd.div_ceil(width))
+        .into_par_iter()
+        .map_init(init, |state, i| {
+            let block = ColumnBlock {
+                dst: Shared(ptr.at(i * width)),
+                ldd,
+                m,
+                n: width.min(ldd - i * width),
+                _dst: std::marker::PhantomData,
+            };
+            f(state, i, block)
+        })
+        .collect::<Result<()>>()
 }

@@ -1,9 +1,10 @@
 //! The blocked matrix product: the values of one single-threaded gemm call, bit for bit,
 //! however many threads cut the output (pools of 1, 2, 3 and 5 threads), along rows and along
 //! columns, transposed operands, accumulating or not, at shapes where a careless cut would put
-//! a block on another of gemm's paths; wrong lengths one error.
+//! a block on another of gemm's paths; wrong lengths one error. Products written side by side
+//! into one matrix's column blocks give each block's own product's values.
 
-use ft_kernels::gemm_blocks::{product, Mat};
+use ft_kernels::gemm_blocks::{column_blocks, product, Mat};
 
 /// Deterministic values in [-1, 1) with all mantissa bits in play.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -99,4 +100,82 @@ fn wrong_lengths_are_one_error() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("2x3 by 3x3"), "{err}");
+}
+
+/// `column_blocks`: each block's product (twice, the second accumulating, as a convolution's
+/// weight gradient sums its groups of images) written into its columns of one matrix gives the
+/// values of the same products into matrices of their own, bit for bit, with a last block
+/// narrower than the others, on 1 to 3 threads and with the blocks' products cut or not; rows
+/// of other blocks are left alone.
+#[test]
+fn column_blocks_give_each_blocks_own_product() {
+    let (m, ldd, k) = (70usize, 300usize, 450usize);
+    for width in [64, 128, 300] {
+        let blocks = ldd.div_ceil(width);
+        let (a1, a2) = (values(m * k, 1), values(m * k, 2));
+        let rhs: Vec<(Vec<f32>, Vec<f32>)> = (0..blocks)
+            .map(|i| {
+                let n = width.min(ldd - i * width);
+                (values(n * k, 10 + i as u64), values(n * k, 50 + i as u64))
+            })
+            .collect();
+        // Each block's product in a matrix of its own, then placed.
+        let mut want = vec![0f32; m * ldd];
+        for (i, (b1, b2)) in rhs.iter().enumerate() {
+            let n = b1.len() / k;
+            let mut own = vec![0f32; m * n];
+            product(
+                &mut own,
+                Mat::new(&a1, false),
+                Mat::new(b1, true),
+                m,
+                n,
+                k,
+                false,
+                false,
+            )
+            .expect("lengths fit");
+            product(
+                &mut own,
+                Mat::new(&a2, false),
+                Mat::new(b2, true),
+                m,
+                n,
+                k,
+                true,
+                false,
+            )
+            .expect("lengths fit");
+            for (row, src) in want.chunks_mut(ldd).zip(own.chunks(n)) {
+                row[i * width..][..n].copy_from_slice(src);
+            }
+        }
+        for (threads, cut) in [(1, false), (2, true), (3, true), (2, false)] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a thread pool");
+            let mut got = vec![f32::NAN; m * ldd];
+            pool.install(|| {
+                column_blocks(
+                    &mut got,
+                    (m, ldd),
+                    width,
+                    || (),
+                    |_, i, mut block| {
+                        let (b1, b2) = &rhs[i];
+                        block.product(Mat::new(&a1, false), Mat::new(b1, true), k, false, cut)?;
+                        block.product(Mat::new(&a2, false), Mat::new(b2, true), k, true, cut)
+                    },
+                )
+            })
+            .expect("lengths fit");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "width {width}, {threads} threads, cut {cut}"
+            );
+        }
+    }
 }
