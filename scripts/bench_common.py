@@ -52,7 +52,7 @@ def measure(step, steps):
         "rss_peak_above_base_bytes": (peak - base) * 1024 if reset_ok else None,
         "rss_peak_above_start_bytes": (max(peak, warm_up_hwm) - start) * 1024 if reset_ok else None,
         "rss_base_bytes": base * 1024,
-        "rss_kept_by_warm_up_bytes": (base - start) * 1024,
+        "rss_kept_by_warm_up_bytes": max(0, base - start) * 1024 if reset_ok else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

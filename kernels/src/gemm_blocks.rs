@@ -86,7 +86,8 @@ fn blocks(m: usize, n: usize, k: usize, threads: usize) -> (bool, usize) {
 #[derive(Clone, Copy)]
 struct Shared<T>(*mut T);
 // SAFETY: the blocks of `product` write disjoint parts of the output and only read the
-// operands; the pointer outlives the scope they run in.
+// operands, and `column_blocks` hands each task columns no other task writes; the pointer
+// outlives the scope they run in.
 unsafe impl<T> Send for Shared<T> {}
 unsafe impl<T> Sync for Shared<T> {}
 
@@ -130,7 +131,7 @@ pub fn scaled_product<T: GemmFloat>(
     accumulate: bool,
     threads: bool,
 ) -> Result<()> {
-    if dst.len() < m * n || lhs.data.len() < m * k || rhs.data.len() < k * n {
+    if !holds(dst.len(), m, n) || !holds(lhs.data.len(), m, k) || !holds(rhs.data.len(), k, n) {
         candle_core::bail!(
             "matrix product: a {m}x{k} by {k}x{n} product with {}, {} and {} values",
             lhs.data.len(),
@@ -153,11 +154,18 @@ pub fn scaled_product<T: GemmFloat>(
     }
 }
 
+/// Whether `len` values hold a `rows x cols` matrix (false where the product overflows: in a
+/// release build an unchecked product could wrap to a small number and pass).
+fn holds(len: usize, rows: usize, cols: usize) -> bool {
+    rows.checked_mul(cols).is_some_and(|need| len >= need)
+}
+
 /// [`scaled_product`] into `m` rows of `n` values `ldd` apart from `dst` on.
 ///
 /// # Safety
-/// `dst` must be valid for reads and writes of those values, which nothing else may access
-/// meanwhile, and `lhs` and `rhs` must hold `m * k` and `k * n` values.
+/// `n <= ldd` (else the rows overlap), `dst` must be valid for reads and writes of those
+/// values, which nothing else may access meanwhile, and `lhs` and `rhs` must hold `m * k` and
+/// `k * n` values.
 #[allow(clippy::too_many_arguments)]
 unsafe fn product_raw<T: GemmFloat>(
     dst: Shared<T>,
@@ -169,6 +177,7 @@ unsafe fn product_raw<T: GemmFloat>(
     accumulate: bool,
     threads: bool,
 ) -> Result<()> {
+    debug_assert!(n <= ldd, "rows of {n} values {ldd} apart");
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -265,7 +274,7 @@ impl<T: GemmFloat> ColumnBlock<'_, T> {
         threads: bool,
     ) -> Result<()> {
         let (m, n) = (self.m, self.n);
-        if lhs.data.len() < m * k || rhs.data.len() < k * n {
+        if !holds(lhs.data.len(), m, k) || !holds(rhs.data.len(), k, n) {
             candle_core::bail!(
                 "matrix product: a {m}x{k} by {k}x{n} product with {} and {} values",
                 lhs.data.len(),
@@ -302,7 +311,7 @@ pub fn column_blocks<T: GemmFloat, S>(
     f: impl Fn(&mut S, usize, ColumnBlock<'_, T>) -> Result<()> + Sync + Send,
 ) -> Result<()> {
     use rayon::prelude::*;
-    if dst.len() < m * ldd {
+    if !holds(dst.len(), m, ldd) {
         candle_core::bail!("column blocks: {m} rows of {ldd} in {} values", dst.len());
     }
     let width = width.max(1);

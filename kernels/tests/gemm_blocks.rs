@@ -104,13 +104,21 @@ fn wrong_lengths_are_one_error() {
 
 /// `column_blocks`: each block's product (twice, the second accumulating, as a convolution's
 /// weight gradient sums its groups of images) written into its columns of one matrix gives the
-/// values of the same products into matrices of their own, bit for bit, with a last block
-/// narrower than the others, on 1 to 3 threads and with the blocks' products cut or not; rows
-/// of other blocks are left alone.
+/// values of the same products into matrices of their own, bit for bit, on 1 to 3 threads and
+/// with the blocks' products cut or not: blocks cut along their rows (rows `ldd` apart, wider
+/// than the block) and along their columns, a last block one column wide, and an empty inner
+/// dimension (zeros written, the other blocks' columns left alone).
 #[test]
 fn column_blocks_give_each_blocks_own_product() {
-    let (m, ldd, k) = (70usize, 300usize, 450usize);
-    for width in [64, 128, 300] {
+    // (m, ldd, k, width): uncut blocks; 300 rows cut along rows; 70 rows of 256-wide blocks cut
+    // along columns; 129 columns in blocks of 64 (the last one column); k = 0.
+    for (m, ldd, k, width) in [
+        (70usize, 300usize, 450usize, 64usize),
+        (300, 300, 450, 128),
+        (70, 300, 450, 256),
+        (70, 129, 450, 64),
+        (30, 100, 0, 40),
+    ] {
         let blocks = ldd.div_ceil(width);
         let (a1, a2) = (values(m * k, 1), values(m * k, 2));
         let rhs: Vec<(Vec<f32>, Vec<f32>)> = (0..blocks)
@@ -119,11 +127,12 @@ fn column_blocks_give_each_blocks_own_product() {
                 (values(n * k, 10 + i as u64), values(n * k, 50 + i as u64))
             })
             .collect();
-        // Each block's product in a matrix of its own, then placed.
+        // Each block's product in a matrix of its own (NaN first: k = 0 must write zeros),
+        // then placed.
         let mut want = vec![0f32; m * ldd];
         for (i, (b1, b2)) in rhs.iter().enumerate() {
-            let n = b1.len() / k;
-            let mut own = vec![0f32; m * n];
+            let n = width.min(ldd - i * width);
+            let mut own = vec![f32::NAN; m * n];
             product(
                 &mut own,
                 Mat::new(&a1, false),
@@ -150,6 +159,7 @@ fn column_blocks_give_each_blocks_own_product() {
                 row[i * width..][..n].copy_from_slice(src);
             }
         }
+        assert!(want.iter().all(|v| v.is_finite()), "{m}x{ldd}x{k}");
         for (threads, cut) in [(1, false), (2, true), (3, true), (2, false)] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -174,8 +184,41 @@ fn column_blocks_give_each_blocks_own_product() {
             assert_eq!(
                 bits(&got),
                 bits(&want),
-                "width {width}, {threads} threads, cut {cut}"
+                "{m}x{ldd}x{k} in blocks of {width}, {threads} threads, cut {cut}"
             );
         }
     }
+}
+
+/// A matrix too large for its values, or a shape whose size overflows, is one error, not a
+/// product written past the end.
+#[test]
+fn column_blocks_check_lengths() {
+    let mut dst = vec![0f32; 10];
+    let err = column_blocks(&mut dst, (3, 4), 2, || (), |_, _, _| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("3 rows of 4"), "{err}");
+    let err = column_blocks(
+        &mut dst,
+        (usize::MAX / 2 + 1, 2),
+        2,
+        || (),
+        |_, _, _| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rows of 2"), "{err}");
+    let (a, b) = (vec![0f32; 4], vec![0f32; 4]);
+    let mut dst = vec![0f32; 4];
+    let err = column_blocks(
+        &mut dst,
+        (2, 2),
+        2,
+        || (),
+        |_, _, mut block| block.product(Mat::new(&a, false), Mat::new(&b, false), 3, false, true),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("2x3 by 3x2"), "{err}");
 }

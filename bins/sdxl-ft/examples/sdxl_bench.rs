@@ -206,6 +206,13 @@ fn bench() -> anyhow::Result<()> {
                 format_bytes(r.param_bytes as i64),
                 format_bytes(r.state_bytes as i64)
             );
+            if r.m.rss_kept.is_some() || t.as_ref().is_some_and(|t| t.rss_kept.is_some()) {
+                eprintln!(
+                    "resident after the warm-up above the level before it: ours {}, PyTorch {}",
+                    fmt(r.m.rss_kept),
+                    fmt(t.as_ref().and_then(|t| t.rss_kept))
+                );
+            }
             if let Some(t) = t {
                 let label = if torch_ck == Some(true) {
                     ", checkpointing"

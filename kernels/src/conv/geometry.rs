@@ -228,8 +228,9 @@ impl Geometry {
         let (k, s, p) = (self.k, self.stride, self.pad as isize);
         let hw = self.h * self.w;
         let same = s == 1 && (oh, ow) == (self.h, self.w);
-        // `acc`: a channel's sums, one buffer a thread (a fresh one a channel was a sixth of
-        // the fold's samples in ResNet10's episode: the allocator and the zeroing).
+        // `acc`: a channel's sums, one buffer a rayon job (`for_each_init`; a fresh one a
+        // channel was a sixth of the fold's samples in ResNet10's episode: the allocator and
+        // the zeroing).
         let fold = |acc: &mut Vec<f64>, rows: &mut [T], out: &mut [T]| {
             crate::wide::run(
                 #[inline(always)]

@@ -38,7 +38,9 @@ pub struct StepMeasure {
     /// library code and thread stacks first touched). `None` after the first measure in a
     /// process, which starts above what earlier ones left.
     pub rss_from_start: Option<u64>,
-    /// Resident set after the warm-up step above the level before it.
+    /// Resident set after the warm-up step above the level before it (floored at zero); `None`
+    /// where `/proc` cannot be read and after the first measure in a process, as
+    /// [`StepMeasure::rss_from_start`].
     pub rss_kept: Option<u64>,
 }
 
@@ -72,7 +74,7 @@ pub fn measure_steps<E>(
             let hwm = rss_kib("VmHWM").max(warm_up_hwm);
             hwm.saturating_sub(start_rss) * 1024
         }),
-        rss_kept: first.then(|| base_rss.saturating_sub(start_rss) * 1024),
+        rss_kept: (reset && first).then(|| base_rss.saturating_sub(start_rss) * 1024),
     })
 }
 
