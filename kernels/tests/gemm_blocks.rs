@@ -133,28 +133,10 @@ fn column_blocks_give_each_blocks_own_product() {
         for (i, (b1, b2)) in rhs.iter().enumerate() {
             let n = width.min(ldd - i * width);
             let mut own = vec![f32::NAN; m * n];
-            product(
-                &mut own,
-                Mat::new(&a1, false),
-                Mat::new(b1, true),
-                m,
-                n,
-                k,
-                false,
-                false,
-            )
-            .expect("lengths fit");
-            product(
-                &mut own,
-                Mat::new(&a2, false),
-                Mat::new(b2, true),
-                m,
-                n,
-                k,
-                true,
-                false,
-            )
-            .expect("lengths fit");
+            for (a, b, accumulate) in [(&a1, b1, false), (&a2, b2, true)] {
+                let (lhs, rhs) = (Mat::new(a, false), Mat::new(b, true));
+                product(&mut own, lhs, rhs, m, n, k, accumulate, false).expect("lengths fit");
+            }
             for (row, src) in want.chunks_mut(ldd).zip(own.chunks(n)) {
                 row[i * width..][..n].copy_from_slice(src);
             }

@@ -341,41 +341,65 @@ pub(super) const GROUP_COLS: usize = 256;
 fn shifted_plane<T: WithDType>(
     plane: &[T],
     (h, w): (usize, usize),
-    (dy, dx): (isize, isize),
+    shift: (isize, isize),
     out: &mut [T],
 ) {
     debug_assert!(plane.len() == h * w && out.len() == h * w);
-    let (hi, wi) = (h as isize, w as isize);
-    // The output rows whose source row is inside the plane.
-    let y0 = (-dy).clamp(0, hi) as usize;
-    let y1 = (hi - dy).clamp(y0 as isize, hi) as usize;
-    out[..y0 * w].fill(T::zero());
-    out[y1 * w..].fill(T::zero());
-    if y0 == y1 {
+    let sh = Shift::of((h, w), shift);
+    out[..sh.rows.start * w].fill(T::zero());
+    out[sh.rows.end * w..].fill(T::zero());
+    if sh.rows.is_empty() {
         return;
     }
-    // out[i] = plane[i + off] for i in y0 * w..y1 * w, where that is inside the plane (only
-    // the run's first or last |dx| values can fall outside, and those are edge values).
-    let off = dy * wi + dx;
-    let (start, end) = (y0 * w, y1 * w);
-    let lo = (start as isize).max(-off).min(end as isize);
-    let hi_run = (end as isize).min(hi * wi - off).max(lo);
-    let (lo, hi_run) = (lo as usize, hi_run as usize);
-    if lo < hi_run {
-        let src = (lo as isize + off) as usize;
-        out[lo..hi_run].copy_from_slice(&plane[src..src + (hi_run - lo)]);
+    if !sh.run.is_empty() {
+        let src = sh.run.start.wrapping_add_signed(sh.off);
+        out[sh.run.clone()].copy_from_slice(&plane[src..src + sh.run.len()]);
     }
-    out[start..lo].fill(T::zero());
-    out[hi_run..end].fill(T::zero());
-    // The edge columns that read outside the plane's width.
-    let (c0, c1) = if dx < 0 {
-        (0, (-dx).min(wi) as usize)
-    } else {
-        ((wi - dx).max(0) as usize, w)
-    };
-    if c0 < c1 {
-        for row in out[y0 * w..y1 * w].chunks_mut(w) {
-            row[c0..c1].fill(T::zero());
+    out[sh.rows.start * w..sh.run.start].fill(T::zero());
+    out[sh.run.end..sh.rows.end * w].fill(T::zero());
+    sh.zero_edges(&mut out[sh.rows.start * w..sh.rows.end * w], w);
+}
+
+/// Where a plane read `(dy, dx)` away lies in it, for [`shifted_plane`] and
+/// [`add_shifted_plane`]: the rows whose source (target) row is inside, the run of flat
+/// positions whose source (target), `i + off`, is inside, and the edge columns of each of those
+/// rows that reach past the plane's width (flat, into the neighbouring row).
+struct Shift {
+    rows: std::ops::Range<usize>,
+    run: std::ops::Range<usize>,
+    off: isize,
+    edge: std::ops::Range<usize>,
+}
+
+impl Shift {
+    fn of((h, w): (usize, usize), (dy, dx): (isize, isize)) -> Self {
+        let (hi, wi) = (h as isize, w as isize);
+        let y0 = (-dy).clamp(0, hi) as usize;
+        let y1 = (hi - dy).clamp(y0 as isize, hi) as usize;
+        // Only the run's first or last |dx| values can fall outside: edge values.
+        let off = dy * wi + dx;
+        let (start, end) = ((y0 * w) as isize, (y1 * w) as isize);
+        let lo = start.max(-off).min(end);
+        let hi_run = end.min(hi * wi - off).max(lo);
+        let edge = if dx < 0 {
+            0..(-dx).min(wi) as usize
+        } else {
+            (wi - dx).max(0) as usize..w
+        };
+        Shift {
+            rows: y0..y1,
+            run: lo as usize..hi_run as usize,
+            off,
+            edge,
+        }
+    }
+
+    /// Zeroes the edge columns of `rows` (whole rows of `w`).
+    fn zero_edges<T: WithDType>(&self, rows: &mut [T], w: usize) {
+        if !self.edge.is_empty() {
+            for row in rows.chunks_mut(w) {
+                row[self.edge.clone()].fill(T::zero());
+            }
         }
     }
 }
@@ -391,34 +415,19 @@ fn shifted_plane<T: WithDType>(
 fn add_shifted_plane<T: WithDType>(
     g: &mut [T],
     (h, w): (usize, usize),
-    (dy, dx): (isize, isize),
+    shift: (isize, isize),
     acc: &mut [f64],
 ) {
     debug_assert!(g.len() == h * w && acc.len() == h * w);
-    let (hi, wi) = (h as isize, w as isize);
-    let y0 = (-dy).clamp(0, hi) as usize;
-    let y1 = (hi - dy).clamp(y0 as isize, hi) as usize;
-    if y0 == y1 {
+    let sh = Shift::of((h, w), shift);
+    if sh.rows.is_empty() {
         return;
     }
-    let (c0, c1) = if dx < 0 {
-        (0, (-dx).min(wi) as usize)
-    } else {
-        ((wi - dx).max(0) as usize, w)
-    };
-    if c0 < c1 {
-        for row in g[y0 * w..y1 * w].chunks_mut(w) {
-            row[c0..c1].fill(T::zero());
-        }
-    }
-    let off = dy * wi + dx;
-    let (start, end) = ((y0 * w) as isize, (y1 * w) as isize);
-    let lo = start.max(-off).min(end);
-    let hi_run = end.min(hi * wi - off).max(lo);
-    let (lo, hi_run) = (lo as usize, hi_run as usize);
-    if lo < hi_run {
-        let dst = (lo as isize + off) as usize;
-        for (a, v) in acc[dst..dst + (hi_run - lo)].iter_mut().zip(&g[lo..hi_run]) {
+    sh.zero_edges(&mut g[sh.rows.start * w..sh.rows.end * w], w);
+    if !sh.run.is_empty() {
+        let dst = sh.run.start.wrapping_add_signed(sh.off);
+        let targets = &mut acc[dst..dst + sh.run.len()];
+        for (a, v) in targets.iter_mut().zip(&g[sh.run.clone()]) {
             *a += v.to_f64();
         }
     }
@@ -428,102 +437,90 @@ fn add_shifted_plane<T: WithDType>(
 mod tests {
     use super::*;
 
-    /// The unfolding by rows (with its one-copy path for stride 1 at the input's size) against
-    /// the reference [`Geometry::im2col`], tap by tap, over every small geometry: kernels wider
-    /// than the image, padding past the kernel's reach, images one value wide or tall.
-    #[test]
-    fn image_columns_are_im2col_transposed() -> Result<()> {
-        let mut checked = 0;
+    /// Every small geometry of 2 images of 3 channels: kernels wider than the image, padding
+    /// past the kernel's reach, images one value wide or tall (over 100 of them).
+    fn small_geometries() -> Vec<Geometry> {
+        let mut all = Vec::new();
         for (h, w) in [(1, 1), (1, 4), (4, 1), (2, 3), (5, 4), (6, 6)] {
             for k in 1..=5 {
                 for pad in 0..=2 {
                     for stride in 1..=3 {
-                        let Ok(g) = Geometry::new(&[2, 3, h, w], k, stride, pad) else {
-                            continue;
-                        };
-                        let x: Vec<f32> = (0..2 * 3 * h * w).map(|i| i as f32 + 1.0).collect();
-                        let (l, ck) = g.cols();
-                        let want = g.im2col(&x);
-                        for bi in 0..2 {
-                            // Garbage first, so that a value left unwritten shows.
-                            let mut cols = vec![f32::NAN; ck * l];
-                            let at = ColsAt {
-                                stride: l,
-                                offset: 0,
-                                threads: false,
-                            };
-                            g.image_columns(&x, bi, 0..ck, &mut cols, at);
-                            for j in 0..ck {
-                                for col in 0..l {
-                                    let (got, want) =
-                                        (cols[j * l + col], want[(bi * l + col) * ck + j]);
-                                    assert!(
-                                        got.to_bits() == want.to_bits(),
-                                        "{g:?} image {bi} row {j} column {col}: {got} != {want}"
-                                    );
-                                }
-                            }
-                        }
-                        checked += 1;
+                        all.extend(Geometry::new(&[2, 3, h, w], k, stride, pad).ok());
                     }
                 }
             }
         }
-        assert!(checked > 100, "{checked} geometries");
-        Ok(())
+        assert!(all.len() > 100, "{} geometries", all.len());
+        all
+    }
+
+    /// The unfolding by rows (with its one-copy path for stride 1 at the input's size) against
+    /// the reference [`Geometry::im2col`], tap by tap, over [`small_geometries`].
+    #[test]
+    fn image_columns_are_im2col_transposed() {
+        for g in small_geometries() {
+            let x: Vec<f32> = (0..g.b * g.c * g.h * g.w).map(|i| i as f32 + 1.0).collect();
+            let (l, ck) = g.cols();
+            let want = g.im2col(&x);
+            for bi in 0..g.b {
+                // Garbage first, so that a value left unwritten shows.
+                let mut cols = vec![f32::NAN; ck * l];
+                let at = ColsAt {
+                    stride: l,
+                    offset: 0,
+                    threads: false,
+                };
+                g.image_columns(&x, bi, 0..ck, &mut cols, at);
+                for j in 0..ck {
+                    for col in 0..l {
+                        let (got, want) = (cols[j * l + col], want[(bi * l + col) * ck + j]);
+                        assert!(
+                            got.to_bits() == want.to_bits(),
+                            "{g:?} image {bi} row {j} column {col}: {got} != {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The fold (one run a tap at stride 1 and the input's size, rows elsewhere; images side by
     /// side) against the reference [`Geometry::col2im`], bit for bit after rounding to f32,
-    /// over the same geometries as the unfolding's test.
+    /// over [`small_geometries`].
     #[test]
-    fn fold_image_is_col2im() -> Result<()> {
-        let mut checked = 0;
-        for (h, w) in [(1, 1), (1, 4), (4, 1), (2, 3), (5, 4), (6, 6)] {
-            for k in 1..=5 {
-                for pad in 0..=2 {
-                    for stride in 1..=3 {
-                        let (b, c) = (2, 3);
-                        let Ok(g) = Geometry::new(&[b, c, h, w], k, stride, pad) else {
-                            continue;
-                        };
-                        let (l, ck) = g.cols();
-                        // Values whose sums round: a fold summing in another order shows.
-                        let val = |i: usize| ((i * 7919 % 1009) as f32 - 504.5) * 1.37e-3;
-                        let cols: Vec<f64> = (0..b * l * ck).map(|i| f64::from(val(i))).collect();
-                        let want = g.col2im(&cols);
-                        // [CK, B L]: both images side by side, as a group's product writes them.
-                        let mut dcols = vec![0f32; ck * b * l];
-                        for bi in 0..b {
-                            for col in 0..l {
-                                for j in 0..ck {
-                                    dcols[j * b * l + bi * l + col] =
-                                        cols[(bi * l + col) * ck + j] as f32;
-                                }
-                            }
-                        }
-                        let mut got = vec![f32::NAN; b * c * h * w];
-                        for (bi, dxb) in got.chunks_mut(c * h * w).enumerate() {
-                            let at = ColsAt {
-                                stride: b * l,
-                                offset: bi * l,
-                                threads: false,
-                            };
-                            g.fold_image(&mut dcols, dxb, at);
-                        }
-                        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
-                            let want = *want as f32;
-                            assert!(
-                                got.to_bits() == want.to_bits(),
-                                "{g:?} value {i}: {got} != {want}"
-                            );
-                        }
-                        checked += 1;
+    fn fold_image_is_col2im() {
+        for g in small_geometries() {
+            let (b, chw) = (g.b, g.c * g.h * g.w);
+            let (l, ck) = g.cols();
+            // Values whose sums round: a fold summing in another order shows.
+            let val = |i: usize| ((i * 7919 % 1009) as f32 - 504.5) * 1.37e-3;
+            let cols: Vec<f64> = (0..b * l * ck).map(|i| f64::from(val(i))).collect();
+            let want = g.col2im(&cols);
+            // [CK, B L]: both images side by side, as a group's product writes them.
+            let mut dcols = vec![0f32; ck * b * l];
+            for bi in 0..b {
+                for col in 0..l {
+                    for j in 0..ck {
+                        dcols[j * b * l + bi * l + col] = cols[(bi * l + col) * ck + j] as f32;
                     }
                 }
             }
+            let mut got = vec![f32::NAN; b * chw];
+            for (bi, dxb) in got.chunks_mut(chw).enumerate() {
+                let at = ColsAt {
+                    stride: b * l,
+                    offset: bi * l,
+                    threads: false,
+                };
+                g.fold_image(&mut dcols, dxb, at);
+            }
+            for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                let want = *want as f32;
+                assert!(
+                    got.to_bits() == want.to_bits(),
+                    "{g:?} value {i}: {got} != {want}"
+                );
+            }
         }
-        assert!(checked > 100, "{checked} geometries");
-        Ok(())
     }
 }
