@@ -16,7 +16,9 @@ use ft_models::fewshot::{Backbone, BackboneKind, Episode, FewShotModel, Method};
 use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::{ParamBuilder, ParamStore};
-use ft_trainer::train::bench::{measure_steps, python_reference, StepMeasure};
+use ft_trainer::train::bench::{
+    bytes_or_dash, kept_line, measure_steps, python_reference, StepMeasure,
+};
 
 #[global_allocator]
 static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
@@ -144,11 +146,6 @@ fn torch(backbone: &str, k_shot: usize) -> Option<Torch> {
     })
 }
 
-fn fmt(b: Option<u64>) -> String {
-    b.map(|b| format_bytes(b as i64))
-        .unwrap_or_else(|| "-".into())
-}
-
 fn main() -> anyhow::Result<()> {
     // As the binaries do: candle's per-product thread count read once, not per product, and
     // the work on one of rayon's threads.
@@ -185,12 +182,8 @@ fn bench() -> anyhow::Result<()> {
                 _ => "-".into(),
             };
             let t_start = t.as_ref().and_then(|t| t.rss_from_start);
-            if m.rss_kept.is_some() {
-                eprintln!(
-                    "resident after the warm-up above the level before it: ours {}, PyTorch {}",
-                    fmt(m.rss_kept),
-                    fmt(t.as_ref().and_then(|t| t.rss_kept))
-                );
+            if let Some(line) = kept_line(m.rss_kept, t.as_ref().and_then(|t| t.rss_kept)) {
+                eprintln!("{line}");
             }
             println!(
                 "| {name} | {k_shot} | {:.3} s | {} | {} | {} | {} | {} | {} / {} ({}) | {} |",
@@ -199,14 +192,14 @@ fn bench() -> anyhow::Result<()> {
                     .map(|t| format!("{:.3} s (torch {})", t.step_s, t.version))
                     .unwrap_or("-".into()),
                 ratio(Some(m.step_s), t.as_ref().map(|t| t.step_s)),
-                fmt(m.rss_peak),
-                fmt(t.as_ref().and_then(|t| t.rss_peak)),
+                bytes_or_dash(m.rss_peak),
+                bytes_or_dash(t.as_ref().and_then(|t| t.rss_peak)),
                 ratio(
                     m.rss_peak.map(|b| b as f64),
                     t.as_ref().and_then(|t| t.rss_peak.map(|b| b as f64))
                 ),
-                fmt(m.rss_from_start),
-                fmt(t_start),
+                bytes_or_dash(m.rss_from_start),
+                bytes_or_dash(t_start),
                 ratio(
                     m.rss_from_start.map(|b| b as f64),
                     t_start.map(|b| b as f64)

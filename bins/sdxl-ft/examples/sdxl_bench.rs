@@ -10,7 +10,9 @@ use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::rng::SplitMix64;
 use ft_params::{ParamBuilder, ParamStore};
-use ft_trainer::train::bench::{measure_steps, python_reference, StepMeasure};
+use ft_trainer::train::bench::{
+    bytes_or_dash, kept_line, measure_steps, python_reference, StepMeasure,
+};
 
 #[global_allocator]
 static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
@@ -137,11 +139,6 @@ fn torch(config: &std::path::Path, latent: usize, checkpointing: bool) -> Option
     })
 }
 
-fn fmt(b: Option<u64>) -> String {
-    b.map(|b| format_bytes(b as i64))
-        .unwrap_or_else(|| "-".into())
-}
-
 fn main() -> anyhow::Result<()> {
     // As the binaries do: candle's per-product thread count read once, not per product, and
     // the work on one of rayon's threads.
@@ -199,19 +196,15 @@ fn bench() -> anyhow::Result<()> {
                 "| candle (this repo), --checkpointing {strategy} | {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} | {} |",
                 latent * 8,
                 r.m.step_s,
-                fmt(r.m.rss_peak),
-                fmt(r.m.rss_from_start),
+                bytes_or_dash(r.m.rss_peak),
+                bytes_or_dash(r.m.rss_from_start),
                 format_bytes(r.m.alloc_peak as i64),
                 format_bytes(r.param_bytes as i64),
                 format_bytes(r.param_bytes as i64),
                 format_bytes(r.state_bytes as i64)
             );
-            if r.m.rss_kept.is_some() || t.as_ref().is_some_and(|t| t.rss_kept.is_some()) {
-                eprintln!(
-                    "resident after the warm-up above the level before it: ours {}, PyTorch {}",
-                    fmt(r.m.rss_kept),
-                    fmt(t.as_ref().and_then(|t| t.rss_kept))
-                );
+            if let Some(line) = kept_line(r.m.rss_kept, t.as_ref().and_then(|t| t.rss_kept)) {
+                eprintln!("{line}");
             }
             if let Some(t) = t {
                 let label = if torch_ck == Some(true) {
@@ -223,8 +216,8 @@ fn bench() -> anyhow::Result<()> {
                     "| PyTorch + diffusers{label} | {} | {:.3} s | 1.00x | {} | {} | - | - | - | - |",
                     latent * 8,
                     t.step_s,
-                    fmt(t.rss_peak),
-                    fmt(t.rss_from_start)
+                    bytes_or_dash(t.rss_peak),
+                    bytes_or_dash(t.rss_from_start)
                 );
             }
             if latent == 16 && strategy == Strategy::None {

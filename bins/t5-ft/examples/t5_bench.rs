@@ -12,6 +12,7 @@ use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::rng::SplitMix64;
 use ft_params::{ParamBuilder, ParamStore};
+use ft_trainer::train::bench::bytes_or_dash;
 
 #[global_allocator]
 static ALLOC: ft_trainer::ledger::alloc::CountingAlloc = ft_trainer::ledger::alloc::CountingAlloc;
@@ -164,11 +165,6 @@ fn torch(checkpointing: bool, flush: bool) -> Option<Row> {
     })
 }
 
-fn fmt(b: Option<u64>) -> String {
-    b.map(|b| format_bytes(b as i64))
-        .unwrap_or_else(|| "-".into())
-}
-
 fn data_throughput() -> anyhow::Result<(usize, f64)> {
     let dir = std::env::temp_dir().join(format!("t5-bench-data-{}", std::process::id()));
     t5_ft::demo::write(&dir, 20_000, 1, 3)?;
@@ -246,9 +242,9 @@ fn bench() -> anyhow::Result<()> {
             "| {} | {:.3} s | {ratio} | {} | {} | {} | {} | {} | {} |",
             r.name,
             r.step_s,
-            fmt(r.rss_peak),
-            fmt(r.rss_from_start),
-            fmt(r.alloc_peak),
+            bytes_or_dash(r.rss_peak),
+            bytes_or_dash(r.rss_from_start),
+            bytes_or_dash(r.alloc_peak),
             format_bytes(p as i64),
             format_bytes(g as i64),
             format_bytes(o as i64)
@@ -259,8 +255,8 @@ fn bench() -> anyhow::Result<()> {
                 "| {} | {:.3} s | 1.00x | {} | {} | - | - | - | - |",
                 t.name,
                 t.step_s,
-                fmt(t.rss_peak),
-                fmt(t.rss_from_start)
+                bytes_or_dash(t.rss_peak),
+                bytes_or_dash(t.rss_from_start)
             );
         }
         if first {
@@ -273,8 +269,8 @@ fn bench() -> anyhow::Result<()> {
             t.name,
             t.step_s,
             measured.first().map_or(f64::NAN, |r| r.step_s / t.step_s),
-            fmt(t.rss_peak),
-            fmt(t.rss_from_start)
+            bytes_or_dash(t.rss_peak),
+            bytes_or_dash(t.rss_from_start)
         );
     }
 

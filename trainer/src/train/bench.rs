@@ -44,6 +44,24 @@ pub struct StepMeasure {
     pub rss_kept: Option<u64>,
 }
 
+/// Bytes for a bench table, "-" where the measure is missing.
+pub fn bytes_or_dash(b: Option<u64>) -> String {
+    b.map(|b| ft_params::bytes::format_bytes(b as i64))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// The line a bench prints (on stderr) for what each side's warm-up left resident
+/// ([`StepMeasure::rss_kept`]), or `None` where neither side has it.
+pub fn kept_line(ours: Option<u64>, torch: Option<u64>) -> Option<String> {
+    (ours.is_some() || torch.is_some()).then(|| {
+        format!(
+            "resident after the warm-up above the level before it: ours {}, PyTorch {}",
+            bytes_or_dash(ours),
+            bytes_or_dash(torch)
+        )
+    })
+}
+
 /// Whether a measure in this process has started (see [`StepMeasure::rss_from_start`]).
 static MEASURED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -155,4 +173,35 @@ pub fn f32_adamw(store: &ft_params::ParamStore) -> crate::Result<crate::update::
         crate::optim::AdamWConfig::default(),
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a process's first measure starts clean, so a later one gives neither the peak
+    /// above start nor what its warm-up kept (with the gating gone, the second measure would
+    /// report both where `/proc` can be read, as here).
+    #[test]
+    fn only_the_first_measure_reports_from_start() {
+        let step = || -> std::result::Result<(), ()> {
+            std::hint::black_box(vec![1u8; 1 << 20]);
+            Ok(())
+        };
+        let _first = measure_steps(1, step);
+        let second = measure_steps(1, step).expect("the step does not fail");
+        assert_eq!(second.rss_from_start, None);
+        assert_eq!(second.rss_kept, None);
+        assert!(second.step_s >= 0.0);
+    }
+
+    #[test]
+    fn kept_line_needs_a_measure() {
+        assert_eq!(kept_line(None, None), None);
+        let line = kept_line(Some(2048), None).expect("ours is there");
+        assert!(
+            line.contains("ours 2.00 KiB") && line.ends_with("PyTorch -"),
+            "{line}"
+        );
+    }
 }
