@@ -17,10 +17,21 @@
 //! own part at once and the other threads steal the rest. The demos, release binaries with and
 //! without it (docs/benchmarks.md): t5-ft 16.4-18.9 s -> 10.8-12.0 s, fewshot-ft 22.9-23.8 s ->
 //! 15.4-18.9 s, 100 steps of sdxl-ft's 18.9 s -> 14.0 s.
+//!
+//! candle 0.11.1 splits its elementwise ops on 64K values or more (the backward's adds into
+//! gradient slots among them) over a pool of its own threads (`candle-bp-N`, one fewer than the
+//! cores), apart from rayon's. Each of them, its part done, spins up to
+//! `CANDLE_BARRIER_POOL_SPIN_LIMIT` times (25,000 by default: about half a millisecond here)
+//! before it sleeps, on a core that rayon's threads, running our ops and gemm's products right
+//! after, need: on the 2-core VM 46% of the samples of a 64-channel 32x32 convolution's forward
+//! and backward were that spin. [`settle`] sets the limit to 0 (the thread sleeps at once and
+//! is woken for the next op) unless it is set already (docs/benchmarks.md: 10-15% off the
+//! t5-small-sized and UNet steps).
 
 /// Puts candle's answer for the matrix products' threads in `RAYON_NUM_THREADS`, after making
 /// rayon's global pool at the size it takes without the variable (the logical CPUs this process
-/// may use), so both keep the sizes they had. Nothing when the variable is set already. Call it
+/// may use), so both keep the sizes they had, and 0 in [`SPIN_LIMIT`]; neither variable is
+/// changed when it is set already. Call it
 /// first thing in `main`: changing the environment is sound only while no other thread reads
 /// it.
 pub fn settle() {
@@ -36,7 +47,15 @@ pub fn settle() {
     if let Some(products) = products {
         std::env::set_var("RAYON_NUM_THREADS", products.to_string());
     }
+    // Read once, when candle's pool is made (its first large elementwise op, after this).
+    if std::env::var_os(SPIN_LIMIT).is_none() {
+        std::env::set_var(SPIN_LIMIT, "0");
+    }
 }
+
+/// How many times candle's pool threads spin for the next job before they sleep (see the
+/// module's note).
+pub const SPIN_LIMIT: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
 /// The stack of rayon's threads: 64 MiB, eight times a main thread's usual 8 MiB (Rust's own
 /// threads get 2 MiB), since [`run`] moves the whole training onto one of them.
