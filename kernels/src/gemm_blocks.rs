@@ -19,27 +19,81 @@ pub trait GemmFloat: WithDType + Send + Sync {}
 impl GemmFloat for f32 {}
 impl GemmFloat for f64 {}
 
-/// A row-major matrix operand: its values and whether they hold it transposed (the row-major
-/// storage of its transpose).
+/// A row-major matrix operand: its values, whether they hold it transposed (the row-major
+/// storage of its transpose), and how many values apart the stored rows start (0: one stored
+/// row's length, rows packed).
 #[derive(Clone, Copy)]
 pub struct Mat<'a, T> {
     pub data: &'a [T],
     pub transposed: bool,
+    pub ld: usize,
 }
 
 impl<'a, T> Mat<'a, T> {
+    /// Rows packed.
     pub fn new(data: &'a [T], transposed: bool) -> Self {
-        Mat { data, transposed }
+        Mat {
+            data,
+            transposed,
+            ld: 0,
+        }
+    }
+
+    /// Stored rows `ld` values apart (at least a stored row's length): see [`spread_rows`].
+    pub fn rows_apart(data: &'a [T], transposed: bool, ld: usize) -> Self {
+        Mat {
+            data,
+            transposed,
+            ld,
+        }
+    }
+
+    /// (stored rows, stored row length, values between stored rows) of this `rows x cols`
+    /// operand.
+    fn stored(&self, rows: usize, cols: usize) -> (usize, usize, usize) {
+        let (sr, sc) = if self.transposed {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        (sr, sc, if self.ld == 0 { sc } else { self.ld })
     }
 
     /// (row stride, column stride) of this `rows x cols` operand.
     fn strides(&self, rows: usize, cols: usize) -> (usize, usize) {
+        let (_, _, ld) = self.stored(rows, cols);
         if self.transposed {
-            (1, rows)
+            (1, ld)
         } else {
-            (cols, 1)
+            (ld, 1)
         }
     }
+
+    /// Whether the values hold this `rows x cols` operand, its stored rows not overlapping
+    /// (false where the lengths overflow).
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        let (sr, sc, ld) = self.stored(rows, cols);
+        if sr == 0 || sc == 0 {
+            return true;
+        }
+        ld >= sc
+            && (sr - 1)
+                .checked_mul(ld)
+                .and_then(|v| v.checked_add(sc))
+                .is_some_and(|need| self.data.len() >= need)
+    }
+}
+
+/// A row length of at least `len` values of `T` for a buffer whose rows gemm reads across
+/// (an operand it packs with rows strided: a convolution's columns in its weight gradient,
+/// where gemm turns the product around for a row-major output and gathers 64 of those rows a
+/// step): whole 64-byte cache lines, an odd number of them. Rows a power of two of lines apart
+/// (1024 f32, a 32x32 plane) all fall in one set of the L1 cache, which holds 8 of them, and
+/// the gather then missed on nearly every value.
+pub fn spread_rows<T>(len: usize) -> usize {
+    let line = (64 / std::mem::size_of::<T>().max(1)).max(1);
+    let lines = len.div_ceil(line);
+    (lines + (1 - lines % 2)) * line
 }
 
 /// Multiply-adds a block has at least: below 2^21 (64 x 64 x 441, a ResNet weight gradient's
@@ -131,7 +185,7 @@ pub fn scaled_product<T: GemmFloat>(
     accumulate: bool,
     threads: bool,
 ) -> Result<()> {
-    if !holds(dst.len(), m, n) || !holds(lhs.data.len(), m, k) || !holds(rhs.data.len(), k, n) {
+    if !holds(dst.len(), m, n) || !lhs.fits(m, k) || !rhs.fits(k, n) {
         candle_core::bail!(
             "matrix product: a {m}x{k} by {k}x{n} product with {}, {} and {} values",
             lhs.data.len(),
@@ -164,8 +218,8 @@ fn holds(len: usize, rows: usize, cols: usize) -> bool {
 ///
 /// # Safety
 /// `n <= ldd` (else the rows overlap), `dst` must be valid for reads and writes of those
-/// values, which nothing else may access meanwhile, and `lhs` and `rhs` must hold `m * k` and
-/// `k * n` values.
+/// values, which nothing else may access meanwhile, and `lhs` and `rhs` must hold their
+/// `m x k` and `k x n` operands ([`Mat::fits`]).
 #[allow(clippy::too_many_arguments)]
 unsafe fn product_raw<T: GemmFloat>(
     dst: Shared<T>,
@@ -274,7 +328,7 @@ impl<T: GemmFloat> ColumnBlock<'_, T> {
         threads: bool,
     ) -> Result<()> {
         let (m, n) = (self.m, self.n);
-        if !holds(lhs.data.len(), m, k) || !holds(rhs.data.len(), k, n) {
+        if !lhs.fits(m, k) || !rhs.fits(k, n) {
             candle_core::bail!(
                 "matrix product: a {m}x{k} by {k}x{n} product with {} and {} values",
                 lhs.data.len(),

@@ -204,3 +204,73 @@ fn column_blocks_check_lengths() {
     .to_string();
     assert!(err.contains("2x3 by 3x2"), "{err}");
 }
+
+/// An operand whose stored rows are `ld` values apart (`Mat::rows_apart`, the convolution's
+/// weight gradient's columns laid out by `spread_rows`) gives the packed operand's product
+/// bit for bit, transposed or not, on either side; the values between the rows are never
+/// read (NaN there would show); lengths that do not reach the last row, and rows closer than
+/// their length, are one error.
+#[test]
+fn operands_with_rows_apart_give_the_packed_values() {
+    use ft_kernels::gemm_blocks::spread_rows;
+    // (m, n, k): rows of 1024 values (a 32x32 plane: 64 lines apart), 441, and a short one.
+    for (i, &(m, n, k)) in [(64, 72, 1024), (64, 30, 441), (20, 9, 7)].iter().enumerate() {
+        let seed = 100 + i as u64;
+        let (a, b) = (values(m * k, seed), values(k * n, seed + 1));
+        for (lt, rt) in [(false, false), (true, false), (false, true), (true, true)] {
+            let packed = |threads| {
+                let mut c = vec![0f32; m * n];
+                product(
+                    &mut c,
+                    Mat::new(&a, lt),
+                    Mat::new(&b, rt),
+                    m,
+                    n,
+                    k,
+                    false,
+                    threads,
+                )
+                .expect("lengths fit");
+                c
+            };
+            // The stored rows of `v` (`rows` of `len`) moved `ld` apart, NaN between.
+            let spread = |v: &[f32], rows: usize, len: usize| {
+                let ld = spread_rows::<f32>(len);
+                assert!(ld >= len && (ld * 4) % 64 == 0 && (ld * 4 / 64) % 2 == 1);
+                let mut out = vec![f32::NAN; (rows - 1) * ld + len];
+                for r in 0..rows {
+                    out[r * ld..][..len].copy_from_slice(&v[r * len..][..len]);
+                }
+                (out, ld)
+            };
+            let (sa, la) = if lt { spread(&a, k, m) } else { spread(&a, m, k) };
+            let (sb, lb) = if rt { spread(&b, n, k) } else { spread(&b, k, n) };
+            for threads in [false, true] {
+                let mut c = vec![0f32; m * n];
+                product(
+                    &mut c,
+                    Mat::rows_apart(&sa, lt, la),
+                    Mat::rows_apart(&sb, rt, lb),
+                    m,
+                    n,
+                    k,
+                    false,
+                    threads,
+                )
+                .expect("lengths fit");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&c),
+                    bits(&packed(threads)),
+                    "{m}x{n}x{k} transposed {lt}/{rt}"
+                );
+            }
+            // One value short of the last stored row, and rows closer than their length.
+            let mut c = vec![0f32; m * n];
+            let short = Mat::rows_apart(&sa[..sa.len() - 1], lt, la);
+            assert!(product(&mut c, short, Mat::new(&b, rt), m, n, k, false, false).is_err());
+            let close = Mat::rows_apart(&a, lt, if lt { m - 1 } else { k - 1 });
+            assert!(product(&mut c, close, Mat::new(&b, rt), m, n, k, false, false).is_err());
+        }
+    }
+}

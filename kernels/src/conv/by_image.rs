@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 use super::geometry::{ColsAt, Geometry};
 use crate::cpu;
 pub(super) use crate::gemm_blocks::GemmFloat;
-use crate::gemm_blocks::{column_blocks, product as gemm_into, ColumnBlock, Mat};
+use crate::gemm_blocks::{column_blocks, product as gemm_into, spread_rows, ColumnBlock, Mat};
 
 /// The image-by-image forward: each group of images ([`Geometry::group`]; one image unless they
 /// are small) unfolded side by side into one reused buffer and multiplied by the weight; a lone
@@ -254,17 +254,20 @@ fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Resul
         for gi in 0..g.groups() {
             let n = group.min(g.b - gi * group);
             let gl = n * l;
-            cols.resize(r * gl, T::zero());
+            // The part's rows an odd number of cache lines apart: gemm gathers across them.
+            let ld = spread_rows::<T>(gl);
+            cols.resize(r * ld, T::zero());
             for i in 0..n {
                 let at = ColsAt {
-                    stride: gl,
+                    stride: ld,
                     offset: i * l,
                     threads,
                 };
                 g.image_columns(x, gi * group + i, first..first + r, cols, at);
             }
             let lhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
-            let (lhs, rhs) = (Mat::new(lhs, false), Mat::new(&cols[..r * gl], true));
+            let rhs = Mat::rows_apart(&cols[..r * ld], true, ld);
+            let lhs = Mat::new(lhs, false);
             dw.product(lhs, rhs, gl, gi > 0, threads)?;
         }
         Ok(())
