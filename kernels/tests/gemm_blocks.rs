@@ -236,7 +236,7 @@ fn operands_with_rows_apart_give_the_packed_values() {
             // The stored rows of `v` (`rows` of `len`) moved `ld` apart, NaN between.
             let spread = |v: &[f32], rows: usize, len: usize| {
                 let ld = spread_rows::<f32>(len);
-                assert!(ld >= len && (ld * 4) % 64 == 0 && (ld * 4 / 64) % 2 == 1);
+                assert!(ld >= len && (ld * 4).is_multiple_of(64) && (ld * 4 / 64) % 2 == 1);
                 let mut out = vec![f32::NAN; (rows - 1) * ld + len];
                 for r in 0..rows {
                     out[r * ld..][..len].copy_from_slice(&v[r * len..][..len]);
