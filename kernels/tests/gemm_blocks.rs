@@ -214,7 +214,10 @@ fn column_blocks_check_lengths() {
 fn operands_with_rows_apart_give_the_packed_values() {
     use ft_kernels::gemm_blocks::spread_rows;
     // (m, n, k): rows of 1024 values (a 32x32 plane: 64 lines apart), 441, and a short one.
-    for (i, &(m, n, k)) in [(64, 72, 1024), (64, 30, 441), (20, 9, 7)].iter().enumerate() {
+    for (i, &(m, n, k)) in [(64, 72, 1024), (64, 30, 441), (20, 9, 7)]
+        .iter()
+        .enumerate()
+    {
         let seed = 100 + i as u64;
         let (a, b) = (values(m * k, seed), values(k * n, seed + 1));
         for (lt, rt) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -243,8 +246,16 @@ fn operands_with_rows_apart_give_the_packed_values() {
                 }
                 (out, ld)
             };
-            let (sa, la) = if lt { spread(&a, k, m) } else { spread(&a, m, k) };
-            let (sb, lb) = if rt { spread(&b, n, k) } else { spread(&b, k, n) };
+            let (sa, la) = if lt {
+                spread(&a, k, m)
+            } else {
+                spread(&a, m, k)
+            };
+            let (sb, lb) = if rt {
+                spread(&b, n, k)
+            } else {
+                spread(&b, k, n)
+            };
             for threads in [false, true] {
                 let mut c = vec![0f32; m * n];
                 product(
