@@ -100,8 +100,9 @@ fn candle_ops(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// The op against candle's matmul and bias add: the output and the input and weight gradients
 /// the same bits (gemm sums each value in the same order, however the output is cut), the bias
 /// gradient (summed in f64 here, in f32 by candle) within rounding; f32 and f64; 3-D and 2-D
-/// inputs, shapes large enough to be cut into blocks and too small to be; with and without a
-/// bias.
+/// inputs, shapes large enough to be cut into blocks and too small to be, weights the forward
+/// copies into spread rows (`din` an even number of cache lines, 64 rows or more: 128, 96 and
+/// 512 in f32, those and 48 in f64) and weights it reads in place; with and without a bias.
 #[test]
 fn the_op_is_candles_matmul_and_bias_add() -> Result<()> {
     assert!(
@@ -114,6 +115,7 @@ fn the_op_is_candles_matmul_and_bias_add() -> Result<()> {
         (vec![700, 48], 40),
         (vec![3, 5], 7),
         (vec![1, 1, 130], 257),
+        (vec![2, 40, 512], 96),
     ]
     .into_iter()
     .enumerate()
