@@ -6,7 +6,8 @@
 //! come from one distribution; the biased one (a V-statistic) keeps it. KID is torchmetrics'
 //! unbiased estimate with a cubic polynomial kernel; CMMD is the CMMD paper's reference code:
 //! a Gaussian kernel and the whole matrices' means, times 1000. Sums run in f64, rows in
-//! parallel: O(n^2 d) for n samples of d features.
+//! parallel and added in row order (the same bits on any thread count): O(n^2 d) for n samples
+//! of d features.
 
 use rayon::prelude::*;
 
@@ -109,29 +110,33 @@ pub fn mmd2(x: &Features, y: &Features, kernel: Kernel, estimator: Estimator) ->
             x.n, y.n
         )));
     }
+    // Each row's sums on rayon's threads, then added in row order: rayon's own `sum` and
+    // `reduce` associate the rows as its threads happen to split them, which depends on the
+    // pool and on timing (the sdxl-ft demo's CMMD moved in its last digits under load).
     let within = |s: &Features| -> f64 {
         let n = s.n as f64;
-        let (sum, diag) = (0..s.n)
+        let rows: Vec<(f64, f64)> = (0..s.n)
             .into_par_iter()
             .map(|i| {
                 let row: f64 = (0..s.n).map(|j| kernel.eval(s.row(i), s.row(j))).sum();
                 (row, kernel.eval(s.row(i), s.row(i)))
             })
-            .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+            .collect();
+        let (sum, diag) = rows.iter().fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
         match estimator {
             Estimator::Unbiased => (sum - diag) / (n * (n - 1.0)),
             Estimator::Biased => sum / (n * n),
         }
     };
-    let across: f64 = (0..x.n)
+    let across_rows: Vec<f64> = (0..x.n)
         .into_par_iter()
         .map(|i| {
             (0..y.n)
                 .map(|j| kernel.eval(x.row(i), y.row(j)))
                 .sum::<f64>()
         })
-        .sum::<f64>()
-        / (x.n as f64 * y.n as f64);
+        .collect();
+    let across = across_rows.iter().sum::<f64>() / (x.n as f64 * y.n as f64);
     Ok(within(x) + within(y) - 2.0 * across)
 }
 
@@ -172,6 +177,41 @@ mod tests {
         let one = Features::new(vec![1.0, 2.0, 3.0], 3)?;
         assert!(kid(&one, &x).is_err());
         assert!(Features::new(vec![1.0; 5], 2).is_err());
+        Ok(())
+    }
+
+    /// The same bits on pools of 1 to 5 threads, and on one pool again and again: the rows'
+    /// sums are added in row order. With rayon's `sum`/`reduce` the association followed its
+    /// split of the rows, which depends on the pool and on timing (the sdxl-ft demo's CMMD
+    /// changed in its last digits with another process loading the CPU).
+    #[test]
+    fn the_values_do_not_depend_on_the_threads() -> Result<()> {
+        let feats = |n: usize, seed: u64| {
+            let mut s = seed;
+            let v = (0..n * 7)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (s >> 11) as f64 / (1u64 << 53) as f64 * 3.0 - 1.5
+                })
+                .collect();
+            Features::new(v, 7)
+        };
+        let (x, y) = (feats(157, 1)?, feats(131, 2)?);
+        let both =
+            || -> Result<(u64, u64)> { Ok((kid(&x, &y)?.to_bits(), cmmd(&x, &y)?.to_bits())) };
+        let on = |threads: usize| -> Result<(u64, u64)> {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .map_err(|e| Error::Invalid(e.to_string()))?;
+            pool.install(both)
+        };
+        let first = on(1)?;
+        for threads in [2, 3, 5, 2, 3, 5] {
+            assert_eq!(on(threads)?, first, "{threads} threads");
+        }
         Ok(())
     }
 }
