@@ -31,7 +31,14 @@ fn time(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(ms[ms.len() / 2])
 }
 
+/// On one of rayon's threads with candle's pool settled (`threads::run`), as the binaries run:
+/// outside it candle's pool threads spin after each large op and took a core from the
+/// convolution's threads (docs/benchmarks.md).
 fn main() -> Result<()> {
+    ft_kernels::threads::run(bench)
+}
+
+fn bench() -> Result<()> {
     let dev = Device::Cpu;
     println!(
         "3x3 conv, padding 1, f32, CPU, the input's gradient too (median of {} runs after a warm-up)\n",
