@@ -1,7 +1,8 @@
 //! `cargo run -p ft-kernels --example conv_bench` : forward and forward + backward time of a 3x3
 //! convolution on CPU, candle's `conv2d` next to `ft_kernels::conv::conv2d`, at UNet-like shapes
 //! (the measurement behind replacing candle's conv2d in every model) and a ResNet10 episode's
-//! (85 images of 84 px: 5-way 1-shot with 16 queries a class). The median of `CONV_BENCH_REPS`
+//! (85 images of 84 px: 5-way 1-shot with 16 queries a class; its four stages, the deep ones'
+//! images multiplied in groups). The median of `CONV_BENCH_REPS`
 //! runs (default 15) after a warm-up: this VM's noise moves a mean by more than a change to one
 //! of the op's loops. The last column is our forward + backward with the input outside the
 //! graph: the weight gradient alone, as a network's first layer takes it.
@@ -54,6 +55,8 @@ fn bench() -> Result<()> {
         (1, 256, 8),
         (85, 64, 21),
         (85, 128, 11),
+        (85, 256, 6),
+        (85, 512, 3),
     ] {
         let x = Var::from_tensor(&Tensor::randn(0f32, 1., (b, c, s, s), &dev)?)?;
         let w = Var::from_tensor(&Tensor::randn(0f32, 0.1, (c, c, 3, 3), &dev)?)?;

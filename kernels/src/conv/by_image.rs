@@ -3,6 +3,8 @@
 //! output (the bias in it), and the backward's two products per image or group, the weight
 //! gradient summed in group order; no input gradient for an input outside the graph.
 
+use std::borrow::Cow;
+
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
 use super::geometry::{ColsAt, Geometry};
@@ -131,22 +133,28 @@ pub(super) fn forward_storage(
     })
 }
 
-/// A group's output gradient `dy` ([n, O, L]) as one [O, n*L] matrix, image `i`'s rows at
-/// columns `i*L..`: `dy` itself for a lone image, laid out in `buf` otherwise.
-fn side_by_side<'a, T: Copy>(dy: &'a [T], o: usize, l: usize, buf: &'a mut Vec<T>) -> &'a [T] {
-    let n = dy.len() / (o * l).max(1);
-    if n <= 1 {
-        return dy;
+/// The output gradient `dy` ([B, O, L]) with each group's images ([`Geometry::group`]) side by
+/// side: group `gi`'s block, at the same offset as in `dy` (`gi * group * O * L`), is one
+/// [O, n*L] matrix, image `i`'s rows at columns `i*L..`. `dy` itself when the groups are single
+/// images. Laid out once for the backward's two products: the weight gradient's parts each laid
+/// out every group again (up to [`super::geometry::PARTS`] copies of `dy`, 2.5% of ResNet10's
+/// backward samples at 84 px).
+fn side_by_side<'a, T: Copy>(dy: &'a [T], g: &Geometry, o: usize) -> Cow<'a, [T]> {
+    let (l, group) = (g.cols().0, g.group());
+    if group <= 1 || dy.is_empty() || l == 0 || o == 0 {
+        return Cow::Borrowed(dy);
     }
-    let gl = n * l;
-    buf.clear();
-    buf.resize(o * gl, dy[0]);
-    for (i, dyi) in dy.chunks(o * l).enumerate() {
-        for (oi, row) in dyi.chunks(l).enumerate() {
-            buf[oi * gl + i * l..][..l].copy_from_slice(row);
+    // Row `oi` of each image in turn, group by group: every value written once, in order.
+    let mut out = Vec::with_capacity(dy.len());
+    for from in dy.chunks(group * o * l) {
+        let n = from.len() / (o * l);
+        for oi in 0..o {
+            for i in 0..n {
+                out.extend_from_slice(&from[(i * o + oi) * l..][..l]);
+            }
         }
     }
-    buf
+    Cow::Owned(out)
 }
 
 /// What the image-by-image backward gives: the input (when asked for), weight and (with a bias)
@@ -189,13 +197,14 @@ fn backward_by_image<T: GemmFloat>(
         }
     }
     let images_in = |gi: usize| group.min(g.b - gi * group);
+    let dy = side_by_side(dy, g, o);
+    let dy = &dy[..];
     // dcols [CK, n L] = W^T [CK, O] x dY_group [O, n L], folded onto each image's input.
-    let input_grad = |gi: usize, dxg: &mut [T], bufs: &mut (Vec<T>, Vec<T>), threads: bool| {
-        let (dcols, dyg) = bufs;
+    let input_grad = |gi: usize, dxg: &mut [T], dcols: &mut Vec<T>, threads: bool| {
         let n = images_in(gi);
         let gl = n * l;
         dcols.resize(ck * gl, T::zero());
-        let rhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
+        let rhs = &dy[gi * group * o * l..][..n * o * l];
         let (lhs, rhs) = (Mat::new(w, true), Mat::new(rhs, false));
         gemm_into(dcols, lhs, rhs, ck, gl, o, false, threads)?;
         for (i, dxb) in dxg.chunks_mut(chw.max(1)).enumerate() {
@@ -213,13 +222,11 @@ fn backward_by_image<T: GemmFloat>(
         use rayon::prelude::*;
         dx.par_chunks_mut(chunk)
             .enumerate()
-            .try_for_each_init(Default::default, |b, (gi, dxg)| {
-                input_grad(gi, dxg, b, false)
-            })?;
+            .try_for_each_init(Vec::new, |b, (gi, dxg)| input_grad(gi, dxg, b, false))?;
     } else if with_dx {
-        let mut bufs = Default::default();
+        let mut dcols = Vec::new();
         for (gi, dxg) in dx.chunks_mut(chunk).enumerate() {
-            input_grad(gi, dxg, &mut bufs, true)?;
+            input_grad(gi, dxg, &mut dcols, true)?;
         }
     }
     let dw = weight_grad(x, dy, g, o)?;
@@ -240,7 +247,8 @@ fn backward_by_image<T: GemmFloat>(
 /// product's sums over its threads and the parts come from the shape alone, so the sums do not
 /// depend on the threads. Each part writes its columns of dW in place
 /// ([`crate::gemm_blocks::column_blocks`]): assembling parts of their own into a new matrix
-/// was 5% of the UNet bench's step at 256 px, most of it page faults and the copy.
+/// was 5% of the UNet bench's step at 256 px, most of it page faults and the copy. `dy` comes
+/// with its groups side by side ([`side_by_side`]).
 fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Result<Vec<T>> {
     let (l, ck) = g.cols();
     let group = g.group();
@@ -249,7 +257,7 @@ fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Resul
     let mut dw = vec![T::zero(); o * ck];
     // Part `p`: dW[:, p rows..] (+)= dY_group [O, n L] x cols_part^T [n L, r], each group in
     // order, written in place (`column_blocks`).
-    let part = |(cols, dyg): &mut (Vec<T>, Vec<T>), p: usize, mut dw: ColumnBlock<'_, T>| {
+    let part = |cols: &mut Vec<T>, p: usize, mut dw: ColumnBlock<'_, T>| {
         let (first, r) = (p * rows, dw.width());
         for gi in 0..g.groups() {
             let n = group.min(g.b - gi * group);
@@ -265,7 +273,7 @@ fn weight_grad<T: GemmFloat>(x: &[T], dy: &[T], g: &Geometry, o: usize) -> Resul
                 };
                 g.image_columns(x, gi * group + i, first..first + r, cols, at);
             }
-            let lhs = side_by_side(&dy[gi * group * o * l..][..n * o * l], o, l, dyg);
+            let lhs = &dy[gi * group * o * l..][..n * o * l];
             let rhs = Mat::rows_apart(&cols[..r * ld], true, ld);
             let lhs = Mat::new(lhs, false);
             dw.product(lhs, rhs, gl, gi > 0, threads)?;
