@@ -561,6 +561,16 @@ pub(crate) fn with_statistics<O: CustomOp3 + Send + Sync + 'static>(
     Ok((y, taken(&stats)?))
 }
 
+/// The training op (with its ReLU when `relu`) that leaves its batch statistics in `stats`, for
+/// an op that runs it inside its own (`crate::conv`'s convolution + batch norm).
+pub(crate) fn train_op(
+    eps: f64,
+    relu: bool,
+    stats: Arc<Mutex<BatchStats>>,
+) -> Box<dyn CustomOp3 + Send + Sync> {
+    Box::new(Forward { eps, relu, stats })
+}
+
 /// Whether `x` takes the op: f32 or f64 on the CPU, unless turned off ([`op_enabled`]).
 pub(crate) fn takes(x: &Tensor) -> bool {
     x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && op_enabled()

@@ -73,6 +73,21 @@ pub fn batch_norm_relu_max_pool_train(
     })
 }
 
+/// The training op, its batch statistics left in `stats`, for an op that runs it inside its own
+/// (`crate::conv`'s convolution + batch norm); `None` where `FT_BN_POOL_OP=0` turns it off.
+pub(crate) fn train_op(
+    eps: f64,
+    pool: MaxPool,
+    stats: Arc<Mutex<BatchStats>>,
+) -> Option<Box<dyn CustomOp3 + Send + Sync>> {
+    op_enabled().then(|| {
+        Box::new(Forward {
+            pool,
+            map: Map::Batch { eps, stats },
+        }) as Box<dyn CustomOp3 + Send + Sync>
+    })
+}
+
 /// The separate ops the op replaces: the batch norm's op with its ReLU, the zero padding, the
 /// pool's op. The reference the op is tested against, and the path of other devices and dtypes.
 pub fn separate(

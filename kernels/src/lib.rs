@@ -31,6 +31,7 @@ pub mod linear;
 pub mod matmul_scratch;
 pub mod norm;
 mod norm_affine;
+pub mod op_kept;
 pub mod pool;
 pub mod rounding;
 pub mod softmax;

@@ -23,8 +23,10 @@ fn check(
     let ck = Checkpointer::with_strategy(Strategy::Blocks).measuring();
     let y = forward(&ck)?;
     // What the graphs hold, and the input copies that are their leaves.
-    let graphs = |s: &[SegmentBytes]| -> Vec<(u64, u64, u64)> {
-        s.iter().map(|s| (s.graph, s.output, s.inputs)).collect()
+    let graphs = |s: &[SegmentBytes]| -> Vec<(u64, u64, u64, u64)> {
+        s.iter()
+            .map(|s| (s.graph, s.output, s.inputs, s.op_kept))
+            .collect()
     };
     assert_eq!(
         graphs(&ck.measured()),
@@ -34,10 +36,17 @@ fn check(
     assert_eq!(graph_bytes(&y), want.outer, "{label}: the caller's graph");
     // Without segments the graph is everything; with every segment recomputed, only the
     // caller's graph is kept.
-    for s in [Strategy::None, Strategy::Full] {
+    // What ops keep beside the graph (`SegmentBytes::op_kept`) is counted apart.
+    let op_kept: u64 = want.segments.iter().map(|s| s.op_kept).sum();
+    for (s, beside) in [(Strategy::None, op_kept), (Strategy::Full, 0)] {
+        let before = ft_kernels::op_kept::added();
         let y = forward(&Checkpointer::with_strategy(s))?;
-        let kept = want.held(s).kept - want.op_held;
+        let kept = want.held(s).kept - want.op_held - beside;
         assert_eq!(graph_bytes(&y), kept, "{label}: the graph under {s}");
+        if s == Strategy::None {
+            let added = ft_kernels::op_kept::added() - before;
+            assert_eq!(added, op_kept, "{label}: kept beside the graph under {s}");
+        }
     }
     // budget:B: the run keeps the segments the plan keeps (the last that fit), from the sizes
     // it measures in its first step, which count the input copies as the plan's do.

@@ -32,6 +32,9 @@ use crate::{cpu, grad_tap};
 
 mod by_image;
 mod geometry;
+mod with_batch_norm;
+
+pub use with_batch_norm::{BnTail, ConvBatchNorm};
 
 use by_image::{backward_tensors, forward_storage};
 use geometry::Geometry;

@@ -67,10 +67,24 @@ impl Walk {
         t.new_tensor(6 * self.elems(m));
     }
 
-    /// conv, batch norm, ReLU (on the CPU the ReLU is inside the batch norm's op).
+    /// A convolution to map `y` with the batch norm after it. On the CPU the two are one op
+    /// (`ft_kernels::conv::ConvBatchNorm`): it keeps the convolution's output beside the graph
+    /// ([`SegmentBytes::op_kept`]) and takes the batch norm's weight and bias (and the
+    /// convolution's bias) stacked, one more tensor of 2 or 3 values a channel; otherwise the
+    /// convolution's output (and its bias sum, where a second op adds it) is the graph's.
+    fn conv_before_bn(&self, t: &mut Tally, conv: &Conv2d, y: Map) {
+        if self.cpu_op {
+            t.op_kept += self.elems(y);
+            t.new_tensor((2 + conv.bias.is_some() as u64) * y.c);
+        } else {
+            t.conv(self.elems(y), conv.bias.is_some());
+        }
+    }
+
+    /// conv, batch norm, ReLU (on the CPU one op with the ReLU inside: [`Self::conv_before_bn`]).
     fn conv_bn_relu(&self, t: &mut Tally, conv: &Conv2d, x: Map) -> Map {
         let y = conv_out(conv, x);
-        t.conv(self.elems(y), conv.bias.is_some() && !self.cpu_op);
+        self.conv_before_bn(t, conv, y);
         self.batch_norm(t, y);
         if !self.cpu_op {
             t.new_tensor(self.elems(y));
@@ -94,7 +108,7 @@ impl Walk {
     ) -> (Map, u64) {
         let y = if self.cpu_op {
             let y = conv_out(conv, x);
-            t.conv(self.elems(y), false);
+            self.conv_before_bn(t, conv, y);
             y
         } else {
             let y = self.conv_bn_relu(t, conv, x);
@@ -144,7 +158,7 @@ impl Walk {
         t.conv(self.elems(y), b.c2.bias.is_some() && !self.cpu_op);
         if let Some((c, _)) = &b.shortcut {
             let s = conv_out(c, x);
-            t.conv(self.elems(s), c.bias.is_some() && !self.cpu_op);
+            self.conv_before_bn(&mut t, c, s);
             self.batch_norm(&mut t, s);
         }
         // The second batch norm, the residual sum and the ReLU: one op on the CPU, its output
@@ -265,17 +279,20 @@ impl FewShotModel {
 /// that the batch norm + pooling op forms in its backward (`op_temporaries`, counted apart).
 /// Its graph is small (the conv's output and the pooled map) next to the gradients in flight
 /// through it: the conv's input and weight gradients (its column buffers are one image's, or a
-/// small group's), candle's sum for the conv output's gradient. (Measured again when the batch
-/// norm, ReLU and pooling became one op: the rows within 0.1%; again when a segment's backward
-/// began from its output's gradient itself rather than from a product and a sum (the
-/// checkpointer's `seed`): `kept` and `recomputed` 2245 and 2280 -> 1245 and 1285, the
-/// measured peaks of Conv4's checkpointed rows 18% lower; 2010, 2470, 2490 before, of a
-/// graph that kept the normalised map; 2770, 3010, 3030 before the ReLU went inside the batch
-/// norm's op; 2420, 2810, 2820 before the pool's backward stopped converting to f64.)
+/// small group's). (Measured again when the convolution and the batch norm became one op
+/// (`ft_kernels::conv::ConvBatchNorm`), which hands the batch norm's input gradient to the
+/// convolution's backward without candle's zeroed slot and sum for it: every row's measured
+/// peak lower by 0.8 of a block's graph, 1255, 1245, 1285 before; when the batch norm, ReLU and pooling
+/// became one op: the rows within 0.1%; again when a segment's backward began from its
+/// output's gradient itself rather than from a product and a sum (the checkpointer's `seed`):
+/// `kept` and `recomputed` 2245 and 2280 -> 1245 and 1285, the measured peaks of Conv4's
+/// checkpointed rows 18% lower; 2010, 2470, 2490 before, of a graph that kept the normalised
+/// map; 2770, 3010, 3030 before the ReLU went inside the batch norm's op; 2420, 2810, 2820
+/// before the pool's backward stopped converting to f64.)
 const CONV_TEMPORARIES: Temporaries = Temporaries {
-    whole: 1255,
-    kept: 1245,
-    recomputed: 1285,
+    whole: 290,
+    kept: 455,
+    recomputed: 500,
 };
 
 /// Backward's temporaries through a ResNet block, in thousandths of its graph (measured as

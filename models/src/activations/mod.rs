@@ -88,11 +88,13 @@ impl Attention {
 }
 
 /// Bytes of the tensors a forward creates and its graph keeps, in the activation dtype
-/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32).
+/// (`elems`) and in f32 (`f32_elems`: statistics kernels keep in f32), and the elements ops
+/// keep beside the graph for their backward (`op_kept`: [`SegmentBytes::op_kept`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Tally {
     pub elems: u64,
     pub f32_elems: u64,
+    pub op_kept: u64,
 }
 
 impl Tally {
@@ -101,8 +103,9 @@ impl Tally {
     }
 
     /// This tally as a checkpoint segment's: its graph, its `output`, the copies of its
-    /// `inputs` (the ones whose gradient is needed) that are its leaves, and its backward's
-    /// `extra` temporaries ([`SegmentBytes::op_temporaries`]), all in elements of `dtype`.
+    /// `inputs` (the ones whose gradient is needed) that are its leaves, its backward's
+    /// `extra` temporaries ([`SegmentBytes::op_temporaries`]) and what its ops keep beside the
+    /// graph, all in elements of `dtype`.
     pub fn segment(&self, dtype: DType, output: u64, inputs: u64, extra: u64) -> SegmentBytes {
         let s = dtype.size_in_bytes() as u64;
         SegmentBytes {
@@ -110,6 +113,7 @@ impl Tally {
             output: output * s,
             inputs: inputs * s,
             op_temporaries: extra * s,
+            op_kept: self.op_kept * s,
         }
     }
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, Var, D};
 use ft_kernels::batch_norm_pool::MaxPool;
+use ft_kernels::conv::BnTail;
 use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::{Init, ParamBuilder};
 
@@ -88,13 +89,11 @@ pub(crate) struct BasicBlock {
 
 impl ConvBlock {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.conv.forward(x)?;
-        if self.pool {
-            self.bn
-                .forward_relu_max_pool(&h, mode, MaxPool::square(2, 2, 0))
-        } else {
-            self.bn.forward_relu(&h, mode)
-        }
+        let tail = match self.pool {
+            true => BnTail::ReluMaxPool(MaxPool::square(2, 2, 0)),
+            false => BnTail::Relu,
+        };
+        self.bn.forward_conv(&self.conv, x, mode, tail)
     }
 
     fn tensors(&self) -> Vec<Tensor> {
@@ -106,9 +105,9 @@ impl ConvBlock {
 
 impl BasicBlock {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
-        let h = self.bn1.forward_relu(&self.c1.forward(x)?, mode)?;
+        let h = self.bn1.forward_conv(&self.c1, x, mode, BnTail::Relu)?;
         let s = match &self.shortcut {
-            Some((c, bn)) => bn.forward(&c.forward(x)?, mode)?,
+            Some((c, bn)) => bn.forward_conv(c, x, mode, BnTail::Plain)?,
             None => x.clone(),
         };
         // The second batch norm, the join and its ReLU: one op on the CPU.
@@ -139,8 +138,8 @@ impl Stem {
     fn forward(&self, x: &Tensor, mode: BnMode) -> candle_core::Result<Tensor> {
         // 3x3 stride-2 max pool with padding 1: after ReLU every value is >= 0, so zero
         // padding gives the result of PyTorch's -inf padding.
-        self.bn
-            .forward_relu_max_pool(&self.conv.forward(x)?, mode, MaxPool::square(3, 2, 1))
+        let tail = BnTail::ReluMaxPool(MaxPool::square(3, 2, 1));
+        self.bn.forward_conv(&self.conv, x, mode, tail)
     }
 
     fn tensors(&self) -> Vec<Tensor> {

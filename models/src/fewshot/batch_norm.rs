@@ -43,9 +43,11 @@ use candle_core::{Tensor, Var};
 use ft_kernels::batch_norm::BatchStats;
 use ft_kernels::batch_norm_add::batch_norm_add_relu_train;
 use ft_kernels::batch_norm_pool::{affine_relu_max_pool, batch_norm_relu_max_pool_train, MaxPool};
+use ft_kernels::conv::{BnTail, ConvBatchNorm};
 use ft_params::{Init, ParamBuilder};
 
 use crate::error::Result;
+use crate::layers::Conv2d;
 
 #[derive(Clone)]
 pub struct BatchNorm2d {
@@ -141,13 +143,59 @@ impl BatchNorm2d {
     ) -> candle_core::Result<Tensor> {
         let (n, _, h, w) = x.dims4()?;
         let (y, stats) = op(x, &self.weight, &self.bias, self.eps)?;
+        self.moved_by(&stats, (n * h * w) as f64, mode)?;
+        Ok(y)
+    }
+
+    /// The batch norm of `conv.forward(x)` and its `tail` (as [`Self::forward`],
+    /// [`Self::forward_relu`] or [`Self::forward_relu_max_pool`] on it). With batch
+    /// statistics one op on the CPU ([`ft_kernels::conv::ConvBatchNorm`]): the convolution's
+    /// output is no node of the graph, so candle's backward forms no zeroed slot and add for
+    /// its gradient.
+    pub fn forward_conv(
+        &self,
+        conv: &Conv2d,
+        x: &Tensor,
+        mode: BnMode,
+        tail: BnTail,
+    ) -> candle_core::Result<Tensor> {
+        if !mode.batch_statistics() {
+            let z = conv.forward(x)?;
+            return match tail {
+                BnTail::Plain => self.forward(&z, mode),
+                BnTail::Relu => self.forward_relu(&z, mode),
+                BnTail::ReluMaxPool(pool) => self.forward_relu_max_pool(&z, mode, pool),
+            };
+        }
+        let spec = ConvBatchNorm {
+            weight: &conv.weight,
+            bias: conv.bias.as_ref(),
+            stride: conv.stride,
+            pad: conv.padding,
+            gamma: &self.weight,
+            beta: &self.bias,
+            eps: self.eps,
+            tail,
+        };
+        let (y, stats) = spec.train(x)?;
+        // The statistics are the convolution output's: its positions per channel.
+        let (n, _, h, w) = x.dims4()?;
+        let k = conv.weight.dim(2)?;
+        let out = |d: usize| (d + 2 * conv.padding).saturating_sub(k) / conv.stride.max(1) + 1;
+        self.moved_by(&stats, (n * out(h) * out(w)) as f64, mode)?;
+        Ok(y)
+    }
+
+    /// Under [`BnMode::Train`], the running statistics moved by a batch's, of `count` values a
+    /// channel.
+    fn moved_by(&self, stats: &BatchStats, count: f64, mode: BnMode) -> candle_core::Result<()> {
         if mode == BnMode::Train {
             let device = self.running_mean.device();
             let mean = Tensor::new(stats.mean.as_slice(), device)?;
             let var = Tensor::new(stats.var.as_slice(), device)?;
-            self.update_running(&mean, &var, (n * h * w) as f64)?;
+            self.update_running(&mean, &var, count)?;
         }
-        Ok(y)
+        Ok(())
     }
 
     fn normalise(&self, x: &Tensor, mode: BnMode, relu: bool) -> candle_core::Result<Tensor> {

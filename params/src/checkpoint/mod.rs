@@ -61,8 +61,8 @@ struct Progress {
 
 /// What one segment kept from its forward (measured under `blocks`, or predicted by a model's
 /// activation formulas): its graph's bytes ([`graph_bytes`], its output included), its
-/// output's bytes, which the caller's graph holds as well, and the copies of its inputs it
-/// makes as its graph's leaves.
+/// output's bytes, which the caller's graph holds as well, the copies of its inputs it
+/// makes as its graph's leaves, and what its ops keep beside the graph.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SegmentBytes {
     pub graph: u64,
@@ -79,18 +79,24 @@ pub struct SegmentBytes {
     /// keep (the batch norm's with the pooling after it). Set by a model's formulas; 0 when
     /// measured.
     pub op_temporaries: u64,
+    /// What ops of the segment keep for their backward outside the graph's tensors, held as
+    /// long as the graph is (the convolution's output inside `ft_kernels::conv::ConvBatchNorm`,
+    /// which is no node of the graph, so that candle's backward forms no gradient slot for
+    /// it). [`graph_bytes`] cannot see it: measured as what the segment's forward added to
+    /// [`ft_kernels::op_kept`].
+    pub op_kept: u64,
 }
 
 impl SegmentBytes {
     /// Everything the segment keeps until its backward, run as one op.
     pub fn kept(&self) -> u64 {
-        self.graph + self.inputs
+        self.graph + self.inputs + self.op_kept
     }
 
     /// What the segment's ops keep in a graph without segments (`none`): no leaf copies, and
     /// its output counted with the caller's graph.
     pub fn unsegmented(&self) -> u64 {
-        self.graph.saturating_sub(self.output)
+        self.graph.saturating_sub(self.output) + self.op_kept
     }
 }
 
@@ -272,12 +278,14 @@ impl Checkpointer {
             Treatment::Keep => {
                 let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
                 let (leaves, xs) = segment::leaves_for(&detached, &tracked)?;
+                let op_kept = ft_kernels::op_kept::added();
                 let y = f(&xs)?;
                 if let Some(m) = &mut locked(&self.progress).measured {
                     m.push(SegmentBytes {
                         graph: graph_bytes(&y),
                         output: crate::bytes::tensor_bytes(&y),
                         inputs: segment::copies_bytes(&leaves),
+                        op_kept: ft_kernels::op_kept::added() - op_kept,
                         ..SegmentBytes::default()
                     });
                 }

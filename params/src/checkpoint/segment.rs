@@ -127,10 +127,12 @@ impl SegmentOp {
                     None => inputs.clone(),
                 };
                 let (leaves, xs) = leaves_for(&inputs, &self.tracked)?;
+                let op_kept = ft_kernels::op_kept::added();
                 let y = f(&xs)?;
+                let op_kept = ft_kernels::op_kept::added() - op_kept;
                 if let Some(sizes) = sizes {
-                    // What the segment holds when kept: its graph and the input copies a kept
-                    // graph makes.
+                    // What the segment holds when kept: its graph, what its ops keep beside
+                    // it and the input copies a kept graph makes.
                     let copies: Vec<Option<Var>> = leaves
                         .iter()
                         .zip(&self.copied)
@@ -140,7 +142,7 @@ impl SegmentOp {
                     if c.len() <= *index {
                         c.resize(*index + 1, None);
                     }
-                    c[*index] = Some(graph_bytes(&y) + copies_bytes(&copies));
+                    c[*index] = Some(graph_bytes(&y) + op_kept + copies_bytes(&copies));
                 }
                 Ok(KeptGraph { leaves, y })
             }
