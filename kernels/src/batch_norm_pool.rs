@@ -11,9 +11,10 @@
 //! the input and the (4x smaller) output. The backward normalises each plane again (the same
 //! per-channel `a` and `b`, so the same values bit for bit), finds each window's first maximum
 //! in it as the pool does, writes the input-side gradient, and runs the batch norm's backward
-//! on it: the gradients are the separate ops' bit for bit (tested; the sum into a zero tensor
-//! this skips changes no bits: the gradient candle hands an op is itself such a sum, never a
-//! negative zero), with the normalised map never kept and no zero tensor to add into.
+//! over it in place (one map of the input's size in the backward, not two): the gradients are
+//! the separate ops' bit for bit (tested; the sum into a zero tensor this skips changes no
+//! bits: the gradient candle hands an op is itself such a sum, never a negative zero), with the
+//! normalised map never kept and no zero tensor to add into.
 //!
 //! [`affine_relu_max_pool`] is evaluation's form (running statistics, no graph): the same pass
 //! with a given per-channel scale and shift, computed in the dtype as the separate ops compute
@@ -348,27 +349,35 @@ impl CustomOp3 for Forward {
             bail!("{}: evaluation's op has no backward", Forward::name(self));
         };
         let (eps, stats) = (*eps, batch_norm::taken(stats)?);
-        let r = batch_norm::rstd(&stats, eps);
-        let wide = batch_norm::wide;
-        let (a, b) = batch_norm::scale_shift(&stats, &r, &wide(gamma)?, &wide(beta)?);
-        // The gradient at the ReLU's output, then the batch norm's backward (with its ReLU).
+        // The gradient at the ReLU's output, and the batch norm's backward (with its ReLU) over
+        // it in place: one map of the input's size.
+        let norm = batch_norm::Backward::new(gamma, beta, stats, eps, true)?;
+        let Some((a, b)) = norm.relu.clone() else {
+            bail!(
+                "{}: the batch norm's backward has no ReLU",
+                Forward::name(self)
+            );
+        };
         let unpool = Unpool {
             a,
             b,
             pool: self.pool,
+            norm,
         };
-        let dh = x.apply_op2_no_bwd(&dy.contiguous()?, &unpool)?;
-        let (dx, dgamma, dbeta) = batch_norm::backward(x, gamma, beta, &dh, stats, eps, true)?;
+        let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &unpool)?;
+        let (dgamma, dbeta) = unpool.norm.gradients(gamma)?;
         Ok((Some(dx), Some(dgamma), Some(dbeta)))
     }
 }
 
 /// The pooling's backward from the input (normalised again plane by plane) and the pooled
-/// output's gradient: the gradient at the ReLU's output, the input's size.
+/// output's gradient: the gradient at the ReLU's output, the input's size, over which the batch
+/// norm's backward (`norm`) then runs in place: the input's gradient.
 struct Unpool {
     a: Vec<f64>,
     b: Vec<f64>,
     pool: MaxPool,
+    norm: batch_norm::Backward,
 }
 
 impl Unpool {
@@ -388,6 +397,7 @@ impl Unpool {
         }
         let mut dh = vec![T::zero(); x.len()];
         if f.pooled == 0 || p.hw == 0 {
+            self.norm.run_in_place(x, &mut dh, p)?;
             return Ok(dh);
         }
         let (hp, wp) = (f.h + 2 * f.pad, f.wp);
@@ -415,6 +425,7 @@ impl Unpool {
                     }
                 },
             );
+        self.norm.run_in_place(x, &mut dh, p)?;
         Ok(dh)
     }
 }

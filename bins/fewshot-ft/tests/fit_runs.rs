@@ -53,8 +53,9 @@ fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
             // the tightest budget that fits until the blocks' joins became one op (the
             // smallest plan then needed 0.741 of the plain one's, with the reserve), 0.75
             // until the weights' gradients stopped going through candle's store (the plain
-            // plan's backward shrank more than the smallest one's: 0.763 now).
-            &[1.3, 0.8, 0.77],
+            // plan's backward shrank more than the smallest one's: 0.763 then), 0.77 until
+            // the convolutions and the batch norms after them became one op (0.775 now).
+            &[1.3, 0.8, 0.78],
         ),
     ];
     let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, fewshot_ft::run::plan)?;

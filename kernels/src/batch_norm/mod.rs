@@ -27,10 +27,14 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu::{lane_sum, LANES};
+
+mod backward;
+
+pub(crate) use backward::{backward, Backward};
 
 /// The batch statistics of one forward: per channel, the mean and the biased variance.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -326,180 +330,6 @@ impl CustomOp3 for Forward {
         let stats = taken(&self.stats)?;
         let (dx, dgamma, dbeta) = backward(x, gamma, beta, dy, stats, self.eps, self.relu)?;
         Ok((Some(dx), Some(dgamma), Some(dbeta)))
-    }
-}
-
-/// The gradients of the input, the weight and the bias from the output's, `dy` (with `relu`,
-/// the gradient after the ReLU: it passes where the forward's `x * a + b` was positive).
-pub(crate) fn backward(
-    x: &Tensor,
-    gamma: &Tensor,
-    beta: &Tensor,
-    dy: &Tensor,
-    stats: BatchStats,
-    eps: f64,
-    relu: bool,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let sums = Arc::new(Mutex::new((Vec::new(), Vec::new())));
-    let (r, g) = (rstd(&stats, eps), wide(gamma)?);
-    let relu = if relu {
-        Some(scale_shift(&stats, &r, &g, &wide(beta)?))
-    } else {
-        None
-    };
-    let op = Backward {
-        rstd: r,
-        mean: stats.mean,
-        gamma: g,
-        relu,
-        sums: sums.clone(),
-    };
-    let dx = x.apply_op2_no_bwd(&dy.contiguous()?, &op)?;
-    let (dgamma, dbeta) = sums
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("batch norm: sums poisoned".into()))?
-        .clone();
-    let back = |v: Vec<f64>| -> Result<Tensor> {
-        Tensor::from_vec(v, gamma.shape(), gamma.device())?.to_dtype(gamma.dtype())
-    };
-    Ok((dx, back(dgamma)?, back(dbeta)?))
-}
-
-/// A [C] tensor's values in f64.
-pub(crate) fn wide(t: &Tensor) -> Result<Vec<f64>> {
-    t.to_dtype(DType::F64)?.to_vec1::<f64>()
-}
-
-/// The backward's passes: per channel sum(dy) and sum(dy * xhat) (left in `sums` as dgamma and
-/// dbeta), then dx. With `relu` (the fused ReLU's backward: the forward's per-channel `a` and
-/// `b`) `dy` counts only where the forward's `x * a + b` was positive.
-struct Backward {
-    mean: Vec<f64>,
-    rstd: Vec<f64>,
-    gamma: Vec<f64>,
-    relu: Option<(Vec<f64>, Vec<f64>)>,
-    sums: Arc<Mutex<(Vec<f64>, Vec<f64>)>>,
-}
-
-impl Backward {
-    fn run<T: Float>(&self, x: &[T], dy: &[T], p: Planes) -> Result<Vec<T>> {
-        if x.len() != dy.len() {
-            bail!(
-                "batch norm backward: gradient of {} values for an input of {}",
-                dy.len(),
-                x.len()
-            );
-        }
-        // Per channel, the forward's `x * a + b` where the fused ReLU passed `dy` (> 0).
-        let mask = |c: usize| self.relu.as_ref().map(|(a, b)| (a[c], b[c]));
-        let (dgamma, dbeta): (Vec<f64>, Vec<f64>) = (0..p.c)
-            .into_par_iter()
-            .map(|c| {
-                let (mean, r) = (self.mean[c], self.rstd[c]);
-                let (mut sg, mut sb) = (0f64, 0f64);
-                for (xp, gp) in p.channel(x, c).zip(p.channel(dy, c)) {
-                    let (g, gx) = match mask(c) {
-                        Some((a, b)) => lane_sum2(
-                            xp,
-                            gp,
-                            #[inline(always)]
-                            |v, g| {
-                                let g = if v * a + b <= 0.0 { 0.0 } else { g };
-                                (g, g * ((v - mean) * r))
-                            },
-                        ),
-                        None => lane_sum2(
-                            xp,
-                            gp,
-                            #[inline(always)]
-                            |v, g| (g, g * ((v - mean) * r)),
-                        ),
-                    };
-                    sb += g;
-                    sg += gx;
-                }
-                (sg, sb)
-            })
-            .unzip();
-        let m = p.m().max(1) as f64;
-        let mut dx = vec![T::of(0.0); x.len()];
-        if p.hw > 0 {
-            dx.par_chunks_mut(p.hw)
-                .enumerate()
-                .for_each(|(plane, out)| {
-                    let c = plane % p.c;
-                    let (mean, r) = (self.mean[c], self.rstd[c]);
-                    let k = self.gamma[c] * r / m;
-                    let (sb, sg) = (dbeta[c], dgamma[c]);
-                    let at = plane * p.hw;
-                    let (xs, gs) = (&x[at..at + p.hw], &dy[at..at + p.hw]);
-                    let dx = |v: f64, g: f64| T::of(k * (m * g - sb - (v - mean) * r * sg));
-                    crate::wide::run(
-                        #[inline(always)]
-                        move || match mask(c) {
-                            Some((a, b)) => {
-                                for ((o, v), g) in out.iter_mut().zip(xs).zip(gs) {
-                                    let v = v.f64();
-                                    let g = if v * a + b <= 0.0 { 0.0 } else { g.f64() };
-                                    *o = dx(v, g);
-                                }
-                            }
-                            None => {
-                                for ((o, v), g) in out.iter_mut().zip(xs).zip(gs) {
-                                    *o = dx(v.f64(), g.f64());
-                                }
-                            }
-                        },
-                    )
-                });
-        }
-        *self
-            .sums
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("batch norm: sums poisoned".into()))? =
-            (dgamma, dbeta);
-        Ok(dx)
-    }
-}
-
-impl CustomOp2 for Backward {
-    fn name(&self) -> &'static str {
-        "ft-batch-norm-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        if xl.shape() != gl.shape() {
-            bail!(
-                "batch norm backward: gradient {:?} for input {:?}",
-                gl.shape(),
-                xl.shape()
-            );
-        }
-        let p = Planes::of(xl.shape())?;
-        let dx = match (xs, gs) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(self.run(
-                slice::<f32>(xs, xl, "the input")?,
-                slice(gs, gl, "the gradient")?,
-                p,
-            )?),
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(self.run(
-                slice::<f64>(xs, xl, "the input")?,
-                slice(gs, gl, "the gradient")?,
-                p,
-            )?),
-            _ => bail!(
-                "batch norm backward: {:?} input and {:?} gradient (f32 or f64, the same)",
-                xs.dtype(),
-                gs.dtype()
-            ),
-        };
-        Ok((dx, xl.shape().clone()))
     }
 }
 
