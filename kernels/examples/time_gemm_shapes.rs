@@ -4,6 +4,9 @@
 //! (an FSCT ResNet10 episode's layers, a part of a weight gradient, UNet layers) and a large
 //! one. The measurement behind `conv`'s choice of putting small products on rayon's threads one
 //! each (`TASK_MACS`) rather than splitting each over gemm's threads, and behind `gemm_blocks`.
+//! Then the linear layer's forward (`ft_kernels::linear::linear`, which copies a weight whose
+//! rows would fall in one cache set into rows spread over the sets) against candle's product
+//! with the transposed weight, at the t5-small-sized bench's shapes.
 
 use std::time::Instant;
 
@@ -79,7 +82,38 @@ fn gflops(m: usize, n: usize, k: usize, mode: Mode) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn main() {
+/// Milliseconds a call of `f`, best of three rounds of `reps` calls after one warm-up call.
+fn best_ms(
+    reps: usize,
+    mut f: impl FnMut() -> candle_core::Result<()>,
+) -> candle_core::Result<f64> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        best = best.min(t.elapsed().as_secs_f64() * 1e3 / reps as f64);
+    }
+    Ok(best)
+}
+
+/// The linear layer's forward at `rows` x `din` -> `dout`: ours and candle's, in ms.
+fn linear_ms(rows: usize, din: usize, dout: usize) -> candle_core::Result<(f64, f64)> {
+    use candle_core::{Device, Tensor};
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (rows, din), &dev)?;
+    let w = Tensor::randn(0f32, 0.05, (dout, din), &dev)?;
+    let reps = (1e9 / (2.0 * (rows * din * dout) as f64)).ceil() as usize;
+    let ours = best_ms(reps, || {
+        ft_kernels::linear::linear(&x, &w, None).map(|_| ())
+    })?;
+    let candle = best_ms(reps, || x.matmul(&w.t()?).map(|_| ()))?;
+    Ok((ours, candle))
+}
+
+fn main() -> candle_core::Result<()> {
     ft_kernels::threads::settle();
     println!(
         "gemm f32, GFLOP/s (best of 3), {} rayon threads\n",
@@ -111,4 +145,29 @@ fn main() {
             gflops(m, n, k, Mode::Blocks)
         );
     }
+    println!("\nlinear layer forward, f32, ms (best of 3)\n");
+    println!(
+        "| rows x in -> out | what | `ft_kernels::linear::linear` | candle's `x.matmul(w.t())` |"
+    );
+    println!("|---|---|---|---|");
+    for (rows, din, dout, what) in [
+        (
+            512,
+            512,
+            512,
+            "T5 bench: attention's projections (8 x 64 tokens)",
+        ),
+        (512, 512, 2048, "T5 bench: feed-forward in"),
+        (512, 2048, 512, "T5 bench: feed-forward out"),
+        (
+            256,
+            512,
+            512,
+            "T5 bench: decoder's projections (8 x 32 tokens)",
+        ),
+    ] {
+        let (ours, candle) = linear_ms(rows, din, dout)?;
+        println!("| {rows} x {din} -> {dout} | {what} | {ours:.2} | {candle:.2} |");
+    }
+    Ok(())
 }
