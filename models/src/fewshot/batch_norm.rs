@@ -289,4 +289,67 @@ mod tests {
         assert!(gw.abs()?.sum_all()?.to_scalar::<f64>()? > 0.0);
         Ok(())
     }
+
+    /// A convolution and its batch norm as one op (`forward_conv`) move the running statistics
+    /// as the convolution and then the batch norm do: the same batch statistics, counted over
+    /// the convolution's output positions (a strided, padded convolution and a 1x1 one, every
+    /// tail; a wrong count moves the unbiased running variance).
+    #[test]
+    fn conv_then_batch_norm_moves_the_running_statistics_as_the_separate_layers(
+    ) -> anyhow::Result<()> {
+        use crate::layers::Conv2d;
+        let dev = Device::Cpu;
+        let pool = MaxPool::square(3, 2, 1);
+        for (k, stride, pad) in [(3, 2, 1), (1, 1, 0), (7, 2, 3)] {
+            for tail in [BnTail::Plain, BnTail::Relu, BnTail::ReluMaxPool(pool)] {
+                let layers = || -> anyhow::Result<(Conv2d, BatchNorm2d)> {
+                    let pb = ParamBuilder::new(ft_params::ParamStore::new(), DType::F32, &dev, 7);
+                    let conv = Conv2d::with_init(
+                        &pb.pp("c"),
+                        3,
+                        4,
+                        k,
+                        stride,
+                        pad,
+                        true,
+                        Init::Normal { std: 0.3 },
+                    )?;
+                    Ok((conv, BatchNorm2d::new(&pb.pp("bn"), 4)?))
+                };
+                let (conv, fused) = layers()?;
+                let (_, separate) = layers()?;
+                let x = Tensor::randn(0f32, 1., (5, 3, 11, 9), &dev)?;
+                let y = fused.forward_conv(&conv, &x, BnMode::Train, tail)?;
+                let z = conv.forward(&x)?;
+                let want = match tail {
+                    BnTail::Plain => separate.forward(&z, BnMode::Train)?,
+                    BnTail::Relu => separate.forward_relu(&z, BnMode::Train)?,
+                    BnTail::ReluMaxPool(p) => {
+                        separate.forward_relu_max_pool(&z, BnMode::Train, p)?
+                    }
+                };
+                let values =
+                    |t: &Tensor| -> anyhow::Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
+                let case = format!("k {k} stride {stride} pad {pad} {tail:?}");
+                assert_eq!(values(&y)?, values(&want)?, "{case}: output");
+                for (a, b) in [
+                    (&fused.running_mean, &separate.running_mean),
+                    (&fused.running_var, &separate.running_var),
+                ] {
+                    assert_eq!(
+                        values(a.as_tensor())?,
+                        values(b.as_tensor())?,
+                        "{case}: running statistics"
+                    );
+                }
+                assert!(
+                    values(fused.running_var.as_tensor())?
+                        .iter()
+                        .all(|v| *v != 1.0),
+                    "{case}: not moved"
+                );
+            }
+        }
+        Ok(())
+    }
 }
