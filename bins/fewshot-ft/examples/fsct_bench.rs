@@ -17,7 +17,7 @@ use ft_params::bytes::format_bytes;
 use ft_params::checkpoint::{Checkpointer, Strategy};
 use ft_params::{ParamBuilder, ParamStore};
 use ft_trainer::train::bench::{
-    bytes_or_dash, kept_line, measure_steps, python_reference, StepMeasure,
+    bytes_or_dash, kept_line, measure_steps, minor_faults, python_reference, StepMeasure,
 };
 
 #[global_allocator]
@@ -71,10 +71,12 @@ fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
     ck.begin_forward();
     let base = live_bytes();
     reset_peak();
+    let f0 = minor_faults();
     let t0 = std::time::Instant::now();
     let (loss, _) = model.summed_loss(&episode, true, &ck)?;
     let loss = (loss / queries)?;
     let t1 = std::time::Instant::now();
+    let f1 = minor_faults();
     let (kept, fwd_peak) = (
         live_bytes().saturating_sub(base),
         peak_bytes().saturating_sub(base),
@@ -83,17 +85,20 @@ fn ours(kind: BackboneKind, k_shot: usize) -> anyhow::Result<StepMeasure> {
     let grads = ck.gradients(&loss, &params)?;
     drop(loss);
     let t2 = std::time::Instant::now();
+    let f2 = minor_faults();
     let bwd_peak = peak_bytes().saturating_sub(base);
     opt.step(grads, 1e-3)?;
     let t3 = std::time::Instant::now();
     eprintln!(
-        "{kind:?} {k_shot}-shot, one more episode: forward {:.3} s (keeps {}, peak {}), backward \
-         {:.3} s (peak {}), optimizer step {:.3} s",
+        "{kind:?} {k_shot}-shot, one more episode: forward {:.3} s (keeps {}, peak {}, {} minor \
+         faults), backward {:.3} s (peak {}, {} minor faults), optimizer step {:.3} s",
         (t1 - t0).as_secs_f64(),
         format_bytes(kept as i64),
         format_bytes(fwd_peak as i64),
+        f1 - f0,
         (t2 - t1).as_secs_f64(),
         format_bytes(bwd_peak as i64),
+        f2 - f1,
         (t3 - t2).as_secs_f64()
     );
     Ok(m)

@@ -10,56 +10,72 @@
 //!
 //! Without that line the counters stay at zero and [`is_active`] says so, so callers can tell
 //! "nothing allocated" from "nothing measured".
+//!
+//! Large freed blocks are kept for reuse within the heap peak ([`super::block_cache`]); the
+//! counters count what the program holds, not what is kept.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use super::block_cache;
+
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// The highest `LIVE` ever (not reset): the bound of what the block cache may keep.
+static HIGH: AtomicUsize = AtomicUsize::new(0);
 
 /// The system allocator with two counters: live bytes and the high-water mark since the last
 /// [`reset_peak`].
 pub struct CountingAlloc;
 
+/// Counts `bytes` more as live (the block cache calls it while it holds its lock).
 #[inline]
-fn add(bytes: usize) {
+pub(super) fn add(bytes: usize) {
     let live = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
     PEAK.fetch_max(live, Ordering::Relaxed);
+    HIGH.fetch_max(live, Ordering::Relaxed);
 }
 
+/// Counts `bytes` fewer as live.
 #[inline]
-fn sub(bytes: usize) {
+pub(super) fn sub(bytes: usize) {
     LIVE.fetch_sub(bytes, Ordering::Relaxed);
 }
 
-// SAFETY: every method forwards to `System` with the caller's layout unchanged; the counters are
-// side effects that do not touch the returned memory.
+// SAFETY: every method forwards to `System`, or, for a layout `block_cache::handles` takes (a
+// pure function of the layout once decided), to the block cache's own mappings of the size it
+// gives; the counters are side effects that do not touch the memory.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            ACTIVE.store(true, Ordering::Relaxed);
-            add(layout.size());
-        }
-        p
+        self.allocate(layout, false)
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            ACTIVE.store(true, Ordering::Relaxed);
-            add(layout.size());
-        }
-        p
+        self.allocate(layout, true)
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        sub(layout.size());
+        match block_cache::handles(layout) {
+            Some(size) => block_cache::dealloc(ptr, size, layout.size()),
+            None => {
+                System.dealloc(ptr, layout);
+                sub(layout.size());
+            }
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
+        if block_cache::handles(layout).is_some() || block_cache::handles(new_layout).is_some() {
+            // A block the cache handles moves: new block, copy, free the old one.
+            let p = self.allocate(new_layout, false);
+            if !p.is_null() {
+                std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                self.dealloc(ptr, layout);
+            }
+            return p;
+        }
         let p = System.realloc(ptr, layout, new_size);
         if !p.is_null() {
             if new_size >= layout.size() {
@@ -67,6 +83,31 @@ unsafe impl GlobalAlloc for CountingAlloc {
             } else {
                 sub(layout.size() - new_size);
             }
+        }
+        p
+    }
+}
+
+impl CountingAlloc {
+    /// `alloc` or `alloc_zeroed`, through the block cache where it handles the layout.
+    unsafe fn allocate(&self, layout: Layout, zeroed: bool) -> *mut u8 {
+        let p = match block_cache::handles(layout) {
+            // Counted by the cache, under its lock.
+            Some(size) => block_cache::alloc(size, layout.size(), zeroed),
+            None => {
+                let p = if zeroed {
+                    System.alloc_zeroed(layout)
+                } else {
+                    System.alloc(layout)
+                };
+                if !p.is_null() {
+                    add(layout.size());
+                }
+                p
+            }
+        };
+        if !p.is_null() {
+            ACTIVE.store(true, Ordering::Relaxed);
         }
         p
     }
@@ -80,6 +121,12 @@ pub fn live_bytes() -> usize {
 /// Highest [`live_bytes`] seen since the process started or the last [`reset_peak`].
 pub fn peak_bytes() -> usize {
     PEAK.load(Ordering::Relaxed)
+}
+
+/// Highest [`live_bytes`] since the process started (never reset): what the block cache may
+/// fill up to with the blocks it keeps.
+pub fn highest_bytes() -> usize {
+    HIGH.load(Ordering::Relaxed)
 }
 
 /// Starts a new high-water mark at the current live bytes, so a phase's own peak can be read.

@@ -12,6 +12,7 @@
 //! - [`chart`]: the timeline as a picture (`memory.svg`).
 
 pub mod alloc;
+pub mod block_cache;
 mod book;
 pub mod chart;
 pub mod measure;

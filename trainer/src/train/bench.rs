@@ -17,6 +17,20 @@ pub fn rss_kib(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Minor page faults of the process so far (all threads; /proc/self/stat), 0 where unavailable:
+/// memory first touched (or touched again after the allocator gave it back) costs one each.
+pub fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name (which may hold spaces) start at its closing ')';
+            // minflt is field 10 of the whole line, the 8th after that.
+            let rest = s.rsplit_once(')')?.1;
+            rest.split_whitespace().nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
 /// Resets the resident-set high-water mark (Linux); false where it cannot.
 pub fn reset_hwm() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()

@@ -1,0 +1,153 @@
+//! The counting allocator's large blocks: kept after a free and handed out again (same size,
+//! shrunk, grown), zeroed where asked, their contents carried through a reallocation, and never
+//! more kept than the process's heap peak leaves room for.
+#![cfg(target_os = "linux")]
+
+use std::sync::Mutex;
+
+use ft_trainer::ledger::alloc::{alone, highest_bytes, live_bytes, CountingAlloc};
+use ft_trainer::ledger::block_cache::{kept_bytes, MAPPED_ABOVE};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+/// The cache is process-wide: tests that read it take turns.
+static TURN: Mutex<()> = Mutex::new(());
+
+const MIB: usize = 1 << 20;
+
+fn within_the_peak() {
+    assert!(
+        live_bytes() + kept_bytes() <= highest_bytes(),
+        "live {} + kept {} over the highest live {}",
+        live_bytes(),
+        kept_bytes(),
+        highest_bytes()
+    );
+}
+
+fn switched_off() -> bool {
+    std::env::var_os("FT_ALLOC_CACHE").is_some_and(|v| v == "0")
+}
+
+#[test]
+fn a_freed_block_is_handed_out_again_zeroed_where_asked() {
+    if switched_off() {
+        return;
+    }
+    alone(&TURN, || {
+        // A size no other test here uses, so the blocks chosen are this test's.
+        let n = MAPPED_ABOVE + 40 * MIB;
+        let mut a = vec![7u8; n];
+        a[n - 1] = 9;
+        let addr = a.as_ptr() as usize;
+        drop(a);
+        assert!(kept_bytes() >= n, "the freed block is kept");
+        within_the_peak();
+        // The same size again: the kept block, zeroed (calloc's promise) though it held 7s.
+        let b = vec![0u8; n];
+        assert_eq!(b.as_ptr() as usize, addr, "the kept block is reused");
+        assert!(b.iter().all(|&x| x == 0), "alloc_zeroed gives zeros");
+        within_the_peak();
+        drop(b);
+        // Smaller: the kept block shrunk in place, zeroed.
+        let c = vec![0u8; n - 4 * MIB];
+        assert_eq!(
+            c.as_ptr() as usize,
+            addr,
+            "a larger kept block is shrunk in place"
+        );
+        assert!(c.iter().all(|&x| x == 0));
+        drop(c);
+        // Larger: grown (moved or not), zero throughout, the new part included.
+        let mut d = vec![0u8; n + 16 * MIB];
+        assert!(d.iter().all(|&x| x == 0));
+        d.fill(3);
+        assert!(d.iter().all(|&x| x == 3));
+        within_the_peak();
+    });
+}
+
+#[test]
+fn kept_blocks_are_given_back_to_stay_within_the_peak() {
+    if switched_off() {
+        return;
+    }
+    alone(&TURN, || {
+        let n = MAPPED_ABOVE + MIB;
+        let (a, b) = (vec![1u8; n], vec![2u8; n]);
+        let high = highest_bytes();
+        drop(a);
+        drop(b);
+        within_the_peak();
+        // A block as large as both and more: one kept block grows into it, and the other is
+        // given back so that live + kept stays under the peak (or at the new one).
+        let c = vec![0u8; 2 * n + 8 * MIB];
+        assert!(c.iter().all(|&x| x == 0));
+        within_the_peak();
+        assert!(
+            live_bytes() + kept_bytes() <= high.max(live_bytes()),
+            "no more resident than the peak before, or what is live now"
+        );
+        drop(c);
+        within_the_peak();
+    });
+}
+
+#[test]
+fn a_reallocation_across_the_threshold_keeps_the_contents() {
+    alone(&TURN, || {
+        let n = MAPPED_ABOVE - MIB;
+        let mut v: Vec<u32> = (0..(n / 4) as u32).collect();
+        // Grows past the threshold (into a mapping of the cache's) and back below it.
+        v.extend((n / 4) as u32..(3 * n / 8) as u32);
+        assert!(v.capacity() * 4 > MAPPED_ABOVE);
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32));
+        v.truncate(1024);
+        v.shrink_to_fit();
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32));
+        within_the_peak();
+    });
+}
+
+#[test]
+fn threads_taking_and_freeing_blocks_see_their_own_contents() {
+    alone(&TURN, || {
+        std::thread::scope(|s| {
+            for t in 0..3u8 {
+                s.spawn(move || {
+                    for i in 0..6usize {
+                        let n = MAPPED_ABOVE + (i % 3) * 3 * MIB + t as usize * MIB;
+                        let v = vec![t + 1; n];
+                        assert!(v.iter().all(|&x| x == t + 1));
+                        let z = vec![0u8; n];
+                        assert!(z.iter().all(|&x| x == 0));
+                    }
+                });
+            }
+        });
+        within_the_peak();
+    });
+}
+
+/// `FT_ALLOC_CACHE=0` (read at the first allocation): nothing is kept. Runs this file's tests
+/// again in a child process with the switch off.
+#[test]
+fn the_switch_turns_it_off() {
+    if switched_off() {
+        let v = vec![1u8; MAPPED_ABOVE + MIB];
+        drop(v);
+        assert_eq!(kept_bytes(), 0, "nothing kept with FT_ALLOC_CACHE=0");
+        return;
+    }
+    let out = alone(&TURN, || {
+        std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args(["--exact", "the_switch_turns_it_off", "--test-threads=1"])
+            .env("FT_ALLOC_CACHE", "0")
+            .output()
+            .expect("the child runs")
+    });
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "child failed: {text}");
+    assert!(text.contains("1 passed"), "the child ran the test: {text}");
+}
