@@ -43,7 +43,10 @@ pub struct StepMeasure {
     pub step_s: f64,
     /// Heap peak above the level after the warm-up (needs [`crate::ledger::alloc::CountingAlloc`]).
     pub alloc_peak: u64,
-    /// Resident-set peak above the level after the warm-up, where it can be reset.
+    /// Resident-set peak above the level after the warm-up, where it can be reset. The counting
+    /// allocator keeps what the warm-up mapped ([`crate::ledger::block_cache`]) where PyTorch's
+    /// glibc gives much of it back, so beside PyTorch's this is not like for like:
+    /// [`StepMeasure::rss_from_start`] is.
     pub rss_peak: Option<u64>,
     /// Resident-set peak above the level before the warm-up, the warm-up step included: what
     /// the steps need, with what the process keeps between steps counted (the post-warm-up
