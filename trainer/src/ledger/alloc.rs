@@ -67,24 +67,35 @@ unsafe impl GlobalAlloc for CountingAlloc {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
-        if block_cache::handles(layout).is_some() || block_cache::handles(new_layout).is_some() {
-            // A block the cache handles moves: new block, copy, free the old one.
-            let p = self.allocate(new_layout, false);
-            if !p.is_null() {
-                std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
-                self.dealloc(ptr, layout);
+        match (
+            block_cache::handles(layout),
+            block_cache::handles(new_layout),
+        ) {
+            (None, None) => {
+                let p = System.realloc(ptr, layout, new_size);
+                if !p.is_null() {
+                    if new_size >= layout.size() {
+                        add(new_size - layout.size());
+                        block_cache::keep_under_peak();
+                    } else {
+                        sub(layout.size() - new_size);
+                    }
+                }
+                p
             }
-            return p;
-        }
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                add(new_size - layout.size());
-            } else {
-                sub(layout.size() - new_size);
+            (Some(old), Some(new)) => {
+                block_cache::realloc(ptr, (old, layout.size()), (new, new_size))
+            }
+            // Across the threshold: a new block, the contents copied, the old one freed.
+            _ => {
+                let p = self.allocate(new_layout, false);
+                if !p.is_null() {
+                    std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                    self.dealloc(ptr, layout);
+                }
+                p
             }
         }
-        p
     }
 }
 
@@ -102,6 +113,7 @@ impl CountingAlloc {
                 };
                 if !p.is_null() {
                     add(layout.size());
+                    block_cache::keep_under_peak();
                 }
                 p
             }

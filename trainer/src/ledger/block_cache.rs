@@ -21,7 +21,9 @@
 //! The bound, so that resident memory does not grow: a block is kept only while the bytes live
 //! plus the bytes kept stay at or under the highest live bytes the process has reached (its
 //! exact heap peak so far, memory it has had resident already); a request first gives back kept
-//! blocks, oldest first, until the new block fits under that mark too.
+//! blocks, oldest first, until the new block fits under that mark too, and so does a request
+//! glibc serves that takes live + kept over it. glibc's own free heap is outside the bound (with
+//! trimming off it keeps what it has held).
 //!
 //! The live-byte count is unchanged: a kept block is not live. `FT_ALLOC_CACHE=0` turns both
 //! parts off, for before-and-after measurements; the switch is read once, at the first
@@ -36,30 +38,37 @@ pub const MAPPED_ABOVE: usize = 32 << 20;
 /// Mappings are page-aligned; a request aligned beyond that goes to the system allocator.
 const PAGE: usize = 4096;
 
-/// 0: not decided, 1: deciding (this thread reads the switch), 2: on, 3: off.
+/// 0: not decided, 1: deciding (one thread reads the switch), 2: on, 3: off.
 static STATE: AtomicU8 = AtomicU8::new(0);
 
-/// Whether the cache is on; the first call reads `FT_ALLOC_CACHE` and tunes glibc. Reading the
-/// variable allocates small strings, which come back here and see "deciding" (off) meanwhile.
-pub(super) fn enabled() -> bool {
-    match STATE.load(Ordering::Relaxed) {
-        2 => true,
-        0 => {
-            if STATE
-                .compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-            {
-                return false;
+/// Whether the cache is on; the first call (the process's first allocation) reads
+/// `FT_ALLOC_CACHE` and tunes glibc. Reading the variable allocates small strings, which come
+/// back here and see "deciding" (off, and small blocks are the system's either way). A large
+/// request from another thread meanwhile (`wait`) waits for the answer, so that a block is
+/// freed by whoever allocated it.
+pub(super) fn enabled(wait: bool) -> bool {
+    loop {
+        match STATE.load(Ordering::Acquire) {
+            2 => return true,
+            3 => return false,
+            1 if !wait => return false,
+            1 => std::hint::spin_loop(),
+            _ => {
+                if STATE
+                    .compare_exchange(0, 1, Ordering::Acquire, Ordering::Acquire)
+                    .is_err()
+                {
+                    continue;
+                }
+                let on = cfg!(target_os = "linux")
+                    && std::env::var_os("FT_ALLOC_CACHE").is_none_or(|v| v != "0");
+                if on {
+                    tune_malloc();
+                }
+                STATE.store(if on { 2 } else { 3 }, Ordering::Release);
+                return on;
             }
-            let on = cfg!(target_os = "linux")
-                && std::env::var_os("FT_ALLOC_CACHE").is_none_or(|v| v != "0");
-            if on {
-                tune_malloc();
-            }
-            STATE.store(if on { 2 } else { 3 }, Ordering::Relaxed);
-            on
         }
-        _ => false,
     }
 }
 
@@ -76,11 +85,11 @@ fn tune_malloc() {
 }
 
 /// The page-rounded size of a block this module serves, or `None` for one the system allocator
-/// serves. Decided from the layout alone, so that a block is freed by whoever allocated it: the
-/// switch is decided at the process's first allocation, made before `main` while the process
-/// has one thread (reading it allocates only small strings).
+/// serves. Decided from the layout alone (once the switch is), so that a block is freed by
+/// whoever allocated it.
 pub(super) fn handles(layout: Layout) -> Option<usize> {
-    if !enabled() || layout.size() <= MAPPED_ABOVE || layout.align() > PAGE {
+    let large = layout.size() > MAPPED_ABOVE && layout.align() <= PAGE;
+    if !enabled(large) || !large {
         return None;
     }
     layout.size().checked_add(PAGE - 1).map(|s| s / PAGE * PAGE)
@@ -91,7 +100,7 @@ mod mapped;
 #[cfg(target_os = "linux")]
 pub use mapped::kept_bytes;
 #[cfg(target_os = "linux")]
-pub(super) use mapped::{alloc, dealloc};
+pub(super) use mapped::{alloc, dealloc, keep_under_peak, realloc};
 
 /// Elsewhere [`handles`] serves nothing.
 #[cfg(not(target_os = "linux"))]
@@ -100,6 +109,14 @@ mod unmapped {
         std::ptr::null_mut()
     }
     pub(in crate::ledger) unsafe fn dealloc(_: *mut u8, _: usize, _: usize) {}
+    pub(in crate::ledger) unsafe fn realloc(
+        _: *mut u8,
+        _: (usize, usize),
+        _: (usize, usize),
+    ) -> *mut u8 {
+        std::ptr::null_mut()
+    }
+    pub(in crate::ledger) fn keep_under_peak() {}
     /// Bytes kept: none.
     pub fn kept_bytes() -> usize {
         0
@@ -108,4 +125,4 @@ mod unmapped {
 #[cfg(not(target_os = "linux"))]
 pub use unmapped::kept_bytes;
 #[cfg(not(target_os = "linux"))]
-pub(super) use unmapped::{alloc, dealloc};
+pub(super) use unmapped::{alloc, dealloc, keep_under_peak, realloc};

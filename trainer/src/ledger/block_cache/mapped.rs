@@ -1,6 +1,11 @@
 //! The large blocks' own mappings: kept after a free, resized with `mremap` for a new size.
+//!
+//! Every change to the kept blocks and the live count happens under one lock, the system calls
+//! included (they allocate nothing), so another thread sees both or neither; a request's count
+//! is added only once its memory is there.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use crate::ledger::alloc::{add, highest_bytes, live_bytes, sub};
 
@@ -12,17 +17,18 @@ struct Kept {
     size: [usize; SLOTS],
     addr: [usize; SLOTS],
     len: usize,
-    bytes: usize,
 }
 
 static KEPT: Mutex<Kept> = Mutex::new(Kept {
     size: [0; SLOTS],
     addr: [0; SLOTS],
     len: 0,
-    bytes: 0,
 });
 
-fn lock() -> std::sync::MutexGuard<'static, Kept> {
+/// The kept blocks' bytes, readable without the lock (changed only under it).
+static KEPT_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+fn lock() -> MutexGuard<'static, Kept> {
     // Nothing panics while the lock is held, so a poisoned lock still holds consistent slots.
     KEPT.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -48,14 +54,29 @@ unsafe fn unmap(addr: usize, size: usize) {
     libc::munmap(addr as *mut libc::c_void, size);
 }
 
+/// The mapping at `addr` of `old` bytes as `new` bytes (moved where it must be; the contents
+/// up to the smaller size kept, pages past `old` zero), or null with the old mapping intact.
+unsafe fn resize(addr: usize, old: usize, new: usize) -> *mut u8 {
+    let p = libc::mremap(addr as *mut libc::c_void, old, new, libc::MREMAP_MAYMOVE);
+    if p == libc::MAP_FAILED {
+        std::ptr::null_mut()
+    } else {
+        p.cast()
+    }
+}
+
 impl Kept {
+    fn bytes(&self) -> usize {
+        KEPT_BYTES.load(Ordering::Relaxed)
+    }
+
     /// Removes slot `i`, keeping the order.
     fn remove(&mut self, i: usize) -> (usize, usize) {
         let out = (self.size[i], self.addr[i]);
         self.size.copy_within(i + 1..self.len, i);
         self.addr.copy_within(i + 1..self.len, i);
         self.len -= 1;
-        self.bytes -= out.0;
+        KEPT_BYTES.fetch_sub(out.0, Ordering::Relaxed);
         out
     }
 
@@ -64,7 +85,7 @@ impl Kept {
         self.size[n] = size;
         self.addr[n] = addr;
         self.len += 1;
-        self.bytes += size;
+        KEPT_BYTES.fetch_add(size, Ordering::Relaxed);
     }
 
     /// Unmaps the oldest kept block.
@@ -76,7 +97,7 @@ impl Kept {
 
     /// Unmaps kept blocks, oldest first, until `live + kept + extra <= high` or none is kept.
     fn fit(&mut self, live: usize, extra: usize, high: usize) {
-        while self.len > 0 && live + self.bytes + extra > high {
+        while self.len > 0 && live + self.bytes() + extra > high {
             self.evict_oldest();
         }
     }
@@ -93,9 +114,8 @@ impl Kept {
 }
 
 /// A block of `size` (page-rounded) bytes for a request of `bytes`, counted live: a kept one,
-/// resized where it must be, or a new mapping, after giving back what the bound needs. Under
-/// the lock the live count and the kept blocks change together, so that another thread's
-/// request sees both or neither. `zeroed`: the caller gets zeros.
+/// resized where it must be, or a new mapping, after giving back what the bound needs.
+/// `zeroed`: the caller gets zeros.
 ///
 /// # Safety
 /// `size` is what [`super::handles`] returned for a layout of `bytes`.
@@ -106,32 +126,26 @@ pub(in crate::ledger) unsafe fn alloc(size: usize, bytes: usize, zeroed: bool) -
     // Room for the new block (a grown or new one adds resident bytes) under the peak, or under
     // what is live with it where that is a new peak.
     kept.fit(live, size, high.max(live + size));
-    add(bytes);
-    drop(kept);
-    let p = match chosen {
-        None => map(size),
-        Some((old, addr)) if old == size => {
-            if zeroed {
-                std::ptr::write_bytes(addr as *mut u8, 0, size);
-            }
-            addr as *mut u8
-        }
+    // The block and how much of it may hold old contents.
+    let (p, used) = match chosen {
+        None => (map(size), 0),
+        Some((old, addr)) if old == size => (addr as *mut u8, size),
         Some((old, addr)) => {
-            let p = libc::mremap(addr as *mut libc::c_void, old, size, libc::MREMAP_MAYMOVE);
-            if p == libc::MAP_FAILED {
+            let p = resize(addr, old, size);
+            if p.is_null() {
                 unmap(addr, old);
-                map(size)
+                (map(size), 0)
             } else {
-                if zeroed {
-                    // Pages past `old` are new zero pages.
-                    std::ptr::write_bytes(p.cast::<u8>(), 0, old.min(size));
-                }
-                p.cast()
+                (p, old.min(size))
             }
         }
     };
-    if p.is_null() {
-        sub(bytes);
+    if !p.is_null() {
+        add(bytes);
+    }
+    drop(kept);
+    if zeroed && !p.is_null() {
+        std::ptr::write_bytes(p, 0, used);
     }
     p
 }
@@ -140,24 +154,70 @@ pub(in crate::ledger) unsafe fn alloc(size: usize, bytes: usize, zeroed: bool) -
 /// bound needs it, and counts it no longer live.
 ///
 /// # Safety
-/// `ptr` came from [`alloc`] with `size` and `bytes`, and the caller no longer uses it.
+/// `ptr` came from [`alloc`] or [`realloc`] with `size` and `bytes`, and the caller no longer
+/// uses it.
 pub(in crate::ledger) unsafe fn dealloc(ptr: *mut u8, size: usize, bytes: usize) {
     let mut kept = lock();
     sub(bytes);
     let (live, high) = (live_bytes(), highest_bytes());
+    if live + size > high {
+        // It cannot be kept under the peak whatever else is given back.
+        unmap(ptr as usize, size);
+        return;
+    }
     if kept.len == SLOTS {
         kept.evict_oldest();
     }
     kept.fit(live, size, high);
-    if live + kept.bytes + size > high {
-        drop(kept);
-        unmap(ptr as usize, size);
+    kept.push(size, ptr as usize);
+}
+
+/// A block of `old` bytes (a request of `old_bytes`) as one of `new` bytes (a request of
+/// `new_bytes`), both sizes this module serves: resized in place or moved by `mremap`, the
+/// contents kept, counted as the new request only (as glibc's `realloc` would be). Null with
+/// the old block intact where it cannot.
+///
+/// # Safety
+/// `ptr` came from [`alloc`] or [`realloc`] with `old` and `old_bytes`; `new` is what
+/// [`super::handles`] returned for a layout of `new_bytes`.
+pub(in crate::ledger) unsafe fn realloc(
+    ptr: *mut u8,
+    (old, old_bytes): (usize, usize),
+    (new, new_bytes): (usize, usize),
+) -> *mut u8 {
+    let mut kept = lock();
+    let live = live_bytes() - old_bytes;
+    kept.fit(live, new, highest_bytes().max(live + new));
+    let p = if new == old {
+        ptr
+    } else {
+        resize(ptr as usize, old, new)
+    };
+    if !p.is_null() {
+        sub(old_bytes);
+        add(new_bytes);
+    }
+    p
+}
+
+/// Gives kept blocks back, oldest first, while live + kept bytes are over the highest live
+/// bytes: a request served elsewhere (glibc's heap) can raise the live count past what the
+/// kept blocks left room for. Skipped when another thread holds the lock (its own request
+/// applies the bound).
+pub(in crate::ledger) fn keep_under_peak() {
+    let kept = KEPT_BYTES.load(Ordering::Relaxed);
+    if kept == 0 || live_bytes() + kept <= highest_bytes() {
         return;
     }
-    kept.push(size, ptr as usize);
+    let mut kept = match KEPT.try_lock() {
+        Ok(kept) => kept,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => return,
+    };
+    kept.fit(live_bytes(), 0, highest_bytes());
 }
 
 /// Bytes kept: freed by the program, not yet given back to the system.
 pub fn kept_bytes() -> usize {
-    lock().bytes
+    KEPT_BYTES.load(Ordering::Relaxed)
 }
