@@ -168,8 +168,50 @@ fn threads_taking_and_freeing_blocks_see_their_own_contents() {
     });
 }
 
-/// `FT_ALLOC_CACHE=0` (read at the first allocation): nothing is kept. Runs this file's tests
-/// again in a child process with the switch off.
+/// Run in a fresh child process by the test below: prints how many of five 20 MiB blocks,
+/// held together (more than the heap's 64 MiB top pad, so the heap must grow), glibc put in
+/// mappings of its own (`mallinfo2`'s mapped bytes) rather than in its heap.
+#[cfg(target_env = "gnu")]
+#[test]
+#[ignore = "a probe that glibc_serves_blocks_up_to_32_mib_from_its_heap runs in a child"]
+fn probe_20_mib_blocks() {
+    // SAFETY: reads allocator statistics.
+    let mapped = || unsafe { libc::mallinfo2() }.hblkhd;
+    let before = mapped();
+    let blocks: Vec<Vec<u8>> = (0..5).map(|_| vec![1u8; 20 * MIB]).collect();
+    println!("MAPPED={}", (mapped() - before) / (20 * MIB));
+    drop(blocks);
+}
+
+/// With the switch on (`mallopt` at the first allocation), a fresh process's 20 MiB blocks come
+/// from glibc's heap; with it off, glibc maps each
+/// (its threshold starts at 128 KiB). In child processes, so that no earlier free has moved
+/// glibc's own threshold.
+#[cfg(target_env = "gnu")]
+#[test]
+fn glibc_serves_blocks_up_to_32_mib_from_its_heap() {
+    let probe = |switch: &str| {
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args(["--ignored", "--exact", "probe_20_mib_blocks", "--nocapture"])
+            .arg("--test-threads=1")
+            .env("FT_ALLOC_CACHE", switch)
+            .output()
+            .expect("the child runs");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "child failed: {text}");
+        text
+    };
+    assert!(
+        probe("1").contains("MAPPED=0\n"),
+        "tuned glibc: all from the heap"
+    );
+    assert!(
+        probe("0").contains("MAPPED=5\n"),
+        "glibc as it is: a mapping each"
+    );
+}
+
+/// `FT_ALLOC_CACHE=0` (read at the first allocation): nothing kept. Runs this test again in a child process with the switch off.
 #[test]
 fn the_switch_turns_it_off() {
     if switched_off() {
