@@ -8,15 +8,17 @@
 //! - [`train`]: the loop, the shared flags and config, the plan, schedules, EMA, data order.
 //! - [`score`]: distribution metrics of generated samples (KID, CMMD), from host features.
 //! - [`fault`]: failures made on purpose (`FT_FAULT`), for the tests of what one leaves behind.
+//! - [`scratch`]: temporary paths removed when dropped, for tests, benches and examples.
 //!
 //! Modules depend downwards only: `train` on `update`, `optim` and `ledger`; `update` on
-//! `optim` and `ledger`; `optim`, `ledger`, `score` and `fault` on nothing here.
+//! `optim` and `ledger`; `optim`, `ledger`, `score`, `fault` and `scratch` on nothing here.
 
 pub mod error;
 pub mod fault;
 pub mod ledger;
 pub mod optim;
 pub mod score;
+pub mod scratch;
 pub mod train;
 pub mod update;
 

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use ft_trainer::scratch::Scratch;
 use serde::{Deserialize, Serialize};
 
 #[derive(Parser, Serialize, Deserialize, Debug, PartialEq)]
@@ -23,8 +24,8 @@ fn parse(args: &[&str]) -> ft_trainer::Result<Args> {
     ft_trainer::train::config::parse_from(args.iter().copied(), |a: &Args| a.config.clone())
 }
 
-fn write(name: &str, text: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("ftcfg-{}-{name}", std::process::id()));
+fn write(name: &str, text: &str) -> Scratch {
+    let p = Scratch::new(&format!("ftcfg-{name}"));
     std::fs::write(&p, text).expect("write config");
     p
 }

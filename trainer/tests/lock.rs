@@ -4,12 +4,11 @@
 use std::time::Duration;
 
 use clap::Parser;
+use ft_trainer::scratch::Scratch;
 use ft_trainer::train::{CommonArgs, FolderLock, SessionBuilder};
 
-fn tmp(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("ft-lock-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("ft-lock-{tag}"))
 }
 
 #[derive(Parser)]
@@ -94,7 +93,7 @@ fn a_killed_run_leaves_no_stale_lock() -> anyhow::Result<()> {
 fn a_shared_folder_lock_waits_for_its_holder() -> anyhow::Result<()> {
     let dir = tmp("shared");
     let first = FolderLock::wait(&dir, ".cache.lock", "testing")?;
-    let d = dir.clone();
+    let d = dir.path_buf();
     let waiter =
         std::thread::spawn(move || FolderLock::wait(&d, ".cache.lock", "testing").map(|_| ()));
     std::thread::sleep(Duration::from_millis(200));

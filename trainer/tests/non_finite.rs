@@ -10,13 +10,12 @@ use ft_params::checkpoint::{Checkpointer, SegmentFn};
 use ft_params::weights::SafetensorsFiles;
 use ft_params::Init;
 use ft_trainer::optim::{AdamW, AdamWConfig, Optimizer, Sgd};
+use ft_trainer::scratch::Scratch;
 use ft_trainer::train::{CommonArgs, SessionBuilder};
 use ft_trainer::update::{GradAccumulator, MixedOptimizer, Precision, StatePlacement};
 
-fn tmp(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("ft-nonfinite-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("ft-nonfinite-{tag}"))
 }
 
 fn adamw(n: usize) -> Box<dyn Optimizer> {

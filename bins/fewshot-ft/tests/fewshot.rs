@@ -1,7 +1,7 @@
 //! fewshot-ft end to end on CPU: the demo learns far above chance (an untrained model does not),
 //! episode accumulation equals one big step, and bad data gets one clear error.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Var};
 use clap::Parser;
@@ -9,6 +9,7 @@ use fewshot_ft::cli::Args;
 use fewshot_ft::data::{sample_episode, EpisodeShape, ImageConfig, SplitPlan, Splits};
 use fewshot_ft::run::{setup, Outcome};
 use ft_params::checkpoint::Checkpointer;
+use ft_trainer::scratch::Scratch;
 use ft_trainer::update::{GradAccumulator, LossNorm};
 
 /// A run's outcome (one process: rank 0's).
@@ -16,10 +17,8 @@ fn run(args: &Args) -> anyhow::Result<Outcome> {
     fewshot_ft::run::run(args)?.ok_or_else(|| anyhow::anyhow!("a single process reports"))
 }
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fewshot-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("fewshot-{tag}"))
 }
 
 /// The demo's settings (configs/fewshot_demo.toml) with fewer episodes, for test time.
@@ -120,7 +119,6 @@ fn demo_learns_far_above_chance_and_an_untrained_model_does_not() -> anyhow::Res
         started.test.mean,
         trained.test.mean
     );
-    std::fs::remove_dir_all(&out).ok();
     Ok(())
 }
 
@@ -142,7 +140,6 @@ fn trained_weights(extra: &[&str]) -> anyhow::Result<(Weights, Weights)> {
     let before = read(&s)?;
     s.train()?;
     let after = read(&s)?;
-    std::fs::remove_dir_all(&out).ok();
     Ok((before, after))
 }
 
@@ -202,7 +199,8 @@ fn a_model_without_weights_is_refused() {
 
 #[test]
 fn accumulating_episodes_equals_one_big_step() -> anyhow::Result<()> {
-    let s = setup(&demo(&tmp("accum"), &["--method", "fsct_softmax"]))?;
+    let out = tmp("accum");
+    let s = setup(&demo(&out, &["--method", "fsct_softmax"]))?;
     let params: Vec<Var> = s.optimizer.params().to_vec();
     let shape = EpisodeShape {
         n_way: 5,
@@ -410,8 +408,6 @@ fn datasets_load_and_bad_data_names_the_file_or_class() -> anyhow::Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(e.contains("synthetic-000") && e.contains("4 images"), "{e}");
-    std::fs::remove_dir_all(&root).ok();
-    std::fs::remove_dir_all(&mini).ok();
     Ok(())
 }
 

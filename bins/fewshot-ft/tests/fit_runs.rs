@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use fewshot_ft::cli::Args;
+use ft_trainer::scratch::Scratch;
 use ft_trainer::train::fit_check::{FitRun, Shape};
 
 const BIN: &str = env!("CARGO_BIN_EXE_fewshot-ft");
@@ -32,8 +33,7 @@ fn shape(label: &str, flags: &[&str], fractions: &[f64]) -> Shape {
 
 #[test]
 fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
-    let out = std::env::temp_dir().join(format!("fewshot-fit-runs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
+    let out = Scratch::new("fewshot-fit-runs");
     let shapes = [
         // Conv4 keeps most of its activations in its first block, whose rebuild (with its
         // backward's temporaries) costs more than checkpointing the rest saves: a budget just
@@ -60,6 +60,5 @@ fn episode_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
     ];
     let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, fewshot_ft::run::plan)?;
     FitRun::table(&rows, HIGH, LOW).map_err(anyhow::Error::msg)?;
-    std::fs::remove_dir_all(&out).ok();
     Ok(())
 }

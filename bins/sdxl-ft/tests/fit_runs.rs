@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use ft_trainer::scratch::Scratch;
 use ft_trainer::train::fit_check::{FitRun, Shape};
 use sdxl_ft::cli::Args;
 
@@ -37,8 +38,7 @@ fn shape(label: &str, flags: &[&str], fractions: &[f64]) -> Shape {
 
 #[test]
 fn unet_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
-    let out = std::env::temp_dir().join(format!("sdxl-fit-runs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
+    let out = Scratch::new("sdxl-fit-runs");
     let shapes = [
         shape("UNet 32 px, 4 x 2", &[], &[1.3, 0.8, 0.6]),
         shape("UNet 64 px, 4 x 2", &["--res", "64"], &[1.3, 0.7, 0.45]),
@@ -50,6 +50,5 @@ fn unet_runs_keep_their_budget_and_their_plan() -> anyhow::Result<()> {
     ];
     let rows = FitRun::matrix::<Args, _>(Path::new(BIN), &shapes, &out, sdxl_ft::run::plan)?;
     FitRun::table(&rows, HIGH, LOW).map_err(anyhow::Error::msg)?;
-    std::fs::remove_dir_all(&out).ok();
     Ok(())
 }

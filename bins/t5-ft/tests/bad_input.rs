@@ -4,13 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use ft_trainer::scratch::Scratch;
 use t5_ft::cli::Args;
 use t5_ft::run::setup;
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("t5-bad-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("t5-bad-{tag}"))
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {

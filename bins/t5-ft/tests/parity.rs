@@ -9,6 +9,7 @@ use clap::Parser;
 use ft_models::dropout::DropoutCtx;
 use ft_params::checkpoint::Checkpointer;
 use ft_params::weights::SafetensorsFiles;
+use ft_trainer::scratch::Scratch;
 use t5_ft::cli::Args;
 use t5_ft::run::setup;
 
@@ -59,10 +60,8 @@ fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
     Ok(diff / scale)
 }
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("t5-parity-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("t5-parity-{tag}"))
 }
 
 fn check_forward_and_grads(variant: &str) -> anyhow::Result<()> {

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use ft_trainer::scratch::Scratch;
 use ft_trainer::train;
 use ft_trainer::train::Binary;
 use t5_ft::cli::Args;
@@ -85,6 +86,7 @@ fn demo_loss_falls_and_a_hugging_face_checkpoint_is_written() -> anyhow::Result<
 
     // The saved model loads back as the model source and gives the same evaluation.
     let data = out.join("demo-data");
+    let reload = tmp("demo-reload");
     let again = setup(&Args::parse_from([
         "t5-ft",
         "--model",
@@ -100,7 +102,7 @@ fn demo_loss_falls_and_a_hugging_face_checkpoint_is_written() -> anyhow::Result<
         "--max-new-tokens",
         "8",
         "--output-dir",
-        &tmp("demo-reload").display().to_string(),
+        &reload.display().to_string(),
     ]))?;
     let reloaded = again.task.evaluate_now()?;
     let loss = |m: &[(String, f64)]| {
@@ -114,7 +116,6 @@ fn demo_loss_falls_and_a_hugging_face_checkpoint_is_written() -> anyhow::Result<
         "{reloaded:?} vs {:?}",
         s.last_eval
     );
-    std::fs::remove_dir_all(&out).ok();
     Ok(())
 }
 
@@ -413,7 +414,7 @@ fn fused_backward_equals_backward_then_step() -> anyhow::Result<()> {
 }
 
 /// A folder holding FLAN-T5-XL's `config.json` (what `--plan` reads of `google/flan-t5-xl`).
-fn flan_t5_xl_config(tag: &str) -> anyhow::Result<PathBuf> {
+fn flan_t5_xl_config(tag: &str) -> anyhow::Result<Scratch> {
     let dir = tmp(tag);
     std::fs::create_dir_all(&dir)?;
     std::fs::write(

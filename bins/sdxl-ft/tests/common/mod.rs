@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use ft_params::weights::SafetensorsFiles;
+use ft_trainer::scratch::Scratch;
 use sdxl_ft::cli::Args;
-pub fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sdxl-ft-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+
+/// A scratch path for `name`, absent at first and removed when dropped.
+pub fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("sdxl-ft-{name}"))
 }
 
 pub fn args(out: &Path, extra: &[&str]) -> anyhow::Result<Args> {

@@ -2,13 +2,12 @@
 
 #![allow(dead_code)]
 
+use ft_trainer::scratch::Scratch;
 use std::path::{Path, PathBuf};
 
-/// A fresh scratch folder for `tag` (removed if a previous run left it).
-pub fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("t5-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A scratch path for `tag`, absent at first and removed when dropped.
+pub fn tmp(tag: &str) -> Scratch {
+    Scratch::new(&format!("t5-train-{tag}"))
 }
 
 /// 40 examples of 600 + 200 digits in `dir/long.jsonl`: 512 + 128 tokens after the demo
