@@ -19,7 +19,8 @@ import sys
 # (name, a substring of a frame), first match wins: the op's own passes before the matrix
 # products they call, candle's backward after ours.
 CATEGORIES = [
-    ("convolution columns and fold", "conv::geometry"),
+    ("convolution: the input gradient's fold", "fold_image"),
+    ("convolution columns (the unfolding)", "conv::geometry"),
     ("convolution: output gradient side by side", "side_by_side"),
     ("matrix products (gemm)", "gemm_f32"),
     ("matrix products (gemm)", "gemm_common"),

@@ -8,7 +8,7 @@
 //! - [`train`]: the loop, the shared flags and config, the plan, schedules, EMA, data order.
 //! - [`score`]: distribution metrics of generated samples (KID, CMMD), from host features.
 //! - [`fault`]: failures made on purpose (`FT_FAULT`), for the tests of what one leaves behind.
-//! - [`scratch`]: temporary paths removed when dropped, for tests, benches and examples.
+//! - [`scratch`]: temporary paths removed when dropped, for tests.
 //!
 //! Modules depend downwards only: `train` on `update`, `optim` and `ledger`; `update` on
 //! `optim` and `ledger`; `optim`, `ledger`, `score`, `fault` and `scratch` on nothing here.

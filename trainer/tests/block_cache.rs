@@ -32,12 +32,16 @@ fn switched_off() -> bool {
     std::env::var_os("FT_ALLOC_CACHE").is_some_and(|v| v == "0")
 }
 
+/// `f` in its turn, where the cache is on (a run with `FT_ALLOC_CACHE=0` skips it).
+fn with_the_cache(f: impl FnOnce() + Send) {
+    if !switched_off() {
+        alone(&TURN, f);
+    }
+}
+
 #[test]
 fn a_freed_block_is_handed_out_again_zeroed_where_asked() {
-    if switched_off() {
-        return;
-    }
-    alone(&TURN, || {
+    with_the_cache(|| {
         // A size no other test here uses, so the blocks chosen are this test's.
         let n = MAPPED_ABOVE + 40 * MIB;
         let mut a = vec![7u8; n];
@@ -72,10 +76,7 @@ fn a_freed_block_is_handed_out_again_zeroed_where_asked() {
 
 #[test]
 fn kept_blocks_are_given_back_to_stay_within_the_peak() {
-    if switched_off() {
-        return;
-    }
-    alone(&TURN, || {
+    with_the_cache(|| {
         let n = MAPPED_ABOVE + MIB;
         let (a, b) = (vec![1u8; n], vec![2u8; n]);
         let high = highest_bytes();
@@ -98,10 +99,7 @@ fn kept_blocks_are_given_back_to_stay_within_the_peak() {
 
 #[test]
 fn blocks_the_heap_serves_give_kept_blocks_back_too() {
-    if switched_off() {
-        return;
-    }
-    alone(&TURN, || {
+    with_the_cache(|| {
         let n = MAPPED_ABOVE + 3 * MIB;
         let big = [vec![1u8; n], vec![2u8; n]];
         drop(big);
@@ -184,9 +182,8 @@ fn probe_20_mib_blocks() {
 }
 
 /// With the switch on (`mallopt` at the first allocation), a fresh process's 20 MiB blocks come
-/// from glibc's heap; with it off, glibc maps each
-/// (its threshold starts at 128 KiB). In child processes, so that no earlier free has moved
-/// glibc's own threshold.
+/// from glibc's heap; with it off, glibc maps each (its threshold starts at 128 KiB). In child
+/// processes, so that no earlier free has moved glibc's own threshold.
 #[cfg(target_env = "gnu")]
 #[test]
 fn glibc_serves_blocks_up_to_32_mib_from_its_heap() {
@@ -211,7 +208,8 @@ fn glibc_serves_blocks_up_to_32_mib_from_its_heap() {
     );
 }
 
-/// `FT_ALLOC_CACHE=0` (read at the first allocation): nothing kept. Runs this test again in a child process with the switch off.
+/// `FT_ALLOC_CACHE=0` (read at the first allocation): nothing kept. Runs this test again in a
+/// child process with the switch off.
 #[test]
 fn the_switch_turns_it_off() {
     if switched_off() {
