@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
-use cudarc::nccl::safe::{Comm as NcclComm, Id, ReduceOp};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::nccl::safe::{Comm as NcclComm, Id, NcclType, ReduceOp};
 
 use crate::comm::Comm;
 use crate::error::{DistError, Result};
@@ -88,8 +88,13 @@ impl Nccl {
     }
 
     /// Rank `root`'s `buf` in every rank's: ZeRO's updated weights, from the rank that stepped
-    /// them.
-    pub fn broadcast(&self, buf: &mut CudaSlice<f32>, root: usize) -> Result<()> {
+    /// them, in the model's dtype (f32, bf16 or f16: `half`'s types are NCCL's too), into the
+    /// weights' own buffer, which may be a view of a larger one.
+    pub fn broadcast<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        root: usize,
+    ) -> Result<()> {
         self.check_root("broadcast", root)?;
         self.comm
             .broadcast_in_place(buf, root as i32)

@@ -32,7 +32,6 @@ pub use adamw::{AdamW, AdamWConfig};
 pub use rules::{hf_trainer_no_decay, WriteRules};
 pub use sgd::Sgd;
 pub use spec::{OptimSettings, OptimSpec};
-pub(crate) use write::write_master;
 
 use candle_core::{Tensor, Var};
 

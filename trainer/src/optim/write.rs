@@ -55,7 +55,7 @@ pub(crate) fn write_back(params: &[Var], model: &[Var], grads: &[Option<Tensor>]
 
 /// Writes the master `p` (fp32 values) into the model weight `m` it shadows (see
 /// [`write_back`]).
-pub(crate) fn write_master(p: &Tensor, m: &Var) -> Result<()> {
+fn write_master(p: &Tensor, m: &Var) -> Result<()> {
     let w = match ft_kernels::host::narrowed(p, m.dtype()) {
         Some(w) => w?,
         None => p.to_dtype(m.dtype())?,

@@ -164,13 +164,7 @@ impl MixedOptimizer {
             // The owners' updates to every rank; the skipped tensors counted over the owners,
             // so that every rank reports (and guards against) what one process would.
             z.set_present(summed);
-            let model = (!self.masters.is_empty()).then_some(&self.model[..]);
-            let weights = if self.masters.is_empty() {
-                &self.model
-            } else {
-                &self.masters
-            };
-            z.share_updates(weights, model)?;
+            z.share_updates(&self.model)?;
             let mut count = [non_finite as u64, stepped as u64];
             comm()?.all_reduce_sum(&mut count)?;
             non_finite = count[0] as usize;

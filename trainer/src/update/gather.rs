@@ -154,9 +154,81 @@ pub(crate) fn from_wire(
     Ok(Tensor::from_slice(values, dims, device)?.to_dtype(dtype)?)
 }
 
+/// `t`'s values appended to `out` as the bytes of its own dtype (native order): ZeRO's updated
+/// weights, which travel as the model holds them, bf16 in two bytes a value. [`from_bytes`]
+/// reads them back bit for bit.
+pub(crate) fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
+    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
+    match t.dtype() {
+        DType::F32 => extend(out, t.to_vec1::<f32>()?, f32::to_ne_bytes),
+        DType::F64 => extend(out, t.to_vec1::<f64>()?, f64::to_ne_bytes),
+        DType::BF16 => extend(out, t.to_vec1::<half::bf16>()?, |v| {
+            v.to_bits().to_ne_bytes()
+        }),
+        DType::F16 => extend(out, t.to_vec1::<half::f16>()?, |v| {
+            v.to_bits().to_ne_bytes()
+        }),
+        DType::U8 => out.extend(t.to_vec1::<u8>()?),
+        other => {
+            return Err(Error::Invalid(format!(
+                "a {other:?} weight cannot travel between ranks"
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn extend<T, const N: usize>(out: &mut Vec<u8>, values: Vec<T>, bytes: impl Fn(T) -> [u8; N]) {
+    out.reserve(values.len() * N);
+    for v in values {
+        out.extend_from_slice(&bytes(v));
+    }
+}
+
+/// What [`append_bytes`] wrote of one tensor, back as a tensor of `dtype` and `dims` on
+/// `device`.
+pub(crate) fn from_bytes(
+    bytes: &[u8],
+    dtype: DType,
+    dims: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    Ok(Tensor::from_raw_buffer(bytes, dtype, dims, &Device::Cpu)?.to_device(device)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weights_travel_in_their_own_dtype_bit_for_bit() -> Result<()> {
+        let t = Tensor::new(&[1.5f32, -3.25e-5, 7e30, f32::NAN, -0.0], &Device::Cpu)?;
+        let bits = |x: &Tensor| -> Result<Vec<u8>> {
+            let mut b = Vec::new();
+            append_bytes(x, &mut b)?;
+            Ok(b)
+        };
+        for (dt, width) in [
+            (DType::F32, 4),
+            (DType::F64, 8),
+            (DType::BF16, 2),
+            (DType::F16, 2),
+        ] {
+            let x = t.to_dtype(dt)?.reshape((5, 1))?;
+            let mut b = vec![7u8];
+            append_bytes(&x, &mut b)?;
+            // Appended after what was there, a value in its dtype's width: a bf16 model's
+            // weights in half the bytes of their fp32 masters.
+            assert_eq!((b[0], b.len()), (7, 1 + 5 * width), "{dt:?}");
+            let back = from_bytes(&b[1..], dt, &[5, 1], &Device::Cpu)?;
+            assert_eq!((back.dtype(), back.dims()), (dt, &[5, 1][..]));
+            assert_eq!(bits(&back)?, bits(&x)?, "{dt:?}");
+        }
+        let codes = Tensor::new(&[0u8, 9, 255], &Device::Cpu)?;
+        assert_eq!(bits(&codes)?, [0, 9, 255]);
+        assert!(append_bytes(&codes.to_dtype(DType::I64)?, &mut Vec::new()).is_err());
+        Ok(())
+    }
 
     #[test]
     fn the_wire_is_exact_for_weights_and_codes() -> Result<()> {

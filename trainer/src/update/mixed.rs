@@ -431,11 +431,7 @@ impl MixedOptimizer {
                 .update(&self.masters, &grads, lr, coef, Some(&self.model))?;
         }
         if let Some(z) = &self.zero {
-            if self.masters.is_empty() {
-                z.share_updates(&self.model, None)?;
-            } else {
-                z.share_updates(&self.masters, Some(&self.model))?;
-            }
+            z.share_updates(&self.model)?;
         }
         Ok(StepOutcome {
             applied: true,

@@ -1,8 +1,10 @@
 //! A bucket of gradients summed over the ranks' GPUs under NCCL (the `nccl` feature), where the
 //! host path ([`super::reduce`]) copies each bucket to host memory, sums it over MPI and copies
 //! it back: here the bucket is one fp32 tensor on the GPU, summed in place on candle's stream.
+//! Also ZeRO's updated weights, sent by their owner into the other ranks' weights on the GPU
+//! ([`broadcast_weight`]), where the host path copies them out and back in.
 
-use candle_core::{CpuStorage, CudaStorage, Layout, Tensor};
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Tensor};
 use ft_dist::Nccl;
 
 use crate::error::Result;
@@ -51,5 +53,58 @@ impl candle_core::InplaceOp1 for Sum<'_> {
             Some(r) => self.nccl.reduce_sum(buf, r),
         }
         .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
+
+/// Rank `root`'s values of `weight` (a tensor on the GPU: a model weight's) written into every
+/// rank's `weight`, in place and in its own dtype: ZeRO's updated weights from their owner,
+/// which never leave the GPUs.
+pub(super) fn broadcast_weight(nccl: &Nccl, weight: &Tensor, root: usize) -> Result<()> {
+    weight.inplace_op1(&Broadcast { nccl, root })?;
+    Ok(())
+}
+
+/// The in-place broadcast of one contiguous buffer (f32, bf16 or f16) from rank `root`.
+struct Broadcast<'a> {
+    nccl: &'a Nccl,
+    root: usize,
+}
+
+impl candle_core::InplaceOp1 for Broadcast<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-broadcast"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("NCCL moves tensors on a GPU; this weight is in host memory")
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("nccl-broadcast: a weight laid out with gaps ({l:?})")
+        };
+        let sent = match s.dtype() {
+            DType::F32 => self.into_buffer(s.as_cuda_slice_mut::<f32>()?, start, end),
+            DType::BF16 => self.into_buffer(s.as_cuda_slice_mut::<half::bf16>()?, start, end),
+            DType::F16 => self.into_buffer(s.as_cuda_slice_mut::<half::f16>()?, start, end),
+            other => candle_core::bail!("nccl-broadcast: a {other:?} weight"),
+        };
+        sent.map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
+
+impl Broadcast<'_> {
+    /// The broadcast into `buf`'s values `start..end` (the weight's, where its buffer is larger).
+    fn into_buffer<T: ft_dist::cudarc::nccl::safe::NcclType>(
+        &self,
+        buf: &mut ft_dist::cudarc::driver::CudaSlice<T>,
+        start: usize,
+        end: usize,
+    ) -> ft_dist::Result<()> {
+        if start == 0 && end == buf.len() {
+            return self.nccl.broadcast(buf, self.root);
+        }
+        self.nccl
+            .broadcast(&mut buf.slice_mut(start..end), self.root)
     }
 }

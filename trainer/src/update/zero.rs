@@ -32,7 +32,7 @@ use std::rc::Rc;
 use candle_core::{Device, Tensor, Var};
 use ft_dist::Comm;
 
-use super::gather::{from_wire, to_wire};
+use super::gather::{append_bytes, from_bytes};
 use super::norm::sum_of_squares_each;
 use super::reduce::{all_reduce_gradients, reduce_gradients_to_owners, BUCKET};
 use crate::error::{Error, Result};
@@ -209,26 +209,41 @@ impl Zero {
             .fold(0f64, |sq, (s, _)| sq + s))
     }
 
-    /// After the owners' update: each owner sends the weights it updated (`weights`: the fp32
-    /// masters, shadowing `model`, or the model's own without masters), and the other ranks
-    /// write them into their model as the owner's update did (each rank keeps the masters of
-    /// its own parameters alone).
-    pub fn share_updates(&self, weights: &[Var], model: Option<&[Var]>) -> Result<()> {
+    /// After the owners' update (which wrote their masters, where there are some, into their
+    /// model): each owner sends the model weights it updated, in the model's dtype, and the
+    /// other ranks write them into theirs, so that every rank holds the weights one process
+    /// would (each keeps the masters of its own parameters alone). bf16 or f16 weights travel
+    /// in half the bytes of their fp32 masters, and a receiver rounds nothing: it takes the
+    /// owner's bits. On GPUs whose ranks joined NCCL the weights go from GPU to GPU, into the
+    /// receivers' weights in place; elsewhere through host memory, in buckets of at most
+    /// [`BUCKET`] fp32 values' bytes.
+    pub fn share_updates(&self, model: &[Var]) -> Result<()> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.comm.gpus() {
+            if model.iter().all(|w| w.device().is_cuda()) {
+                for (i, w) in model.iter().enumerate() {
+                    if self.present[i] {
+                        super::reduce_gpu::broadcast_weight(nccl, w.as_tensor(), self.owner[i])?;
+                    }
+                }
+                return Ok(());
+            }
+        }
         let me = self.comm.rank();
-        let size = |i: usize| self.sizes[i];
+        let bytes = |i: usize| self.sizes[i] * model[i].dtype().size_in_bytes();
         for root in 0..self.comm.world() {
             let members: Vec<usize> = (0..self.sizes.len())
                 .filter(|&i| self.present[i] && self.owner[i] == root)
                 .collect();
-            for chunk in buckets(&members, size) {
-                let len: usize = chunk.iter().map(|&i| size(i)).sum();
+            for chunk in buckets(&members, bytes, BUCKET * 4) {
+                let len: usize = chunk.iter().map(|&i| bytes(i)).sum();
                 let mut buf = Vec::with_capacity(len);
                 if me == root {
                     for &i in &chunk {
-                        buf.extend(to_wire(weights[i].as_tensor())?);
+                        append_bytes(model[i].as_tensor(), &mut buf)?;
                     }
                 } else {
-                    buf.resize(len, 0f32);
+                    buf.resize(len, 0u8);
                 }
                 self.comm.broadcast(&mut buf, root)?;
                 if me == root {
@@ -236,16 +251,14 @@ impl Zero {
                 }
                 let mut at = 0;
                 for &i in &chunk {
-                    let values = &buf[at..at + size(i)];
-                    at += size(i);
-                    let Some(model) = model else {
-                        let w = &weights[i];
-                        w.set(&from_wire(values, w.dtype(), w.dims(), w.device())?)?;
-                        continue;
-                    };
-                    let m = &model[i];
-                    let master = Tensor::from_slice(values, m.dims(), &Device::Cpu)?;
-                    crate::optim::write_master(&master, m)?;
+                    let w = &model[i];
+                    w.set(&from_bytes(
+                        &buf[at..at + bytes(i)],
+                        w.dtype(),
+                        w.dims(),
+                        w.device(),
+                    )?)?;
+                    at += bytes(i);
                 }
             }
         }
@@ -271,13 +284,14 @@ impl Zero {
     }
 }
 
-/// `members` in consecutive groups of at most [`BUCKET`] values (one larger member alone).
-fn buckets(members: &[usize], size: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
+/// `members` in consecutive groups of at most `limit` in all by `size` (one larger member
+/// alone).
+fn buckets(members: &[usize], size: impl Fn(usize) -> usize, limit: usize) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut filled = 0;
     for &i in members {
         match out.last_mut() {
-            Some(last) if filled + size(i) <= BUCKET => last.push(i),
+            Some(last) if filled + size(i) <= limit => last.push(i),
             _ => {
                 out.push(vec![i]);
                 filled = 0;
@@ -305,7 +319,7 @@ mod tests {
     #[test]
     fn buckets_hold_at_most_a_bucket_unless_one_member_is_larger() {
         let sizes = [BUCKET / 2, BUCKET / 2, 1, BUCKET * 2, 3];
-        let b = buckets(&[0, 1, 2, 3, 4], |i| sizes[i]);
+        let b = buckets(&[0, 1, 2, 3, 4], |i| sizes[i], BUCKET);
         assert_eq!(b, vec![vec![0, 1], vec![2], vec![3], vec![4]]);
     }
 
@@ -329,5 +343,56 @@ mod tests {
         // Loads 11, 10, 10 (the partition test above).
         assert_eq!(largest_share(&[4, 10, 1, 8, 6, 2], 3), 11);
         assert_eq!(largest_share(&[4, 10, 1], 1), 15);
+    }
+}
+
+/// The owners' weights over NCCL on one GPU, a world of one (the owner is every weight's
+/// receiver too, so the broadcast must leave each as it is): every dtype of a model's weights,
+/// and a tensor whose values start inside its buffer. Skips without a GPU (fails with
+/// `FT_REQUIRE_GPU=1`).
+#[cfg(all(test, feature = "nccl"))]
+mod gpu_tests {
+    use candle_core::DType;
+
+    use super::*;
+
+    fn values(t: &Tensor) -> Result<Vec<f32>> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    #[test]
+    fn weights_on_a_gpu_go_by_nccl_in_their_own_dtype() -> Result<()> {
+        let Some(device) = ft_kernels::cuda::check::gpu() else {
+            return Ok(());
+        };
+        let Device::Cuda(d) = &device else {
+            return Err(Error::Invalid("gpu() gave another device".into()));
+        };
+        let comm = Rc::new(Comm::solo());
+        comm.join_gpus(d.cuda_stream())?;
+        let x = Tensor::arange(0f32, 12.0, &device)?.affine(0.37, -1.0)?;
+        let model = [
+            Var::from_tensor(&x.to_dtype(DType::BF16)?)?,
+            Var::from_tensor(&x.to_dtype(DType::F16)?.reshape((2, 6))?)?,
+            Var::from_tensor(&x)?,
+        ];
+        let kept: Vec<Vec<f32>> = model.iter().map(|v| values(v)).collect::<Result<_>>()?;
+        let sizes: Vec<usize> = model.iter().map(|v| v.elem_count()).collect();
+        let mut z = Zero::new(1, comm.clone(), &sizes)?;
+        z.set_present(vec![true; model.len()]);
+        z.share_updates(&model)?;
+        for (v, k) in model.iter().zip(&kept) {
+            assert_eq!(&values(v)?, k, "{:?}", v.dtype());
+        }
+        let gpus = comm
+            .gpus()
+            .ok_or(Error::Invalid("no NCCL after the join".into()))?;
+        let wide = x.reshape((3, 4))?.copy()?;
+        let row = wide.narrow(0, 1, 1)?;
+        super::super::reduce_gpu::broadcast_weight(gpus, &row, 0)?;
+        assert_eq!(values(&wide)?, values(&x)?);
+        let host = Tensor::new(&[1f32], &Device::Cpu)?;
+        assert!(super::super::reduce_gpu::broadcast_weight(gpus, &host, 0).is_err());
+        Ok(())
     }
 }
