@@ -458,6 +458,21 @@ fn plan_counts_the_sums_over_the_ranks() {
     };
     let cpu = |world| plan(1, false).with_sums_in_flight(world, 0, 1, &shapes, false, false);
     assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 28 + 4 * 10 + 2 * 28);
+    // ZeRO-2 on the CPU, one micro-batch a step: no accumulator, so the sums are no row held
+    // all along; they arrive after backward, this rank's alone (14 values), each 2 bytes more
+    // than the bf16 gradient it replaces. (ZeRO-1 sums every parameter's on every rank.)
+    let zero = |stage: u8| {
+        plan(1, false)
+            .per_rank(2, stage, &shapes, adamw)
+            .with_sums_in_flight(2, stage, 1, &shapes, false, false)
+    };
+    // Both stages keep the same shares of the state and masters.
+    let z2 = zero(2);
+    assert!(!z2
+        .rows
+        .iter()
+        .any(|r| r.component.contains("gradient sums")));
+    assert_eq!(with(zero(1)) - with(z2), 2 * 28 - 2 * 14);
 }
 
 /// Under the fused backward across ranks the plan counts each round of the sums over the ranks

@@ -10,9 +10,14 @@ impl StatePlan {
     /// The plan of one rank of `world` under ZeRO `stage` (0: none, the plan unchanged), for
     /// the trainable tensors of `shapes` trained with `optim`: the optimizer state and fp32
     /// masters of the rank that owns the most (parameters assigned as
-    /// [`crate::update::zero::partition`] assigns them), and under stage 2 the fp32 gradient sums of its parameters
-    /// alone (with one micro-batch a step they come on top of that micro-batch's gradients,
-    /// which the reduce turns into them; none under the fused backward, planned first).
+    /// [`crate::update::zero::partition`] assigns them), and under stage 2 the step's fp32
+    /// gradient sums of its parameters alone. (With one micro-batch a step there is no
+    /// accumulator: on the CPU the sums are counted where they arrive, when the gradients are
+    /// summed over the ranks after backward or a segment at a time inside it, as under stage
+    /// 1, by [`Self::with_sums_in_flight`] and [`Self::reduced_by_segment`]: a row held all
+    /// along planned the medium T5 of `scripts/ranks-peaks.sh` 13.5% above its measured peak.
+    /// On a GPU, where that has not been measured, such a row is kept. None under the fused
+    /// backward, planned first.)
     pub fn per_rank(
         mut self,
         world: usize,
@@ -50,21 +55,22 @@ impl StatePlan {
             r.component = format!("{}: this rank's share ({world} ranks)", r.component);
         }
         if stage == 2 {
-            let sums = fp32_share;
             let label =
                 format!("gradient sums of this rank's parameters (fp32, ZeRO-2, {world} ranks)");
             match self.sums_row {
                 Some(i) => {
-                    self.rows[i].bytes = sums;
+                    self.rows[i].bytes = fp32_share;
                     self.rows[i].component = label;
                 }
-                // One micro-batch a step under the fused backward: no sums.
-                None if self.fused => {}
+                // One micro-batch a step under the fused backward: no sums; on the CPU,
+                // counted where they arrive.
+                None if self.fused || !self.gpu => {}
+                // On a GPU (not measured since): held beside the state all along.
                 None => {
                     let on_host = self.rows[self.state_row].on_host;
                     self.rows.push(PlanRow {
                         component: label,
-                        bytes: sums,
+                        bytes: fp32_share,
                         on_host,
                         activation: false,
                         less: false,
@@ -97,9 +103,10 @@ impl StatePlan {
         let rows = self.grad_rows.clone();
         let how = "(each segment's summed over the ranks as its backward ends)";
         self.bound_gradients(&rows, s, how);
-        if accum == 1 && stage < 2 {
+        // (Under ZeRO-2 on a GPU, [`Self::per_rank`] holds a row of the sums all along.)
+        if accum == 1 && (stage < 2 || !self.gpu) {
             let sizes: Vec<usize> = shapes.iter().map(|d| d.iter().product()).collect();
-            let (values, whose) = if stage == 1 {
+            let (values, whose) = if stage >= 1 {
                 (
                     crate::update::zero::largest_share(&sizes, world) as u64,
                     "this rank's parameters",
@@ -210,17 +217,25 @@ impl StatePlan {
         if world < 2 || self.fused {
             return self;
         }
-        let sizes = shapes.iter().map(|s| s.iter().product::<usize>());
-        let all = crate::update::bucket_values(sizes.clone()) as u64;
+        let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+        let all = crate::update::bucket_values(sizes.iter().copied()) as u64;
         // Summed a segment at a time, a round's bucket holds at most that round's values.
         let values = self.round_values.map_or(all, |r| r.min(all));
-        let largest = sizes.max().unwrap_or(0) as u64;
+        let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
         // What the sums read: a micro-batch's gradients in the model's dtype (one micro-batch a
         // step, or ZeRO-2, which sums each micro-batch), else the fp32 sums of the step's.
         let narrow = self.grad_size < 4 && (accum == 1 || stage == 2);
-        // (Summed a segment at a time, the sums are a row of their own.)
-        let excess = if accum == 1 && stage < 2 && narrow && self.round_values.is_none() {
-            (4 - self.grad_size) * self.params
+        // With one micro-batch a step, the fp32 sums take the place of the gradients as they
+        // arrive: every parameter's (stage 0 and 1 sum them all on every rank), or under stage
+        // 2 this rank's alone, the others' gradients dropped. (Summed a segment at a time,
+        // the sums are a row of their own; under ZeRO-2 on a GPU, [`Self::per_rank`]'s.)
+        let counted = stage < 2 || !self.gpu;
+        let excess = if accum == 1 && narrow && counted && self.round_values.is_none() {
+            let values = match stage {
+                2 => crate::update::zero::largest_share(&sizes, world) as u64,
+                _ => self.params,
+            };
+            (4 - self.grad_size) * values
         } else {
             0
         };
