@@ -4,6 +4,7 @@
 //! Also ZeRO's updated weights, sent by their owner into the other ranks' weights on the GPU
 //! ([`broadcast_weight`]), where the host path copies them out and back in.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Tensor};
 use ft_dist::Nccl;
 
@@ -84,9 +85,9 @@ impl candle_core::InplaceOp1 for Broadcast<'_> {
             candle_core::bail!("nccl-broadcast: a weight laid out with gaps ({l:?})")
         };
         let sent = match s.dtype() {
-            DType::F32 => self.into_buffer(s.as_cuda_slice_mut::<f32>()?, start, end),
-            DType::BF16 => self.into_buffer(s.as_cuda_slice_mut::<half::bf16>()?, start, end),
-            DType::F16 => self.into_buffer(s.as_cuda_slice_mut::<half::f16>()?, start, end),
+            DType::F32 => self.fill(s.as_cuda_slice_mut::<f32>()?, start, end),
+            DType::BF16 => self.fill(s.as_cuda_slice_mut::<half::bf16>()?, start, end),
+            DType::F16 => self.fill(s.as_cuda_slice_mut::<half::f16>()?, start, end),
             other => candle_core::bail!("nccl-broadcast: a {other:?} weight"),
         };
         sent.map_err(|e| candle_core::Error::Msg(e.to_string()))
@@ -95,7 +96,7 @@ impl candle_core::InplaceOp1 for Broadcast<'_> {
 
 impl Broadcast<'_> {
     /// The broadcast into `buf`'s values `start..end` (the weight's, where its buffer is larger).
-    fn into_buffer<T: ft_dist::cudarc::nccl::safe::NcclType>(
+    fn fill<T: ft_dist::cudarc::nccl::safe::NcclType>(
         &self,
         buf: &mut ft_dist::cudarc::driver::CudaSlice<T>,
         start: usize,
