@@ -13,9 +13,10 @@
 //!   answers the others' rounds, so every rank joins every reduce.)
 //!
 //! The fp32 master weights are partitioned like the state (as DeepSpeed's are): a rank keeps the
-//! masters of its own parameters. After the update each owner sends the weights it updated
-//! (the masters where there are some, else the model's own) to the others, which write them
-//! into their model as the owner did: every rank then holds the weights one process would. (A
+//! masters of its own parameters. After the update each owner sends its model's weights as
+//! updated (written from its masters where there are some), in the model's dtype, and the
+//! others write those bits into their model: every rank then holds the weights one process
+//! would ([`Zero::share_updates`]). (A
 //! task that reads the fp32 weights after each step reads its share: sdxl-ft's EMA is kept by
 //! the same owners.) Parameters are assigned
 //! greedily by size, largest first, each to the rank with the fewest values so far (PyTorch's
@@ -36,6 +37,9 @@ use super::gather::{append_bytes, from_bytes};
 use super::norm::sum_of_squares_each;
 use super::reduce::{all_reduce_gradients, reduce_gradients_to_owners, BUCKET};
 use crate::error::{Error, Result};
+
+/// The most bytes [`Zero::share_updates`] sends in one broadcast.
+const MESSAGE: usize = 1 << 30;
 
 /// The ZeRO stage of a run and each parameter's owner.
 pub struct Zero {
@@ -245,7 +249,11 @@ impl Zero {
                 } else {
                     buf.resize(len, 0u8);
                 }
-                self.comm.broadcast(&mut buf, root)?;
+                // In pieces of at most 1 GiB: MPI counts a message's elements (here bytes)
+                // in an i32, and one tensor can be larger than a bucket.
+                for piece in buf.chunks_mut(MESSAGE) {
+                    self.comm.broadcast(piece, root)?;
+                }
                 if me == root {
                     continue;
                 }
@@ -348,8 +356,9 @@ mod tests {
 
 /// The owners' weights over NCCL on one GPU, a world of one (the owner is every weight's
 /// receiver too, so the broadcast must leave each as it is): every dtype of a model's weights,
-/// and a tensor whose values start inside its buffer. Skips without a GPU (fails with
-/// `FT_REQUIRE_GPU=1`).
+/// and a tensor whose values start inside its buffer. In a world of one it checks the dtype
+/// dispatch, the layouts taken and the errors, not where the values land: that needs two GPUs.
+/// Skips without a GPU (fails with `FT_REQUIRE_GPU=1`).
 #[cfg(all(test, feature = "nccl"))]
 mod gpu_tests {
     use candle_core::DType;

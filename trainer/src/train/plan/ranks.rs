@@ -201,10 +201,11 @@ impl StatePlan {
     /// (16 MiB, or the largest tensor where that is larger, never more than all of them), the
     /// fp32 copy of the tensor being added to it when what is summed is not fp32 (summed
     /// through host memory) or of the whole bucket (summed on the GPUs, `on_gpus`), and with
-    /// one micro-batch a step and gradients narrower than fp32 outside ZeRO-2, the fp32 sums'
-    /// excess over the gradients they replace. On the training device unless `through_host`
-    /// (a GPU run whose sums go through host memory: a host row). Not under the fused
-    /// backward, whose rounds [`Self::rounds_under_fused_backward`] counts.
+    /// one micro-batch a step and gradients narrower than fp32, the fp32 sums' excess over the
+    /// gradients they replace (every parameter's, or under ZeRO-2 on the CPU this rank's
+    /// share; under ZeRO-2 on a GPU [`Self::per_rank`] holds the sums). On the training device
+    /// unless `through_host` (a GPU run whose sums go through host memory: a host row). Not
+    /// under the fused backward, whose rounds [`Self::rounds_under_fused_backward`] counts.
     pub fn with_sums_in_flight(
         mut self,
         world: usize,
