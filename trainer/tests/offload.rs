@@ -458,6 +458,11 @@ fn plan_counts_the_sums_over_the_ranks() {
     };
     let cpu = |world| plan(1, false).with_sums_in_flight(world, 0, 1, &shapes, false, false);
     assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 28 + 4 * 10 + 2 * 28);
+    // Several micro-batches on the CPU: the last one's bf16 gradients go into the step's sums
+    // before the buckets fill, so the moment holds the bucket (28 fp32 values) less the
+    // gradients freed (2 bytes a value), at least the largest tensor's fp32 sum (10 values).
+    let acc = |world| plan(2, false).with_sums_in_flight(world, 0, 2, &shapes, false, false);
+    assert_eq!(with(acc(2)) - with(acc(1)), 4 * 28 - 2 * 28);
     // ZeRO-2 on the CPU, one micro-batch a step: no accumulator, so the sums are no row held
     // all along; they arrive after backward, this rank's alone (14 values), each 2 bytes more
     // than the bf16 gradient it replaces. (ZeRO-1 sums every parameter's on every rank.)
