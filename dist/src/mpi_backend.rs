@@ -8,6 +8,9 @@ use crate::element::Element;
 use crate::error::{DistError, Result};
 use crate::launch::Launch;
 
+/// The most elements one message carries: MPI counts them in an i32.
+const MESSAGE: usize = i32::MAX as usize;
+
 /// MPI's world; MPI is finalised when this is dropped.
 pub(crate) struct Mpi {
     world: SimpleCommunicator,
@@ -67,8 +70,13 @@ impl Mpi {
         Ok(())
     }
 
+    /// In messages of at most [`MESSAGE`] elements: a buffer may be longer than MPI's i32
+    /// count (ZeRO's weights travel as bytes, 2 GiB of them in one fp32 tensor of 537M values).
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.world.process_at_rank(root as i32).broadcast_into(buf);
+        let at = self.world.process_at_rank(root as i32);
+        for piece in buf.chunks_mut(MESSAGE) {
+            at.broadcast_into(piece);
+        }
         Ok(())
     }
 

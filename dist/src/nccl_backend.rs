@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtrMut};
 use cudarc::nccl::safe::{Comm as NcclComm, Id, NcclType, ReduceOp};
 
 use crate::comm::Comm;
@@ -70,7 +70,7 @@ impl Nccl {
     }
 
     /// `buf` summed element by element over the ranks' GPUs, on every rank.
-    pub fn all_reduce_sum(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
+    pub fn all_reduce_sum<T: NcclType, B: DevicePtrMut<T>>(&self, buf: &mut B) -> Result<()> {
         self.comm
             .all_reduce_in_place(buf, &ReduceOp::Sum)
             .map(|_| ())
@@ -79,7 +79,11 @@ impl Nccl {
 
     /// `buf` summed over the ranks into rank `root`'s `buf` alone (the others' are left as they
     /// were): ZeRO-2's gradient sums, each to the rank that steps it.
-    pub fn reduce_sum(&self, buf: &mut CudaSlice<f32>, root: usize) -> Result<()> {
+    pub fn reduce_sum<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        root: usize,
+    ) -> Result<()> {
         self.check_root("reduce", root)?;
         self.comm
             .reduce_in_place(buf, &ReduceOp::Sum, root as i32)

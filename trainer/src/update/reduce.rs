@@ -356,14 +356,9 @@ mod gpu_tests {
 
     #[test]
     fn a_gpu_bucket_sums_in_place_and_splits_back() -> Result<()> {
-        let Some(device) = ft_kernels::cuda::check::gpu() else {
+        let Some((device, comm)) = super::super::reduce_gpu::joined_gpu()? else {
             return Ok(());
         };
-        let Device::Cuda(d) = &device else {
-            return Err(Error::Invalid("gpu() gave another device".into()));
-        };
-        let comm = Comm::solo();
-        comm.join_gpus(d.cuda_stream())?;
         let params = [
             Var::zeros((2, 3), DType::BF16, &device)?,
             Var::zeros(4, DType::F32, &device)?,

@@ -1,11 +1,13 @@
-//! A bucket of gradients summed over the ranks' GPUs under NCCL (the `nccl` feature), where the
-//! host path ([`super::reduce`]) copies each bucket to host memory, sums it over MPI and copies
-//! it back: here the bucket is one fp32 tensor on the GPU, summed in place on candle's stream.
-//! Also ZeRO's updated weights, sent by their owner into the other ranks' weights on the GPU
-//! ([`broadcast_weight`]), where the host path copies them out and back in.
+//! The ranks' collectives on tensors on their GPUs under NCCL (the `nccl` feature), where the
+//! host path copies each buffer to host memory, runs it over MPI and copies it back: a bucket
+//! of gradients summed as one fp32 tensor ([`sum_parts`], beside [`super::reduce`]), and ZeRO's
+//! updated weights sent by their owner into the other ranks' weights ([`broadcast_weight`]).
+//! Each runs in place on candle's stream, as one [`OnGpu`] op.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Tensor};
+use ft_dist::cudarc::driver::{CudaSlice, DevicePtrMut};
+use ft_dist::cudarc::nccl::safe::NcclType;
 use ft_dist::Nccl;
 
 use crate::error::Result;
@@ -20,92 +22,100 @@ pub(super) fn sum_parts(nccl: &Nccl, parts: &[Tensor], root: Option<usize>) -> R
         [one] => one.force_contiguous()?,
         _ => Tensor::cat(parts, 0)?,
     };
-    flat.inplace_op1(&Sum { nccl, root })?;
+    let what = match root {
+        None => Collective::SumEverywhere,
+        Some(r) => Collective::SumTo(r),
+    };
+    flat.inplace_op1(&OnGpu { nccl, what })?;
     Ok(flat)
-}
-
-/// The in-place sum of one contiguous fp32 buffer over the ranks' GPUs.
-struct Sum<'a> {
-    nccl: &'a Nccl,
-    root: Option<usize>,
-}
-
-impl candle_core::InplaceOp1 for Sum<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-sum"
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("NCCL sums tensors on a GPU; this bucket is in host memory")
-    }
-
-    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        let n = l.shape().elem_count();
-        let buf = s.as_cuda_slice_mut::<f32>()?;
-        if !l.is_contiguous() || l.start_offset() != 0 || buf.len() != n {
-            candle_core::bail!(
-                "nccl-sum: a bucket of {n} values in a buffer of {} at offset {}",
-                buf.len(),
-                l.start_offset()
-            )
-        }
-        match self.root {
-            None => self.nccl.all_reduce_sum(buf),
-            Some(r) => self.nccl.reduce_sum(buf, r),
-        }
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))
-    }
 }
 
 /// Rank `root`'s values of `weight` (a tensor on the GPU: a model weight's) written into every
 /// rank's `weight`, in place and in its own dtype: ZeRO's updated weights from their owner,
 /// which never leave the GPUs.
 pub(super) fn broadcast_weight(nccl: &Nccl, weight: &Tensor, root: usize) -> Result<()> {
-    weight.inplace_op1(&Broadcast { nccl, root })?;
+    let what = Collective::From(root);
+    weight.inplace_op1(&OnGpu { nccl, what })?;
     Ok(())
 }
 
-/// The in-place broadcast of one contiguous buffer (f32, bf16 or f16) from rank `root`.
-struct Broadcast<'a> {
-    nccl: &'a Nccl,
-    root: usize,
+/// Which collective an [`OnGpu`] op runs.
+#[derive(Clone, Copy)]
+enum Collective {
+    /// Summed over the ranks, on every rank.
+    SumEverywhere,
+    /// Summed over the ranks onto this rank alone.
+    SumTo(usize),
+    /// This rank's values, on every rank.
+    From(usize),
 }
 
-impl candle_core::InplaceOp1 for Broadcast<'_> {
+/// One NCCL collective in place on a tensor's values (f32, bf16 or f16), which may start
+/// inside a larger buffer but must lie in one contiguous run.
+struct OnGpu<'a> {
+    nccl: &'a Nccl,
+    what: Collective,
+}
+
+impl candle_core::InplaceOp1 for OnGpu<'_> {
     fn name(&self) -> &'static str {
-        "nccl-broadcast"
+        "nccl"
     }
 
     fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("NCCL moves tensors on a GPU; this weight is in host memory")
+        candle_core::bail!("NCCL runs on tensors on a GPU; this one is in host memory")
     }
 
     fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
         let Some((start, end)) = l.contiguous_offsets() else {
-            candle_core::bail!("nccl-broadcast: a weight laid out with gaps ({l:?})")
+            candle_core::bail!("nccl: a tensor laid out with gaps ({l:?})")
         };
-        let sent = match s.dtype() {
-            DType::F32 => self.fill(s.as_cuda_slice_mut::<f32>()?, start, end),
-            DType::BF16 => self.fill(s.as_cuda_slice_mut::<half::bf16>()?, start, end),
-            DType::F16 => self.fill(s.as_cuda_slice_mut::<half::f16>()?, start, end),
-            other => candle_core::bail!("nccl-broadcast: a {other:?} weight"),
+        let done = match s.dtype() {
+            DType::F32 => self.run(s.as_cuda_slice_mut::<f32>()?, start, end),
+            DType::BF16 => self.run(s.as_cuda_slice_mut::<half::bf16>()?, start, end),
+            DType::F16 => self.run(s.as_cuda_slice_mut::<half::f16>()?, start, end),
+            other => candle_core::bail!("nccl: a {other:?} tensor (f32, bf16 or f16)"),
         };
-        sent.map_err(|e| candle_core::Error::Msg(e.to_string()))
+        done.map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 }
 
-impl Broadcast<'_> {
-    /// The broadcast into `buf`'s values `start..end` (the weight's, where its buffer is larger).
-    fn fill<T: ft_dist::cudarc::nccl::safe::NcclType>(
+impl OnGpu<'_> {
+    /// The collective on `buf`'s values `start..end` (the tensor's, where its buffer is larger).
+    fn run<T: NcclType>(
         &self,
-        buf: &mut ft_dist::cudarc::driver::CudaSlice<T>,
+        buf: &mut CudaSlice<T>,
         start: usize,
         end: usize,
     ) -> ft_dist::Result<()> {
         if start == 0 && end == buf.len() {
-            return self.nccl.broadcast(buf, self.root);
+            return self.on(buf);
         }
-        self.nccl
-            .broadcast(&mut buf.slice_mut(start..end), self.root)
+        self.on(&mut buf.slice_mut(start..end))
     }
+
+    fn on<T: NcclType, B: DevicePtrMut<T>>(&self, buf: &mut B) -> ft_dist::Result<()> {
+        match self.what {
+            Collective::SumEverywhere => self.nccl.all_reduce_sum(buf),
+            Collective::SumTo(r) => self.nccl.reduce_sum(buf, r),
+            Collective::From(r) => self.nccl.broadcast(buf, r),
+        }
+    }
+}
+
+/// For the GPU tests: GPU 0 and one process's communicator, its GPU joined to NCCL (a world of
+/// one), or None without a GPU (`gpu()` makes that a failure under `FT_REQUIRE_GPU=1`).
+#[cfg(test)]
+pub(super) fn joined_gpu() -> Result<Option<(candle_core::Device, ft_dist::Comm)>> {
+    let Some(device) = ft_kernels::cuda::check::gpu() else {
+        return Ok(None);
+    };
+    let candle_core::Device::Cuda(d) = &device else {
+        return Err(crate::error::Error::Invalid(
+            "gpu() gave another device".into(),
+        ));
+    };
+    let comm = ft_dist::Comm::solo();
+    comm.join_gpus(d.cuda_stream())?;
+    Ok(Some((device, comm)))
 }

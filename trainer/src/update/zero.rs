@@ -38,9 +38,6 @@ use super::norm::sum_of_squares_each;
 use super::reduce::{all_reduce_gradients, reduce_gradients_to_owners, BUCKET};
 use crate::error::{Error, Result};
 
-/// The most bytes [`Zero::share_updates`] sends in one broadcast.
-const MESSAGE: usize = 1 << 30;
-
 /// The ZeRO stage of a run and each parameter's owner.
 pub struct Zero {
     stage: u8,
@@ -240,34 +237,13 @@ impl Zero {
                 .filter(|&i| self.present[i] && self.owner[i] == root)
                 .collect();
             for chunk in buckets(&members, bytes, BUCKET * 4) {
-                let len: usize = chunk.iter().map(|&i| bytes(i)).sum();
-                let mut buf = Vec::with_capacity(len);
                 if me == root {
-                    for &i in &chunk {
-                        append_bytes(model[i].as_tensor(), &mut buf)?;
-                    }
-                } else {
-                    buf.resize(len, 0u8);
-                }
-                // In pieces of at most 1 GiB: MPI counts a message's elements (here bytes)
-                // in an i32, and one tensor can be larger than a bucket.
-                for piece in buf.chunks_mut(MESSAGE) {
-                    self.comm.broadcast(piece, root)?;
-                }
-                if me == root {
+                    self.comm.broadcast(&mut message(model, &chunk)?, root)?;
                     continue;
                 }
-                let mut at = 0;
-                for &i in &chunk {
-                    let w = &model[i];
-                    w.set(&from_bytes(
-                        &buf[at..at + bytes(i)],
-                        w.dtype(),
-                        w.dims(),
-                        w.device(),
-                    )?)?;
-                    at += bytes(i);
-                }
+                let mut buf = vec![0u8; chunk.iter().map(|&i| bytes(i)).sum()];
+                self.comm.broadcast(&mut buf, root)?;
+                write_message(model, &chunk, &buf)?;
             }
         }
         Ok(())
@@ -290,6 +266,31 @@ impl Zero {
             .cloned()
             .collect()
     }
+}
+
+/// What an owner sends of the weights `chunk` of `model`: their values one after another, each
+/// in its own dtype's bytes.
+fn message(model: &[Var], chunk: &[usize]) -> Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    for &i in chunk {
+        append_bytes(model[i].as_tensor(), &mut buf)?;
+    }
+    Ok(buf)
+}
+
+/// A [`message`] of the weights `chunk`, written into this rank's `model`.
+fn write_message(model: &[Var], chunk: &[usize], buf: &[u8]) -> Result<()> {
+    let mut at = 0;
+    for &i in chunk {
+        let w = &model[i];
+        let n = w.elem_count() * w.dtype().size_in_bytes();
+        let values = buf
+            .get(at..at + n)
+            .ok_or_else(|| Error::Invalid(format!("weight {i}: the owner's message is short")))?;
+        w.set(&from_bytes(values, w.dtype(), w.dims(), w.device())?)?;
+        at += n;
+    }
+    Ok(())
 }
 
 /// `members` in consecutive groups of at most `limit` in all by `size` (one larger member
@@ -329,6 +330,35 @@ mod tests {
         let sizes = [BUCKET / 2, BUCKET / 2, 1, BUCKET * 2, 3];
         let b = buckets(&[0, 1, 2, 3, 4], |i| sizes[i], BUCKET);
         assert_eq!(b, vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+    }
+
+    /// The owner's message holds the weights as the model does (a bf16 weight in 2 bytes a
+    /// value, not its fp32 master's 4), and a receiver's model gets the owner's bits.
+    #[test]
+    fn an_owners_message_is_its_model_in_its_dtype() -> Result<()> {
+        use candle_core::DType;
+        let x = Tensor::new(&[1.5f32, -3.25e-5, 7e30, -0.0, 0.1], &Device::Cpu)?;
+        let owner = [
+            Var::from_tensor(&x.to_dtype(DType::BF16)?)?,
+            Var::from_tensor(&x.reshape((5, 1))?)?,
+            Var::from_tensor(&x.to_dtype(DType::F16)?)?,
+        ];
+        let buf = message(&owner, &[0, 2, 1])?;
+        assert_eq!(buf.len(), 5 * 2 + 5 * 2 + 5 * 4);
+        let receiver = [
+            Var::zeros(5, DType::BF16, &Device::Cpu)?,
+            Var::zeros((5, 1), DType::F32, &Device::Cpu)?,
+            Var::zeros(5, DType::F16, &Device::Cpu)?,
+        ];
+        write_message(&receiver, &[0, 2, 1], &buf)?;
+        for (o, r) in owner.iter().zip(&receiver) {
+            assert_eq!(
+                message(std::slice::from_ref(r), &[0])?,
+                message(std::slice::from_ref(o), &[0])?
+            );
+        }
+        assert!(write_message(&receiver, &[0, 2, 1], &buf[1..]).is_err());
+        Ok(())
     }
 
     #[test]
@@ -371,14 +401,10 @@ mod gpu_tests {
 
     #[test]
     fn weights_on_a_gpu_go_by_nccl_in_their_own_dtype() -> Result<()> {
-        let Some(device) = ft_kernels::cuda::check::gpu() else {
+        let Some((device, comm)) = super::super::reduce_gpu::joined_gpu()? else {
             return Ok(());
         };
-        let Device::Cuda(d) = &device else {
-            return Err(Error::Invalid("gpu() gave another device".into()));
-        };
-        let comm = Rc::new(Comm::solo());
-        comm.join_gpus(d.cuda_stream())?;
+        let comm = Rc::new(comm);
         let x = Tensor::arange(0f32, 12.0, &device)?.affine(0.37, -1.0)?;
         let model = [
             Var::from_tensor(&x.to_dtype(DType::BF16)?)?,
