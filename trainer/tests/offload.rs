@@ -362,7 +362,7 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
             16,
             true,
         )
-        .under_fused_backward(seg, &ft_trainer::optim::adamw::SPEC);
+        .under_fused_backward(seg.clone(), &ft_trainer::optim::adamw::SPEC);
         let bytes = |what: &str| {
             acc.rows
                 .iter()
@@ -371,6 +371,38 @@ fn fused_backward_plan_holds_the_outside_and_the_largest_segment() -> anyhow::Re
         };
         assert_eq!(bytes("one micro-batch's gradients"), Some(2 * 1028));
         assert_eq!(bytes("gradient sums (fp32"), Some(4 * 1092));
+        // With two, the accumulator holds the first one's bf16 gradients, and each fp32 sum
+        // is stepped as it forms: never every sum at once.
+        let two = state_plan(
+            &store.shapes(true),
+            &Precision::full_bf16(),
+            StatePlacement::WithModel,
+            &ft_trainer::optim::adamw::SPEC,
+            2,
+            true,
+        )
+        .under_fused_backward(seg.clone(), &ft_trainer::optim::adamw::SPEC);
+        assert_eq!(acc.device_bytes() - two.device_bytes(), 2 * 1092);
+        // One process adding the second's whole gradients after its backward: the first
+        // one's bf16 gradients, then fp32 sums in place of both (2 + 2 bytes a value); a third
+        // micro-batch's backward runs beside the fp32 sums. With the sums on the host of a GPU
+        // run, the host holds both micro-batches' gradients at once: unchanged.
+        let after = |accum, placement, gpu| {
+            state_plan(
+                &store.shapes(true),
+                &Precision::full_bf16(),
+                placement,
+                &ft_trainer::optim::adamw::SPEC,
+                accum,
+                gpu,
+            )
+            .added_after_backward()
+        };
+        let bytes = |p: ft_trainer::train::plan::StatePlan| p.device_bytes() + p.host_bytes();
+        let cpu = |accum| bytes(after(accum, StatePlacement::WithModel, false));
+        assert_eq!(cpu(3) - cpu(2), 2 * 1092);
+        let host = |accum| bytes(after(accum, StatePlacement::Host, true));
+        assert_eq!(host(3), host(2));
         assert_eq!(
             fused.device_bytes() + 4 * 1092,
             acc.device_bytes(),
@@ -465,7 +497,7 @@ fn plan_counts_the_sums_over_the_ranks() {
     assert_eq!(with(acc(2)) - with(acc(1)), 4 * 28 - 2 * 28);
     // ZeRO-2 on the CPU, one micro-batch a step: no accumulator, so the sums are no row held
     // all along; they arrive after backward, this rank's alone (14 values), each 2 bytes more
-    // than the bf16 gradient it replaces. (ZeRO-1 sums every parameter's on every rank.)
+    // than the bf16 gradient it replaces. ZeRO-1's backward sums onto the owners alike.
     let zero = |stage: u8| {
         plan(1, false)
             .per_rank(2, stage, &shapes, adamw)
@@ -477,7 +509,136 @@ fn plan_counts_the_sums_over_the_ranks() {
         .rows
         .iter()
         .any(|r| r.component.contains("gradient sums")));
-    assert_eq!(with(zero(1)) - with(z2), 2 * 28 - 2 * 14);
+    assert_eq!(with(zero(1)), with(z2));
+    // ZeRO-2 with two micro-batches: the last one's sums arrive as with one, now beside the
+    // accumulator of this rank's sums (14 fp32 values), which they are then added into.
+    let z2_accum = plan(2, false)
+        .per_rank(2, 2, &shapes, adamw)
+        .with_sums_in_flight(2, 2, 2, &shapes, false, false);
+    assert_eq!(with(z2_accum) - with(zero(2)), 4 * 14);
+}
+
+/// A data-parallel backward that sums each checkpoint segment's gradients over the ranks as the
+/// segment ends (`update/reduce_backward.rs`): with several micro-batches a step, each round's
+/// buffers stand at its segment's moment of the backward, beside the graphs still held; under
+/// ZeRO-1 with two, the accumulator holds the first micro-batch's gradients or this rank's
+/// sums, never every fp32 sum.
+#[test]
+fn plan_counts_the_rounds_in_segments_at_their_moments() {
+    use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Strategy};
+    use ft_params::Segments;
+    use ft_trainer::train::plan::{state_plan, StatePlan};
+    let precision = Precision::for_dtype(DType::BF16);
+    let shapes = [vec![4usize], vec![8], vec![2, 5], vec![6]];
+    let seg = Segments {
+        inside: 16,
+        largest: 16,
+        tensors: 2,
+        own: vec![vec![vec![2, 5], vec![6]]],
+        outside: vec![vec![4], vec![8]],
+    };
+    let adamw = &ft_trainer::optim::adamw::SPEC;
+    let reduced = |world, stage, accum| {
+        state_plan(
+            &shapes,
+            &precision,
+            StatePlacement::WithModel,
+            adamw,
+            accum,
+            false,
+        )
+        .per_rank(world, stage, &shapes, adamw)
+        .reduced_by_segment(world, stage, accum, &seg, &shapes)
+        .with_sums_in_flight(world, stage, accum, &shapes, false, false)
+    };
+    let one_segment = ActivationProfile {
+        segments: vec![SegmentBytes {
+            graph: 1000,
+            ..SegmentBytes::default()
+        }],
+        ..ActivationProfile::default()
+    };
+    let with = |p: StatePlan| {
+        p.with_activations("one segment", &one_segment, Strategy::Blocks)
+            .device_bytes()
+    };
+    // Two micro-batches under ZeRO-0: the segment's round (an fp32 bucket of its 16 values;
+    // the fp32 sums are what it reads, no copies) beside its kept graph of 1,000, above the
+    // backward's peak; after the backward, the rest's round (12 values) alone.
+    let sums = |p: &StatePlan| {
+        p.rows
+            .iter()
+            .find(|r| r.component.contains("gradient sums"))
+            .map(|r| r.bytes)
+    };
+    assert_eq!(with(reduced(2, 0, 2)) - with(reduced(1, 0, 2)), 4 * 16);
+    assert_eq!(sums(&reduced(2, 0, 2)), Some(4 * 28));
+    // Under ZeRO-1 the first micro-batch's bf16 gradients (56 bytes) or this rank's fp32 sums
+    // of its 14 values (56 bytes), not all 28 values' fp32 sums.
+    assert_eq!(sums(&reduced(2, 1, 2)), Some(2 * 28));
+    // One micro-batch on the CPU: the sums are counted where they have arrived. At the
+    // segment's round none has (no segment after it): its bucket (16 values) and the fp32
+    // copy of its largest bf16 tensor (10) beside its graph; after the backward all 28
+    // values' sums, with the rest's round, on no graph.
+    assert_eq!(
+        with(reduced(2, 0, 1)) - with(reduced(1, 0, 1)),
+        4 * 16 + 4 * 10
+    );
+    let no_graph = |p: StatePlan| {
+        p.with_activations("nothing", &ActivationProfile::default(), Strategy::Blocks)
+            .device_bytes()
+    };
+    assert_eq!(
+        no_graph(reduced(2, 0, 1)) - no_graph(reduced(1, 0, 1)),
+        4 * 28 + 4 * 16 + 4 * 10
+    );
+    assert!(!reduced(2, 0, 1)
+        .rows
+        .iter()
+        .any(|r| r.component.contains("gradient sums")));
+    // Two segments: by the first one's round (the backward's last), the second one's 6 values'
+    // sums have arrived (24 bytes), beside the first one's graph (1,000) and round (bucket and
+    // copy of its 10 values, 80 bytes): 94 above the backward's peak of both graphs (1,010).
+    // (And the bf16 gradients at most at once are the outside's 12 values and the largest
+    // segment's 10, 6 fewer than all 28: 12 bytes less.)
+    let two = Segments {
+        inside: 16,
+        largest: 10,
+        tensors: 2,
+        own: vec![vec![vec![2, 5]], vec![vec![6]]],
+        outside: vec![vec![4], vec![8]],
+    };
+    let two_segments = ActivationProfile {
+        segments: vec![
+            SegmentBytes {
+                graph: 1000,
+                ..SegmentBytes::default()
+            },
+            SegmentBytes {
+                graph: 10,
+                ..SegmentBytes::default()
+            },
+        ],
+        ..ActivationProfile::default()
+    };
+    let in_two = |world| {
+        state_plan(
+            &shapes,
+            &precision,
+            StatePlacement::WithModel,
+            adamw,
+            1,
+            false,
+        )
+        .reduced_by_segment(world, 0, 1, &two, &shapes)
+        .with_sums_in_flight(world, 0, 1, &shapes, false, false)
+        .with_activations("two segments", &two_segments, Strategy::Blocks)
+        .device_bytes()
+    };
+    assert_eq!(
+        in_two(2) - in_two(1),
+        1000 + 4 * 10 + 4 * 10 + 4 * 6 - 1010 - 2 * 6
+    );
 }
 
 /// Under the fused backward across ranks the plan counts each round of the sums over the ranks

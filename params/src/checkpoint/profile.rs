@@ -79,9 +79,11 @@ impl Temporaries {
 /// `OptimSpec::step_bytes` of the largest tensor it updates at once), by where the step runs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepTemporaries {
-    /// Under a fused backward pass: each segment's early step, in forward order. It runs as
-    /// soon as the segment's backward has produced its parameters' gradients, while its graph
-    /// and the kept graphs of the segments before it are held.
+    /// What each segment's moment inside backward adds, in forward order: under a fused
+    /// backward its early step; in a data-parallel backward that sums each segment's
+    /// gradients over the ranks as it ends, that round's buffers. It comes as soon as the
+    /// segment's backward has produced its parameters' gradients, while its graph and the
+    /// kept graphs of the segments before it are held.
     pub segments: Vec<u64>,
     /// The step after backward: of every parameter, when the run drops the graph first; under
     /// a fused backward, of those outside the segments, beside the caller's graph.
@@ -195,7 +197,8 @@ impl ActivationProfile {
 
     /// [`Self::held`] with the optimizer step's moment: after backward (the graph dropped,
     /// or under a fused backward the caller's graph still held), and under a fused backward
-    /// each segment's early step, beside the segment's graph and the kept graphs before it.
+    /// (or with the ranks' rounds in segments) each segment's moment, beside the segment's
+    /// graph and the kept graphs before it.
     /// Where the step's segments do not match the profile's, every segment is taken to step
     /// the largest of them.
     ///
@@ -226,7 +229,7 @@ impl ActivationProfile {
             step.after
         };
         let walk = self.walk(strategy);
-        if step.fused {
+        if step.fused || !step.segments.is_empty() {
             let largest = step.segments.iter().copied().max().unwrap_or(0);
             let matched = step.segments.len() == self.segments.len();
             let before = self.kept_before(strategy);

@@ -502,7 +502,8 @@ impl CommonArgs {
         // In segments, each one's gradients are added to the step's sums (over the ranks,
         // summed over them) as its backward ends.
         let plan = match self.checkpoint_strategy()?.segmented() {
-            false => plan,
+            false if world > 1 => plan,
+            false => plan.added_after_backward(),
             true if world > 1 => {
                 plan.reduced_by_segment(world, self.zero, self.accum, &segments, &shapes)
             }

@@ -431,6 +431,9 @@ impl MixedOptimizer {
                 .update(&self.masters, &grads, lr, coef, Some(&self.model))?;
         }
         if let Some(z) = &self.zero {
+            // The sums are spent: gone before the owners' weights travel, whose messages
+            // would otherwise stand on top of them (the step's peak under ZeRO on the CPU).
+            drop(grads);
             z.share_updates(&self.model)?;
         }
         Ok(StepOutcome {

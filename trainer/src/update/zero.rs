@@ -271,7 +271,10 @@ impl Zero {
 /// What an owner sends of the weights `chunk` of `model`: their values one after another, each
 /// in its own dtype's bytes.
 fn message(model: &[Var], chunk: &[usize]) -> Result<Vec<u8>> {
-    let mut buf = Vec::new();
+    // Its whole length at once: grown by doubling, the buffer would reach up to twice that,
+    // with the old one beside it while it moves.
+    let bytes = |i: usize| model[i].elem_count() * model[i].dtype().size_in_bytes();
+    let mut buf = Vec::with_capacity(chunk.iter().map(|&i| bytes(i)).sum());
     for &i in chunk {
         append_bytes(model[i].as_tensor(), &mut buf)?;
     }
@@ -345,6 +348,9 @@ mod tests {
         ];
         let buf = message(&owner, &[0, 2, 1])?;
         assert_eq!(buf.len(), 5 * 2 + 5 * 2 + 5 * 4);
+        // Made at its length: grown by doubling it would take up to twice that (here 60).
+        let in_order = message(&owner, &[0, 1, 2])?;
+        assert_eq!(in_order.capacity(), in_order.len());
         let receiver = [
             Var::zeros(5, DType::BF16, &Device::Cpu)?,
             Var::zeros((5, 1), DType::F32, &Device::Cpu)?,

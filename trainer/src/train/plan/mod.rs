@@ -58,6 +58,8 @@ pub struct StatePlan {
     pub rows: Vec<PlanRow>,
     /// Whether the training device is a GPU (else the host is the device).
     pub gpu: bool,
+    /// Micro-batches a step.
+    accum: usize,
     /// The rows of one micro-batch's gradients in their dtype (on the device, and moved to the
     /// host), and that dtype's size: what a fused backward pass bounds.
     grad_rows: Vec<usize>,
@@ -87,6 +89,16 @@ pub struct StatePlan {
     /// The most values one round of a backward that sums each segment's gradients over the
     /// ranks carries ([`StatePlan::reduced_by_segment`]): its bucket's bound.
     round_values: Option<u64>,
+    /// In such a backward, each segment's round: its bucket's values and its largest tensor's
+    /// ([`StatePlan::reduced_by_segment`]), then what the round holds at that segment's moment
+    /// of the backward ([`StatePlan::with_sums_in_flight`]).
+    segment_rounds: Vec<(u64, u64)>,
+    round_moments: Vec<u64>,
+    /// With one micro-batch a step on the CPU, the fp32 sums over the ranks that reach this
+    /// rank in such a backward, and per segment those arrived by its round: counted at the
+    /// moments they are there rather than as a row held all along.
+    arriving: u64,
+    arrived: Vec<u64>,
     /// Under the fused backward across ranks, each segment's round on the training device and
     /// the rest's, last ([`StatePlan::rounds_under_fused_backward`]): its peak, and the sums
     /// its step reads beside its own temporaries.
@@ -171,6 +183,7 @@ pub fn state_plan(
             })
             .collect(),
         gpu,
+        accum,
         grad_rows,
         grad_size: w,
         activations: None,
@@ -184,6 +197,10 @@ pub fn state_plan(
         in_flight: 0,
         excess: 0,
         round_values: None,
+        segment_rounds: Vec::new(),
+        round_moments: Vec::new(),
+        arriving: 0,
+        arrived: Vec::new(),
         rounds: Vec::new(),
     }
 }
@@ -225,6 +242,11 @@ impl StatePlan {
         let mut step = self.step.clone();
         if self.in_flight > 0 {
             step.after = step.after.max(self.in_flight) + self.excess;
+        }
+        // Summed a segment at a time, each round comes inside the backward, beside the graphs
+        // it still holds (the last, the rest's, after it: `in_flight`).
+        if !self.round_moments.is_empty() && self.rounds.is_empty() {
+            step.segments = self.round_moments.clone();
         }
         // Under the fused backward across ranks, each segment's moment holds its round, then
         // its step beside the sums (the rest's after the backward).

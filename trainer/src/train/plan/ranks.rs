@@ -100,6 +100,17 @@ impl StatePlan {
             return self;
         }
         self.formed = None;
+        // Under ZeRO-1 the last micro-batch's sums go out as they form and only this rank's
+        // come back: with two micro-batches, the first one's gradients or this rank's sums.
+        if accum == 2 && stage == 1 {
+            let sizes = shapes.iter().map(|d| d.iter().product());
+            let share = 4 * crate::update::zero::largest_share(&sizes.collect::<Vec<_>>(), world);
+            let bytes = (self.grad_size * self.params).max(share as u64);
+            self.sums_held_as_the_first_gradients(
+                bytes,
+                "each widened to fp32 and sent, or this rank's sums over the ranks",
+            );
+        }
         let rows = self.grad_rows.clone();
         let how = "(each segment's summed over the ranks as its backward ends)";
         self.bound_gradients(&rows, s, how);
@@ -115,21 +126,57 @@ impl StatePlan {
                 (self.params, "every parameter")
             };
             let on_host = self.grad_rows.iter().any(|&i| self.rows[i].on_host);
-            self.rows.push(PlanRow {
-                component: format!(
+            // On the CPU the sums are counted where they have arrived: at each segment's
+            // round, those of the segments after it; after the backward, all of them.
+            if !self.gpu && !on_host {
+                self.arriving = 4 * values;
+                let own: Vec<u64> = s
+                    .own
+                    .iter()
+                    .map(|o| o.iter().map(|d| d.iter().product::<usize>() as u64).sum())
+                    .collect();
+                let mut after = 0u64;
+                let mut arrived = vec![0; own.len()];
+                for (a, v) in arrived.iter_mut().zip(&own).rev() {
+                    *a =
+                        (self.arriving as u128 * after as u128 / self.params.max(1) as u128) as u64;
+                    after += v;
+                }
+                self.arrived = arrived;
+            } else {
+                self.rows.push(PlanRow {
+                    component: format!(
                     "gradient sums over {world} ranks of {whose} (fp32, arriving in the backward)"
                 ),
-                bytes: 4 * values,
-                on_host,
-                activation: false,
-                less: false,
-            });
+                    bytes: 4 * values,
+                    on_host,
+                    activation: false,
+                    less: false,
+                });
+            }
         }
         let values = |shapes: &[Vec<usize>]| {
             crate::update::bucket_values(shapes.iter().map(|d| d.iter().product::<usize>())) as u64
         };
         let rounds = s.own.iter().map(|own| values(own));
         self.round_values = Some(rounds.chain([values(&s.outside)]).max().unwrap_or(0));
+        let largest = |own: &[Vec<usize>]| {
+            own.iter()
+                .map(|d| d.iter().product::<usize>() as u64)
+                .max()
+                .unwrap_or(0)
+        };
+        // Each round comes at its segment's moment, on top of the graphs still held: with
+        // several micro-batches a step, of the step's sums held from the backward's start;
+        // with one on the CPU, of the sums arrived so far. (On a GPU with one, a row counts
+        // the sums whole all along, and the rounds after the backward alone.)
+        if accum > 1 || !self.arrived.is_empty() {
+            self.segment_rounds = s
+                .own
+                .iter()
+                .map(|own| (values(own), largest(own)))
+                .collect();
+        }
         self
     }
     /// The plan of one of `world` ranks under ZeRO `stage` under the fused backward
@@ -227,20 +274,37 @@ impl StatePlan {
         // step, or ZeRO-2, which sums each micro-batch), else the fp32 sums of the step's.
         let narrow = self.grad_size < 4 && (accum == 1 || stage == 2);
         // With one micro-batch a step, the fp32 sums take the place of the gradients as they
-        // arrive: every parameter's (stage 0 and 1 sum them all on every rank), or under stage
-        // 2 this rank's alone, the others' gradients dropped. (Summed a segment at a time,
-        // the sums are a row of their own; under ZeRO-2 on a GPU, [`Self::per_rank`]'s.)
+        // arrive: every parameter's without ZeRO, or under ZeRO this rank's alone, the
+        // others' gradients dropped (stage 1 too sums onto the owners, in the backward's
+        // rounds: counted as every parameter's, the medium T5 in bf16 was planned 6.9% above
+        // its peak, which equals ZeRO-2's). Under stage 2 with several, each
+        // micro-batch's arrive so beside the accumulator they are then added into (left out,
+        // the medium T5 of `scripts/ranks-peaks.sh` in bf16 was planned 7.4% under its peak).
+        // (Summed a segment at a time, [`Self::reduced_by_segment`] counts the sums; under
+        // ZeRO-2 on a GPU, [`Self::per_rank`]'s row.)
         let counted = stage < 2 || !self.gpu;
-        let excess = if accum == 1 && narrow && counted && self.round_values.is_none() {
+        let excess = if narrow && counted && self.round_values.is_none() {
             let values = match stage {
-                2 => crate::update::zero::largest_share(&sizes, world) as u64,
-                _ => self.params,
+                0 => self.params,
+                _ => crate::update::zero::largest_share(&sizes, world) as u64,
             };
             (4 - self.grad_size) * values
         } else {
             0
         };
         let bytes = bucket_bytes(values, largest, narrow, on_gpus);
+        // Each segment's round on the training device, at its moment of the backward (the
+        // medium T5 of `scripts/ranks-peaks.sh` in bf16, with two micro-batches a step, was
+        // planned 5-6% under its peak when they were counted after the backward alone).
+        if !through_host {
+            let arrived = |i: usize| self.arrived.get(i).copied().unwrap_or(0);
+            self.round_moments = self
+                .segment_rounds
+                .iter()
+                .enumerate()
+                .map(|(i, &(v, l))| bucket_bytes(v, l, narrow, on_gpus) + arrived(i))
+                .collect();
+        }
         if through_host {
             return self.with(
                 &format!(
@@ -266,7 +330,8 @@ impl StatePlan {
             0 => bytes,
             f => bytes.saturating_sub(f).max(4 * largest),
         };
-        self.excess = excess;
+        // (The sums arriving in segments, when no row holds them: all there after backward.)
+        self.excess = excess + self.arriving;
         self
     }
 }

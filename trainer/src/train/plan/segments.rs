@@ -26,7 +26,49 @@ impl StatePlan {
         }
         let rows = self.grad_rows.clone();
         self.bound_gradients(&rows, &s, "under --fused-backward");
+        // With two micro-batches a step, the second's sums are taken as they form, each
+        // stepped at once: the accumulator holds the first one's gradients alone.
+        if self.accum == 2 {
+            let bytes = self.grad_size * self.params;
+            self.sums_held_as_the_first_gradients(bytes, "each widened to fp32 and stepped");
+        }
         self
+    }
+    /// The plan of one process whose backward forms a micro-batch's gradients whole and adds
+    /// them into the step's sums after it (not in segments, not fused): with two micro-batches
+    /// a step, the accumulator holds the first one's gradients in their dtype through the
+    /// second's backward, and the fp32 sums formed after it take the place of both (bf16's 2
+    /// bytes a value twice are the fp32 sum's 4; fp32's 8 become 4). Counted as fp32 sums
+    /// beside the gradients, the medium T5 of `scripts/ranks-peaks.sh` (`NP=1`) in bf16 was
+    /// planned 9.4% above its peak. (Not where the sums are on the host and the gradients on
+    /// the GPU: the host then holds the first one's and the second's at once.)
+    pub fn added_after_backward(mut self) -> Self {
+        let beside = self.sums_row.is_some_and(|i| !self.rows[i].on_host);
+        if self.accum == 2 && !self.fused && beside {
+            let bytes = self.grad_size * self.params;
+            self.sums_held_as_the_first_gradients(bytes, "all widened to fp32 after it");
+        }
+        self
+    }
+    /// The sums row, where two micro-batches a step never hold every fp32 sum at once: the
+    /// accumulator keeps the first one's gradients in their dtype (it widens a tensor's sum
+    /// only as the second's gradient is added, `GradAccumulator::combine`) and gives each sum
+    /// up as it forms, so it holds at most `bytes`; `then` says what becomes of them in the
+    /// second's backward. (Counted as fp32 sums whole, the medium T5 of
+    /// `scripts/ranks-peaks.sh` in bf16 was planned 11-17% above its peak.)
+    pub(super) fn sums_held_as_the_first_gradients(&mut self, bytes: u64, then: &str) {
+        let dt = match self.grad_size {
+            2 => "16-bit",
+            _ => "fp32",
+        };
+        if let Some(i) = self.sums_row {
+            let r = &mut self.rows[i];
+            r.bytes = r.bytes.min(bytes);
+            r.component = format!(
+                "gradient sums: the first micro-batch's gradients ({dt}) through the second's \
+                 backward, {then}"
+            );
+        }
     }
     /// The gradient rows `rows` bounded to what a backward that hands each segment's
     /// gradients on as the segment's backward ends holds at once (`how` it does): those of the
