@@ -518,6 +518,33 @@ fn plan_counts_the_sums_over_the_ranks() {
     assert_eq!(with(z2_accum) - with(zero(2)), 4 * 14);
 }
 
+/// Four bf16 tensors of 4, 8, 10 and 6 values, the last two in one checkpoint segment.
+fn four_tensors_two_in_a_segment() -> (Vec<Vec<usize>>, ft_params::Segments) {
+    let seg = ft_params::Segments {
+        inside: 16,
+        largest: 16,
+        tensors: 2,
+        own: vec![vec![vec![2, 5], vec![6]]],
+        outside: vec![vec![4], vec![8]],
+    };
+    (vec![vec![4], vec![8], vec![2, 5], vec![6]], seg)
+}
+
+/// An activation profile of segments whose kept graphs are `bytes`, in forward order.
+fn graphs(bytes: &[u64]) -> ft_params::checkpoint::ActivationProfile {
+    use ft_params::checkpoint::{ActivationProfile, SegmentBytes};
+    ActivationProfile {
+        segments: bytes
+            .iter()
+            .map(|&graph| SegmentBytes {
+                graph,
+                ..SegmentBytes::default()
+            })
+            .collect(),
+        ..ActivationProfile::default()
+    }
+}
+
 /// A data-parallel backward that sums each checkpoint segment's gradients over the ranks as the
 /// segment ends (`update/reduce_backward.rs`): with several micro-batches a step, each round's
 /// buffers stand at its segment's moment of the backward, beside the graphs still held; under
@@ -525,18 +552,11 @@ fn plan_counts_the_sums_over_the_ranks() {
 /// sums, never every fp32 sum.
 #[test]
 fn plan_counts_the_rounds_in_segments_at_their_moments() {
-    use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Strategy};
+    use ft_params::checkpoint::{ActivationProfile, Strategy};
     use ft_params::Segments;
     use ft_trainer::train::plan::{state_plan, StatePlan};
     let precision = Precision::for_dtype(DType::BF16);
-    let shapes = [vec![4usize], vec![8], vec![2, 5], vec![6]];
-    let seg = Segments {
-        inside: 16,
-        largest: 16,
-        tensors: 2,
-        own: vec![vec![vec![2, 5], vec![6]]],
-        outside: vec![vec![4], vec![8]],
-    };
+    let (shapes, seg) = four_tensors_two_in_a_segment();
     let adamw = &ft_trainer::optim::adamw::SPEC;
     let reduced = |world, stage, accum| {
         state_plan(
@@ -551,13 +571,7 @@ fn plan_counts_the_rounds_in_segments_at_their_moments() {
         .reduced_by_segment(world, stage, accum, &seg, &shapes)
         .with_sums_in_flight(world, stage, accum, &shapes, false, false)
     };
-    let one_segment = ActivationProfile {
-        segments: vec![SegmentBytes {
-            graph: 1000,
-            ..SegmentBytes::default()
-        }],
-        ..ActivationProfile::default()
-    };
+    let one_segment = graphs(&[1000]);
     let with = |p: StatePlan| {
         p.with_activations("one segment", &one_segment, Strategy::Blocks)
             .device_bytes()
@@ -608,19 +622,7 @@ fn plan_counts_the_rounds_in_segments_at_their_moments() {
         own: vec![vec![vec![2, 5]], vec![vec![6]]],
         outside: vec![vec![4], vec![8]],
     };
-    let two_segments = ActivationProfile {
-        segments: vec![
-            SegmentBytes {
-                graph: 1000,
-                ..SegmentBytes::default()
-            },
-            SegmentBytes {
-                graph: 10,
-                ..SegmentBytes::default()
-            },
-        ],
-        ..ActivationProfile::default()
-    };
+    let two_segments = graphs(&[1000, 10]);
     let in_two = |world| {
         state_plan(
             &shapes,
@@ -650,18 +652,10 @@ fn plan_counts_the_rounds_in_segments_at_their_moments() {
 /// more). Under ZeRO the sums arriving are at most this rank's share (14 values).
 #[test]
 fn plan_counts_the_fused_backwards_rounds() {
-    use ft_params::checkpoint::{ActivationProfile, SegmentBytes, Strategy};
-    use ft_params::Segments;
+    use ft_params::checkpoint::{ActivationProfile, Strategy};
     use ft_trainer::train::plan::{state_plan, StatePlan};
     let precision = Precision::for_dtype(DType::BF16);
-    let shapes = [vec![4usize], vec![8], vec![2, 5], vec![6]];
-    let seg = Segments {
-        inside: 16,
-        largest: 16,
-        tensors: 2,
-        own: vec![vec![vec![2, 5], vec![6]]],
-        outside: vec![vec![4], vec![8]],
-    };
+    let (shapes, seg) = four_tensors_two_in_a_segment();
     let adamw = &ft_trainer::optim::adamw::SPEC;
     let fused = |accum, gpu| {
         state_plan(&shapes, &precision, StatePlacement::Host, adamw, accum, gpu)
@@ -700,13 +694,7 @@ fn plan_counts_the_fused_backwards_rounds() {
     assert_eq!(with(cpu(2)) - with(cpu(1)), 4 * 12 + 4 * 8 + 2 * 12);
     // With the segment in the profile, its round (bucket 64, copy 40, the sums' excess 32)
     // stands at its moment of the backward, beside its kept graph of 1,000: above the rest's.
-    let one_segment = ActivationProfile {
-        segments: vec![SegmentBytes {
-            graph: 1000,
-            ..SegmentBytes::default()
-        }],
-        ..ActivationProfile::default()
-    };
+    let one_segment = graphs(&[1000]);
     let with_segment = |p: StatePlan| {
         p.with_activations("one segment", &one_segment, Strategy::Blocks)
             .device_bytes()
