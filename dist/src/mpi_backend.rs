@@ -71,7 +71,8 @@ impl Mpi {
     }
 
     /// In messages of at most [`MESSAGE`] elements: a buffer may be longer than MPI's i32
-    /// count (ZeRO's weights travel as bytes, 2 GiB of them in one fp32 tensor of 537M values).
+    /// count (the ranks' tensors travel as bytes, 2 GiB of them in one fp32 tensor of 537M
+    /// values).
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let at = self.world.process_at_rank(root as i32);
         for piece in buf.chunks_mut(MESSAGE) {
@@ -80,12 +81,27 @@ impl Mpi {
         Ok(())
     }
 
+    /// In messages of at most [`MESSAGE`] elements, as [`Self::broadcast`] (a gathered tensor
+    /// travels as bytes); an empty buffer is one empty message.
     pub fn send<T: Element>(&self, buf: &[T], to: usize) -> Result<()> {
-        self.world.process_at_rank(to as i32).send(buf);
+        let at = self.world.process_at_rank(to as i32);
+        match buf.is_empty() {
+            true => at.send(buf),
+            false => buf.chunks(MESSAGE).for_each(|piece| at.send(piece)),
+        }
         Ok(())
     }
 
+    /// What [`Self::send`] sent, in the same pieces.
     pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
+        if buf.is_empty() {
+            return self.recv_message(buf, from);
+        }
+        buf.chunks_mut(MESSAGE)
+            .try_for_each(|piece| self.recv_message(piece, from))
+    }
+
+    fn recv_message<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
         // The message's length is read before it is taken: a longer one received into `buf`
         // would be MPI's truncation error, which ends the job.
         let (msg, status) = self.world.process_at_rank(from as i32).matched_probe();

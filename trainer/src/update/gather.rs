@@ -5,8 +5,9 @@
 //! (a fifth of the model's moments from each of four ranks: gigabytes on a large model).
 //!
 //! Each rank but 0 sends a list of what it holds (names, dtypes, shapes: one line of JSON),
-//! then each tensor's values in fp32 ([`to_wire`]: exact for the dtypes of weights and
-//! optimizer state), in name order ([`name_key`]). Rank 0 reads every list first, so it knows
+//! then each tensor's values as the bytes of its own dtype ([`append_bytes`], the one wire
+//! format of the ranks' tensors, ZeRO's updated weights too: 8-bit codes in a byte a value,
+//! bf16 in two), in name order ([`name_key`]). Rank 0 reads every list first, so it knows
 //! the whole before the first tensor (what a file's header needs), then takes the tensors in
 //! name order across the ranks, its own where it holds them: each rank's tensors arrive in
 //! the order that rank sent them, so any number of ranks writes the file one process writes.
@@ -37,10 +38,10 @@ pub fn gather(comm: &Comm, mut local: Vec<(String, Tensor)>) -> Result<Option<Ga
     let me = comm.rank();
     if me != 0 {
         // Every dtype checked before the first send: an error after it would leave rank 0
-        // waiting for a message that never comes. Each tensor is converted as it goes, so the
-        // sender holds one fp32 copy at a time.
+        // waiting for a message that never comes. Each tensor is laid out as it goes, so the
+        // sender holds one message at a time.
         for (name, t) in &local {
-            wire_dtype(name, t.dtype())?;
+            travels(name, t.dtype())?;
         }
         let list: Vec<serde_json::Value> = local
             .iter()
@@ -50,7 +51,7 @@ pub fn gather(comm: &Comm, mut local: Vec<(String, Tensor)>) -> Result<Option<Ga
         comm.send(&[header.len() as u64], 0)?;
         comm.send(&header, 0)?;
         for (_, t) in &local {
-            comm.send(&to_wire(t)?, 0)?;
+            comm.send(&message(t)?, 0)?;
         }
         return Ok(None);
     }
@@ -99,9 +100,9 @@ impl Gathered<'_> {
                 .remove(&entry.name)
                 .ok_or_else(|| Error::Invalid(format!("tensor `{}` is listed twice", entry.name)))?
         } else {
-            let mut buf = vec![0f32; entry.shape.iter().product()];
+            let mut buf = vec![0u8; message_len(entry)];
             self.comm.recv(&mut buf, *from)?;
-            from_wire(&buf, entry.dtype, &entry.shape, &Device::Cpu)?
+            from_bytes(&buf, entry.dtype, &entry.shape, &Device::Cpu)?
         };
         Ok(Some((entry.name.clone(), t)))
     }
@@ -127,36 +128,32 @@ pub(crate) fn name_key(name: &str) -> (&str, usize, &str) {
     }
 }
 
-/// Whether a tensor of `dtype` travels as fp32 exactly (fp32, bf16, f16, 8-bit codes).
-fn wire_dtype(name: &str, dtype: DType) -> Result<()> {
+/// What a rank sends of tensor `t`: its values in its own dtype's bytes.
+fn message(t: &Tensor) -> Result<Vec<u8>> {
+    let mut bytes = Vec::with_capacity(t.elem_count() * t.dtype().size_in_bytes());
+    append_bytes(t, &mut bytes)?;
+    Ok(bytes)
+}
+
+/// The length of the [`message`] of the tensor `entry` lists.
+fn message_len(entry: &TensorEntry) -> usize {
+    entry.shape.iter().product::<usize>() * entry.dtype.size_in_bytes()
+}
+
+/// Whether a tensor of `dtype` can travel between ranks ([`append_bytes`]'s dtypes: those of
+/// weights, masters, optimizer state and 8-bit codes).
+fn travels(name: &str, dtype: DType) -> Result<()> {
     match dtype {
-        DType::F32 | DType::BF16 | DType::F16 | DType::U8 => Ok(()),
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 | DType::U8 => Ok(()),
         other => Err(Error::Invalid(format!(
-            "`{name}`: a {other:?} tensor cannot travel between ranks as fp32 exactly"
+            "`{name}`: a {other:?} tensor cannot travel between ranks"
         ))),
     }
 }
 
-/// A tensor's values as fp32 for a message: exact for the dtypes of weights and optimizer
-/// state (fp32, bf16, f16, 8-bit codes).
-pub(crate) fn to_wire(t: &Tensor) -> Result<Vec<f32>> {
-    wire_dtype("a tensor", t.dtype())?;
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
-
-/// What [`to_wire`] sent, back as a tensor of `dtype` and `dims` on `device`.
-pub(crate) fn from_wire(
-    values: &[f32],
-    dtype: DType,
-    dims: &[usize],
-    device: &Device,
-) -> Result<Tensor> {
-    Ok(Tensor::from_slice(values, dims, device)?.to_dtype(dtype)?)
-}
-
-/// `t`'s values appended to `out` as the bytes of its own dtype (native order): ZeRO's updated
-/// weights, which travel as the model holds them, bf16 in two bytes a value. [`from_bytes`]
-/// reads them back bit for bit.
+/// `t`'s values appended to `out` as the bytes of its own dtype (native order): what every
+/// tensor sent between ranks is, ZeRO's updated weights as the model holds them (bf16 in two
+/// bytes a value) and the gathered state. [`from_bytes`] reads them back bit for bit.
 pub(crate) fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
     let t = t.flatten_all()?.to_device(&Device::Cpu)?;
     match t.dtype() {
@@ -169,11 +166,7 @@ pub(crate) fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
             v.to_bits().to_ne_bytes()
         }),
         DType::U8 => out.extend(t.to_vec1::<u8>()?),
-        other => {
-            return Err(Error::Invalid(format!(
-                "a {other:?} weight cannot travel between ranks"
-            )))
-        }
+        other => return travels("a tensor", other),
     }
     Ok(())
 }
@@ -230,16 +223,22 @@ mod tests {
         Ok(())
     }
 
+    /// A gathered tensor travels in its own dtype's bytes, as long as the list says: 8-bit
+    /// codes in a byte a value, bf16 moments in two (not fp32's four), bit for bit.
     #[test]
-    fn the_wire_is_exact_for_weights_and_codes() -> Result<()> {
-        let t = Tensor::new(&[1.5f32, -3.25e-5, 7e30], &Device::Cpu)?;
-        for dt in [DType::F32, DType::BF16, DType::F16, DType::U8] {
-            let x = t.abs()?.clamp(0f32, 255f32)?.to_dtype(dt)?;
-            let back = from_wire(&to_wire(&x)?, dt, x.dims(), &Device::Cpu)?;
-            let (a, b) = (x.to_dtype(DType::F64)?, back.to_dtype(DType::F64)?);
-            assert_eq!(a.to_vec1::<f64>()?, b.to_vec1::<f64>()?);
+    fn a_gathered_tensor_is_its_own_bytes() -> Result<()> {
+        let v = Tensor::new(&[1.5f32, -3.25e-5, 7e30], &Device::Cpu)?;
+        for (t, bytes) in [
+            (Tensor::new(&[0u8, 9, 255, 4, 1], &Device::Cpu)?, 5),
+            (v.to_dtype(DType::BF16)?, 6),
+            (v.reshape((3, 1))?, 12),
+        ] {
+            let m = message(&t)?;
+            let entry = TensorEntry::of("exp_avg.0", &t);
+            assert_eq!((m.len(), message_len(&entry)), (bytes, bytes));
+            let back = from_bytes(&m, entry.dtype, &entry.shape, &Device::Cpu)?;
+            assert_eq!(message(&back)?, m);
         }
-        assert!(to_wire(&t.to_dtype(DType::F64)?).is_err());
         Ok(())
     }
 
