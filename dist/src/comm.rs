@@ -205,7 +205,10 @@ impl Comm {
     }
 
     /// Rank `from`'s [`Self::send`] into `buf`; a message of another length is taken and
-    /// dropped, and is an error.
+    /// dropped, and is an error. (Over MPI a buffer past its i32 count travels in pieces,
+    /// each checked: a sender longer than a receiver whose buffer ends exactly at a piece's
+    /// end leaves its further pieces queued, so both sides must agree on the length, as every
+    /// caller's list or header makes them.)
     pub fn recv<T: Element>(&self, buf: &mut [T], from: usize) -> Result<()> {
         self.check_peer("recv", from)?;
         match &self.inner {

@@ -587,16 +587,17 @@ fn plan_counts_the_rounds_in_segments_at_their_moments() {
     };
     assert_eq!(with(reduced(2, 0, 2)) - with(reduced(1, 0, 2)), 4 * 16);
     assert_eq!(sums(&reduced(2, 0, 2)), Some(4 * 28));
-    // Under ZeRO-1 the first micro-batch's bf16 gradients (56 bytes) or this rank's fp32 sums
-    // of its 14 values (56 bytes), not all 28 values' fp32 sums.
-    assert_eq!(sums(&reduced(2, 1, 2)), Some(2 * 28));
+    // Under ZeRO-1 the first micro-batch's bf16 gradients (56 bytes), or this rank's fp32 sums
+    // of its 14 values with the fp32 sums of the 12 values outside the segment formed at the
+    // last round (104 bytes), not all 28 values' fp32 sums (112).
+    assert_eq!(sums(&reduced(2, 1, 2)), Some(4 * 14 + 4 * 12));
     // One micro-batch on the CPU: the sums are counted where they have arrived. At the
-    // segment's round none has (no segment after it): its bucket (16 values) and the fp32
-    // copy of its largest bf16 tensor (10) beside its graph; after the backward all 28
-    // values' sums, with the rest's round, on no graph.
+    // segment's round its own (16 values, made while its bucket is held) beside its bucket
+    // (16) and the fp32 copy of its largest bf16 tensor (10), and its graph; after the backward
+    // all 28 values' sums, with the rest's round, on no graph.
     assert_eq!(
         with(reduced(2, 0, 1)) - with(reduced(1, 0, 1)),
-        4 * 16 + 4 * 10
+        4 * 16 + 4 * 16 + 4 * 10
     );
     let no_graph = |p: StatePlan| {
         p.with_activations("nothing", &ActivationProfile::default(), Strategy::Blocks)
@@ -610,11 +611,11 @@ fn plan_counts_the_rounds_in_segments_at_their_moments() {
         .rows
         .iter()
         .any(|r| r.component.contains("gradient sums")));
-    // Two segments: by the first one's round (the backward's last), the second one's 6 values'
-    // sums have arrived (24 bytes), beside the first one's graph (1,000) and round (bucket and
-    // copy of its 10 values, 80 bytes): 94 above the backward's peak of both graphs (1,010).
-    // (And the bf16 gradients at most at once are the outside's 12 values and the largest
-    // segment's 10, 6 fewer than all 28: 12 bytes less.)
+    // Two segments: by the first one's round (the backward's last), the sums of both
+    // segments' 16 values (64 bytes), beside the first one's graph (1,000) and round (bucket
+    // and copy of its 10 values, 80 bytes): 134 above the backward's peak of both graphs
+    // (1,010). (And the bf16 gradients at most at once are the outside's 12 values and the
+    // largest segment's 10, 6 fewer than all 28: 12 bytes less.)
     let two = Segments {
         inside: 16,
         largest: 10,
@@ -639,7 +640,7 @@ fn plan_counts_the_rounds_in_segments_at_their_moments() {
     };
     assert_eq!(
         in_two(2) - in_two(1),
-        1000 + 4 * 10 + 4 * 10 + 4 * 6 - 1010 - 2 * 6
+        1000 + 4 * 10 + 4 * 10 + 4 * 16 - 1010 - 2 * 6
     );
 }
 

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use ft_dist::Comm;
+use ft_kernels::host::with_slice;
 use ft_params::fs::TensorEntry;
 
 use crate::error::{Error, Result};
@@ -155,25 +156,33 @@ fn travels(name: &str, dtype: DType) -> Result<()> {
 /// tensor sent between ranks is, ZeRO's updated weights as the model holds them (bf16 in two
 /// bytes a value) and the gathered state. [`from_bytes`] reads them back bit for bit.
 pub(crate) fn append_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
-    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
-    match t.dtype() {
-        DType::F32 => extend(out, t.to_vec1::<f32>()?, f32::to_ne_bytes),
-        DType::F64 => extend(out, t.to_vec1::<f64>()?, f64::to_ne_bytes),
-        DType::BF16 => extend(out, t.to_vec1::<half::bf16>()?, |v| {
-            v.to_bits().to_ne_bytes()
+    travels("a tensor", t.dtype())?;
+    // Read where it lies (a host tensor in place, with no typed copy beside the message; a
+    // GPU one copied to the host first), laid out contiguously when it is a view.
+    let t = t.to_device(&Device::Cpu)?;
+    let t = match t.is_contiguous() {
+        true => t,
+        false => t.contiguous()?,
+    };
+    let read = match t.dtype() {
+        DType::F32 => with_slice(&t, |s: &[f32]| put(out, s, |v| v.to_ne_bytes())),
+        DType::F64 => with_slice(&t, |s: &[f64]| put(out, s, |v| v.to_ne_bytes())),
+        DType::BF16 => with_slice(&t, |s: &[half::bf16]| {
+            put(out, s, |v| v.to_bits().to_ne_bytes())
         }),
-        DType::F16 => extend(out, t.to_vec1::<half::f16>()?, |v| {
-            v.to_bits().to_ne_bytes()
+        DType::F16 => with_slice(&t, |s: &[half::f16]| {
+            put(out, s, |v| v.to_bits().to_ne_bytes())
         }),
-        DType::U8 => out.extend(t.to_vec1::<u8>()?),
-        other => return travels("a tensor", other),
-    }
-    Ok(())
+        DType::U8 => with_slice(&t, |s: &[u8]| out.extend_from_slice(s)),
+        _ => None,
+    };
+    read.ok_or_else(|| Error::Invalid("a tensor to send could not be read on the host".into()))
 }
 
-fn extend<T, const N: usize>(out: &mut Vec<u8>, values: Vec<T>, bytes: impl Fn(T) -> [u8; N]) {
+/// `values` appended to `out`, each as its `N` bytes.
+fn put<T: Copy, const N: usize>(out: &mut Vec<u8>, values: &[T], bytes: impl Fn(T) -> [u8; N]) {
     out.reserve(values.len() * N);
-    for v in values {
+    for &v in values {
         out.extend_from_slice(&bytes(v));
     }
 }
@@ -217,6 +226,11 @@ mod tests {
             assert_eq!((back.dtype(), back.dims()), (dt, &[5, 1][..]));
             assert_eq!(bits(&back)?, bits(&x)?, "{dt:?}");
         }
+        // A view is sent as its values in order, as its contiguous copy is.
+        let view = Tensor::arange(0f32, 6., &Device::Cpu)?
+            .reshape((2, 3))?
+            .t()?;
+        assert_eq!(bits(&view)?, bits(&view.contiguous()?)?);
         let codes = Tensor::new(&[0u8, 9, 255], &Device::Cpu)?;
         assert_eq!(bits(&codes)?, [0, 9, 255]);
         assert!(append_bytes(&codes.to_dtype(DType::I64)?, &mut Vec::new()).is_err());

@@ -250,7 +250,13 @@ impl StatePlan {
         }
         // Under the fused backward across ranks, each segment's moment holds its round, then
         // its step beside the sums (the rest's after the backward).
-        let largest_round = self.rounds.iter().map(|r| r.0).max().unwrap_or(0);
+        let largest_round = self
+            .rounds
+            .iter()
+            .map(|r| r.0)
+            .chain(self.round_moments.iter().copied())
+            .max()
+            .unwrap_or(0);
         if let Some(((rest_peak, rest_sums), own)) = self.rounds.split_last() {
             if step.segments.len() != own.len() {
                 step.segments = vec![0; own.len()];

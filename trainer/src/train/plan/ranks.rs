@@ -101,11 +101,18 @@ impl StatePlan {
         }
         self.formed = None;
         // Under ZeRO-1 the last micro-batch's sums go out as they form and only this rank's
-        // come back: with two micro-batches, the first one's gradients or this rank's sums.
+        // come back: with two micro-batches, the first one's gradients, or this rank's sums
+        // with, at the last round, the fp32 sums of every tensor outside the segments formed
+        // at once (`Offers::finish`).
         if accum == 2 && stage == 1 {
             let sizes = shapes.iter().map(|d| d.iter().product());
             let share = 4 * crate::update::zero::largest_share(&sizes.collect::<Vec<_>>(), world);
-            let bytes = (self.grad_size * self.params).max(share as u64);
+            let outside: u64 = s
+                .outside
+                .iter()
+                .map(|d| d.iter().product::<usize>() as u64)
+                .sum();
+            let bytes = (self.grad_size * self.params).max(share as u64 + 4 * outside);
             self.sums_held_as_the_first_gradients(
                 bytes,
                 "each widened to fp32 and sent, or this rank's sums over the ranks",
@@ -127,7 +134,8 @@ impl StatePlan {
             };
             let on_host = self.grad_rows.iter().any(|&i| self.rows[i].on_host);
             // On the CPU the sums are counted where they have arrived: at each segment's
-            // round, those of the segments after it; after the backward, all of them.
+            // round, those of the segments after it and its own (made while the round's bucket
+            // is still held, `Bucket::flush`); after the backward, all of them.
             if !self.gpu && !on_host {
                 self.arriving = 4 * values;
                 let own: Vec<u64> = s
@@ -138,9 +146,9 @@ impl StatePlan {
                 let mut after = 0u64;
                 let mut arrived = vec![0; own.len()];
                 for (a, v) in arrived.iter_mut().zip(&own).rev() {
+                    after += v;
                     *a =
                         (self.arriving as u128 * after as u128 / self.params.max(1) as u128) as u64;
-                    after += v;
                 }
                 self.arrived = arrived;
             } else {
@@ -248,9 +256,11 @@ impl StatePlan {
     /// (16 MiB, or the largest tensor where that is larger, never more than all of them), the
     /// fp32 copy of the tensor being added to it when what is summed is not fp32 (summed
     /// through host memory) or of the whole bucket (summed on the GPUs, `on_gpus`), and with
-    /// one micro-batch a step and gradients narrower than fp32, the fp32 sums' excess over the
-    /// gradients they replace (every parameter's, or under ZeRO-2 on the CPU this rank's
-    /// share; under ZeRO-2 on a GPU [`Self::per_rank`] holds the sums). On the training device
+    /// one micro-batch a step (under ZeRO-2, each micro-batch) of gradients narrower than fp32,
+    /// the fp32 sums' excess over the gradients they replace (every parameter's, or under ZeRO
+    /// this rank's share; under ZeRO-2 on a GPU [`Self::per_rank`] holds the sums). Summed a
+    /// segment at a time, each round at its segment's moment of the backward (and with one
+    /// micro-batch on the CPU, the sums arrived by then). On the training device
     /// unless `through_host` (a GPU run whose sums go through host memory: a host row). Not
     /// under the fused backward, whose rounds [`Self::rounds_under_fused_backward`] counts.
     pub fn with_sums_in_flight(

@@ -40,10 +40,12 @@ impl StatePlan {
     /// second's backward, and the fp32 sums formed after it take the place of both (bf16's 2
     /// bytes a value twice are the fp32 sum's 4; fp32's 8 become 4). Counted as fp32 sums
     /// beside the gradients, the medium T5 of `scripts/ranks-peaks.sh` (`NP=1`) in bf16 was
-    /// planned 9.4% above its peak. (Not where the sums are on the host and the gradients on
-    /// the GPU: the host then holds the first one's and the second's at once.)
+    /// planned 9.4% above its peak. (Not where the sums are on the host of a GPU run: the host
+    /// then holds the first one's gradients and the second's at once.)
     pub fn added_after_backward(mut self) -> Self {
-        let beside = self.sums_row.is_some_and(|i| !self.rows[i].on_host);
+        let beside = self
+            .sums_row
+            .is_some_and(|i| !self.gpu || !self.rows[i].on_host);
         if self.accum == 2 && !self.fused && beside {
             let bytes = self.grad_size * self.params;
             self.sums_held_as_the_first_gradients(bytes, "all widened to fp32 after it");
