@@ -127,3 +127,43 @@ fn adamw_with_bf16_gradients_allocates_no_f32_copy() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Under ZeRO the step frees its spent sums before the owners' updated weights travel
+/// (`MixedOptimizer::step`, `Zero::share_updates`): the message, the weights' bytes, never
+/// stands beside the fp32 sums. One rank under ZeRO-1 owns every parameter and lays out the
+/// whole model's message, as an owner does; an fp32 model updated in place, so the message
+/// (4 bytes a value) would lift the step's peak by itself beside the sums.
+#[test]
+fn a_zero_step_sends_its_weights_after_its_sums_are_gone() -> anyhow::Result<()> {
+    use ft_trainer::optim::AdamWConfig;
+    use ft_trainer::update::{MixedOptimizer, Precision, StatePlacement};
+    let n = 1usize << 20;
+    alone(&ONE_AT_A_TIME, || {
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, n, &Device::Cpu)?)?;
+        let mut opt = MixedOptimizer::adamw(
+            vec![("w".to_string(), w)],
+            Precision::for_dtype(candle_core::DType::F32),
+            StatePlacement::WithModel,
+            AdamWConfig::default(),
+            None,
+        )?;
+        let comm = std::rc::Rc::new(ft_dist::Comm::solo());
+        opt.shard(1, comm.clone())?;
+        let sums = || -> anyhow::Result<Vec<Option<Tensor>>> {
+            Ok(vec![Some(Tensor::randn(0f32, 1.0, n, &Device::Cpu)?)])
+        };
+        // The first step makes the state; the second is measured.
+        let g = opt.reduce_gradients(&comm, sums()?, &Device::Cpu)?;
+        opt.step(g, 1e-3)?;
+        let g = opt.reduce_gradients(&comm, sums()?, &Device::Cpu)?;
+        let before = alloc::reset_peak();
+        opt.step(g, 1e-3)?;
+        let above = alloc::peak_bytes() - before;
+        assert!(
+            above < n,
+            "the step rose {above} bytes above its start; the message alone is {} bytes",
+            4 * n
+        );
+        Ok(())
+    })
+}

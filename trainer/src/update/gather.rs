@@ -129,9 +129,14 @@ pub(crate) fn name_key(name: &str) -> (&str, usize, &str) {
     }
 }
 
+/// The bytes of `t`'s values in its own dtype: the length of what [`append_bytes`] appends.
+pub(crate) fn byte_len(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 /// What a rank sends of tensor `t`: its values in its own dtype's bytes.
 fn message(t: &Tensor) -> Result<Vec<u8>> {
-    let mut bytes = Vec::with_capacity(t.elem_count() * t.dtype().size_in_bytes());
+    let mut bytes = Vec::with_capacity(byte_len(t));
     append_bytes(t, &mut bytes)?;
     Ok(bytes)
 }

@@ -33,7 +33,7 @@ use std::rc::Rc;
 use candle_core::{Device, Tensor, Var};
 use ft_dist::Comm;
 
-use super::gather::{append_bytes, from_bytes};
+use super::gather::{append_bytes, byte_len, from_bytes};
 use super::norm::sum_of_squares_each;
 use super::reduce::{all_reduce_gradients, reduce_gradients_to_owners, BUCKET};
 use crate::error::{Error, Result};
@@ -231,7 +231,7 @@ impl Zero {
             }
         }
         let me = self.comm.rank();
-        let bytes = |i: usize| self.sizes[i] * model[i].dtype().size_in_bytes();
+        let bytes = |i: usize| byte_len(model[i].as_tensor());
         for root in 0..self.comm.world() {
             let members: Vec<usize> = (0..self.sizes.len())
                 .filter(|&i| self.present[i] && self.owner[i] == root)
@@ -273,8 +273,8 @@ impl Zero {
 fn message(model: &[Var], chunk: &[usize]) -> Result<Vec<u8>> {
     // Its whole length at once: grown by doubling, the buffer would reach up to twice that,
     // with the old one beside it while it moves.
-    let bytes = |i: usize| model[i].elem_count() * model[i].dtype().size_in_bytes();
-    let mut buf = Vec::with_capacity(chunk.iter().map(|&i| bytes(i)).sum());
+    let len = chunk.iter().map(|&i| byte_len(model[i].as_tensor())).sum();
+    let mut buf = Vec::with_capacity(len);
     for &i in chunk {
         append_bytes(model[i].as_tensor(), &mut buf)?;
     }
@@ -286,7 +286,7 @@ fn write_message(model: &[Var], chunk: &[usize], buf: &[u8]) -> Result<()> {
     let mut at = 0;
     for &i in chunk {
         let w = &model[i];
-        let n = w.elem_count() * w.dtype().size_in_bytes();
+        let n = byte_len(w.as_tensor());
         let values = buf
             .get(at..at + n)
             .ok_or_else(|| Error::Invalid(format!("weight {i}: the owner's message is short")))?;

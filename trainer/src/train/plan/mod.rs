@@ -89,16 +89,16 @@ pub struct StatePlan {
     /// The most values one round of a backward that sums each segment's gradients over the
     /// ranks carries ([`StatePlan::reduced_by_segment`]): its bucket's bound.
     round_values: Option<u64>,
-    /// In such a backward, each segment's round: its bucket's values and its largest tensor's
-    /// ([`StatePlan::reduced_by_segment`]), then what the round holds at that segment's moment
-    /// of the backward ([`StatePlan::with_sums_in_flight`]).
-    segment_rounds: Vec<(u64, u64)>,
+    /// In such a backward, each segment's round: its bucket's values, its largest tensor's and
+    /// the bytes of the sums arrived by then ([`StatePlan::reduced_by_segment`]), then what the
+    /// round holds at that segment's moment of the backward
+    /// ([`StatePlan::with_sums_in_flight`]).
+    segment_rounds: Vec<(u64, u64, u64)>,
     round_moments: Vec<u64>,
     /// With one micro-batch a step on the CPU, the fp32 sums over the ranks that reach this
-    /// rank in such a backward, and per segment those arrived by its round: counted at the
-    /// moments they are there rather than as a row held all along.
+    /// rank in such a backward: counted at the moments they are there (`segment_rounds`, and
+    /// all of them after the backward) rather than as a row held all along.
     arriving: u64,
-    arrived: Vec<u64>,
     /// Under the fused backward across ranks, each segment's round on the training device and
     /// the rest's, last ([`StatePlan::rounds_under_fused_backward`]): its peak, and the sums
     /// its step reads beside its own temporaries.
@@ -200,7 +200,6 @@ pub fn state_plan(
         segment_rounds: Vec::new(),
         round_moments: Vec::new(),
         arriving: 0,
-        arrived: Vec::new(),
         rounds: Vec::new(),
     }
 }

@@ -133,24 +133,10 @@ impl StatePlan {
                 (self.params, "every parameter")
             };
             let on_host = self.grad_rows.iter().any(|&i| self.rows[i].on_host);
-            // On the CPU the sums are counted where they have arrived: at each segment's
-            // round, those of the segments after it and its own (made while the round's bucket
-            // is still held, `Bucket::flush`); after the backward, all of them.
+            // On the CPU the sums are counted where they have arrived (`arrived` below); after
+            // the backward, all of them.
             if !self.gpu && !on_host {
                 self.arriving = 4 * values;
-                let own: Vec<u64> = s
-                    .own
-                    .iter()
-                    .map(|o| o.iter().map(|d| d.iter().product::<usize>() as u64).sum())
-                    .collect();
-                let mut after = 0u64;
-                let mut arrived = vec![0; own.len()];
-                for (a, v) in arrived.iter_mut().zip(&own).rev() {
-                    after += v;
-                    *a =
-                        (self.arriving as u128 * after as u128 / self.params.max(1) as u128) as u64;
-                }
-                self.arrived = arrived;
             } else {
                 self.rows.push(PlanRow {
                     component: format!(
@@ -176,14 +162,28 @@ impl StatePlan {
         };
         // Each round comes at its segment's moment, on top of the graphs still held: with
         // several micro-batches a step, of the step's sums held from the backward's start;
-        // with one on the CPU, of the sums arrived so far. (On a GPU with one, a row counts
+        // with one on the CPU, of the sums arrived so far, those of the segments after it and
+        // its own (made while the round's bucket is still held, `Bucket::flush`), this rank's
+        // part of them taken in proportion to their values. (On a GPU with one, a row counts
         // the sums whole all along, and the rounds after the backward alone.)
-        if accum > 1 || !self.arrived.is_empty() {
-            self.segment_rounds = s
+        if accum > 1 || self.arriving > 0 {
+            let own = |o: &[Vec<usize>]| -> u64 {
+                o.iter().map(|d| d.iter().product::<usize>() as u64).sum()
+            };
+            let mut after = 0u64;
+            let mut rounds: Vec<(u64, u64, u64)> = s
                 .own
                 .iter()
-                .map(|own| (values(own), largest(own)))
+                .rev()
+                .map(|o| {
+                    after += own(o);
+                    let arrived =
+                        self.arriving as u128 * after as u128 / self.params.max(1) as u128;
+                    (values(o), largest(o), arrived as u64)
+                })
                 .collect();
+            rounds.reverse();
+            self.segment_rounds = rounds;
         }
         self
     }
@@ -307,12 +307,10 @@ impl StatePlan {
         // medium T5 of `scripts/ranks-peaks.sh` in bf16, with two micro-batches a step, was
         // planned 5-6% under its peak when they were counted after the backward alone).
         if !through_host {
-            let arrived = |i: usize| self.arrived.get(i).copied().unwrap_or(0);
             self.round_moments = self
                 .segment_rounds
                 .iter()
-                .enumerate()
-                .map(|(i, &(v, l))| bucket_bytes(v, l, narrow, on_gpus) + arrived(i))
+                .map(|&(v, l, arrived)| bucket_bytes(v, l, narrow, on_gpus) + arrived)
                 .collect();
         }
         if through_host {
